@@ -1,0 +1,285 @@
+#include "common/validation.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <sstream>
+#include <string>
+
+#include "common/supported.h"
+
+namespace pagedkv {
+namespace {
+
+template <size_t N>
+std::string join(const std::array<int64_t, N>& set) {
+  std::ostringstream s;
+  for (size_t i = 0; i < N; ++i) s << (i ? ", " : "") << set[i];
+  return s.str();
+}
+
+bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_int_tensor(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
+                      int64_t dim) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is required");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but key_cache is on ",
+              ref.device(), "; all inputs must be on one device");
+}
+
+// The attention kernels require the last dim of query/out to be dense and the
+// head dim to be the next one; any leading stride is allowed.
+void check_token_head_layout(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.stride(2) == 1, op, ": ", name, " must have a contiguous last dim, got strides ", t.strides());
+  TORCH_CHECK(t.stride(1) == t.size(2), op, ": ", name, " must have dense [num_heads, head_size] rows, got strides ",
+              t.strides());
+}
+
+// Reads int32 values on the CPU, or copies them once from the device.
+at::Tensor host_copy(const at::Tensor& t) { return t.is_cpu() ? t : t.to(at::kCPU); }
+
+}  // namespace
+
+bool device_index_checks_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("PAGEDKV_SKIP_INDEX_CHECKS");
+    return !(v && std::string(v) == "1");
+  }();
+  return enabled;
+}
+
+CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op) {
+  TORCH_CHECK(key_cache.defined() && value_cache.defined(), op, ": key_cache and value_cache are required");
+  TORCH_CHECK(key_cache.dim() == 4, op,
+              ": key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size], got shape ",
+              key_cache.sizes());
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": value_cache shape ", value_cache.sizes(),
+              " differs from key_cache shape ", key_cache.sizes());
+  TORCH_CHECK(is_supported_dtype(key_cache.scalar_type()), op, ": key_cache dtype ", key_cache.scalar_type(),
+              " is not supported; supported: ", kSupportedDtypes);
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache dtype ",
+              value_cache.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
+  check_same_device(op, "value_cache", value_cache, key_cache);
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+              ": key_cache and value_cache must be contiguous");
+  CacheDims d{key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3)};
+  TORCH_CHECK(is_one_of(d.block_size, kSupportedBlockSizes), op, ": block_size ", d.block_size,
+              " is not supported; supported block sizes: ", join(kSupportedBlockSizes));
+  TORCH_CHECK(is_one_of(d.head_size, kSupportedHeadSizes), op, ": head_size ", d.head_size,
+              " is not supported; supported head sizes: ", join(kSupportedHeadSizes));
+  TORCH_CHECK(d.num_kv_heads > 0, op, ": num_kv_heads must be positive, got ", d.num_kv_heads);
+  return d;
+}
+
+static AttentionDims check_attention_common(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
+                                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                            const at::Tensor& seq_lens) {
+  CacheDims c = check_kv_cache(key_cache, value_cache, op);
+  TORCH_CHECK(query.defined(), op, ": query is required");
+  TORCH_CHECK(query.dim() == 3, op, ": query must be 3-D [tokens, num_heads, head_size], got shape ",
+              query.sizes());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), op, ": query dtype ", query.scalar_type(),
+              " differs from key_cache dtype ", key_cache.scalar_type());
+  check_same_device(op, "query", query, key_cache);
+  check_token_head_layout(op, "query", query);
+  TORCH_CHECK(query.size(2) == c.head_size, op, ": query head_size ", query.size(2),
+              " differs from the cache head_size ", c.head_size);
+  const int64_t num_heads = query.size(1);
+  TORCH_CHECK(num_heads > 0 && num_heads % c.num_kv_heads == 0, op, ": num_heads (", num_heads,
+              ") must be a positive multiple of num_kv_heads (", c.num_kv_heads, ")");
+  check_int_tensor(op, "block_tables", block_tables, at::kInt, 2);
+  check_int_tensor(op, "seq_lens", seq_lens, at::kInt, 1);
+  check_same_device(op, "block_tables", block_tables, key_cache);
+  check_same_device(op, "seq_lens", seq_lens, key_cache);
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, op, ": block_tables has ", block_tables.size(0),
+              " rows but seq_lens has ", num_seqs, " entries");
+  return AttentionDims{num_seqs, num_heads, c.num_kv_heads, c.head_size, c.block_size, c.num_blocks,
+                       block_tables.size(1)};
+}
+
+static void check_out(const char* op, const at::Tensor& out, const at::Tensor& query) {
+  if (!out.defined()) return;
+  TORCH_CHECK(out.sizes() == query.sizes(), op, ": out shape ", out.sizes(), " must equal query shape ",
+              query.sizes());
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out dtype ", out.scalar_type(),
+              " differs from query dtype ", query.scalar_type());
+  TORCH_CHECK(out.device() == query.device(), op, ": out is on ", out.device(), ", query on ", query.device());
+  check_token_head_layout(op, "out", out);
+}
+
+AttentionDims check_decode_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
+  AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK(query.size(0) == d.num_seqs, op, ": decode takes one query token per sequence: query has ",
+              query.size(0), " tokens but seq_lens has ", d.num_seqs, " sequences");
+  check_out(op, out, query);
+  TORCH_CHECK(max_seq_len >= 0, op, ": max_seq_len must be >= 0, got ", max_seq_len);
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    const at::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(a.scalar_type() == at::kFloat, op, ": alibi_slopes must be float32, got ", a.scalar_type());
+    TORCH_CHECK(a.dim() == 1 && a.size(0) == d.num_heads, op, ": alibi_slopes must be [num_heads=", d.num_heads,
+                "], got shape ", a.sizes());
+    TORCH_CHECK(a.is_contiguous(), op, ": alibi_slopes must be contiguous");
+    check_same_device(op, "alibi_slopes", a, key_cache);
+  }
+  check_block_table_values(op, d, block_tables, seq_lens, max_seq_len);
+  return d;
+}
+
+void check_v2_scratch(const char* op, const AttentionDims& d, const at::Tensor& query, const at::Tensor& exp_sums,
+                      const at::Tensor& max_logits, const at::Tensor& tmp_out, int64_t max_seq_len,
+                      int64_t partition_size) {
+  TORCH_CHECK(is_one_of(partition_size, kSupportedPartitionSizes), op, ": partition_size ", partition_size,
+              " is not supported; supported: ", join(kSupportedPartitionSizes));
+  const int64_t needed = (max_seq_len + partition_size - 1) / partition_size;
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"exp_sums", exp_sums},
+                                std::pair<const char*, const at::Tensor&>{"max_logits", max_logits}}) {
+    TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat, op, ": ", name, " must be float32");
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == d.num_seqs && t.size(1) == d.num_heads && t.size(2) >= needed, op,
+                ": ", name, " must be [num_seqs=", d.num_seqs, ", num_heads=", d.num_heads,
+                ", partitions>=", needed, "], got shape ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+    TORCH_CHECK(t.device() == query.device(), op, ": ", name, " is on ", t.device(), ", query on ", query.device());
+  }
+  TORCH_CHECK(exp_sums.sizes() == max_logits.sizes(), op, ": exp_sums shape ", exp_sums.sizes(),
+              " differs from max_logits shape ", max_logits.sizes());
+  TORCH_CHECK(tmp_out.defined() && tmp_out.scalar_type() == query.scalar_type(), op,
+              ": tmp_out must have the query dtype ", query.scalar_type());
+  TORCH_CHECK(tmp_out.dim() == 4 && tmp_out.size(0) == d.num_seqs && tmp_out.size(1) == d.num_heads &&
+                  tmp_out.size(2) == exp_sums.size(2) && tmp_out.size(3) == d.head_size,
+              op, ": tmp_out must be [num_seqs, num_heads, ", exp_sums.size(2), ", head_size=", d.head_size,
+              "], got shape ", tmp_out.sizes());
+  TORCH_CHECK(tmp_out.is_contiguous(), op, ": tmp_out must be contiguous");
+  TORCH_CHECK(tmp_out.device() == query.device(), op, ": tmp_out is on ", tmp_out.device(), ", query on ",
+              query.device());
+}
+
+PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                 const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len) {
+  AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens);
+  check_out(op, out, query);
+  check_int_tensor(op, "query_start_loc", query_start_loc, at::kInt, 1);
+  check_same_device(op, "query_start_loc", query_start_loc, key_cache);
+  TORCH_CHECK(query_start_loc.size(0) == d.num_seqs + 1, op, ": query_start_loc must have num_seqs+1=",
+              d.num_seqs + 1, " entries, got ", query_start_loc.size(0));
+  TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, op, ": max_query_len and max_seq_len must be >= 0, got ",
+              max_query_len, " and ", max_seq_len);
+  PrefillDims p{d, query.size(0)};
+  check_block_table_values(op, d, block_tables, seq_lens, max_seq_len);
+  check_query_start_loc_values(op, p, query_start_loc, seq_lens, max_query_len);
+  return p;
+}
+
+void check_block_table_values(const char* op, const AttentionDims& d, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, int64_t max_seq_len) {
+  if (!block_tables.is_cpu() && !device_index_checks_enabled()) return;
+  const at::Tensor lens_t = host_copy(seq_lens);
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  const int64_t table_capacity = d.max_blocks_per_seq * d.block_size;
+  for (int64_t s = 0; s < d.num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 0, op, ": seq_lens[", s, "] = ", lens[s], " is negative");
+    TORCH_CHECK(lens[s] <= max_seq_len, op, ": seq_lens[", s, "] = ", lens[s], " exceeds max_seq_len = ",
+                max_seq_len);
+    TORCH_CHECK(lens[s] <= table_capacity, op, ": seq_lens[", s, "] = ", lens[s],
+                " needs more blocks than block_tables holds (", d.max_blocks_per_seq, " blocks x block_size ",
+                d.block_size, " = ", table_capacity, " tokens)");
+  }
+  if (block_tables.is_cpu()) {
+    const int32_t* table = block_tables.data_ptr<int32_t>();
+    for (int64_t s = 0; s < d.num_seqs; ++s) {
+      const int64_t used = (lens[s] + d.block_size - 1) / d.block_size;
+      const int32_t* row = table + s * d.max_blocks_per_seq;
+      for (int64_t b = 0; b < used; ++b) {
+        TORCH_CHECK(row[b] >= 0 && row[b] < d.num_blocks, op, ": block_tables[", s, "][", b, "] = ", row[b],
+                    " is outside the cache (num_blocks = ", d.num_blocks, ")");
+      }
+    }
+    return;
+  }
+  // Device tables: one masked reduction, one sync.
+  const auto used = (seq_lens.to(at::kLong) + (d.block_size - 1)).div(d.block_size, "floor");
+  const auto cols = at::arange(d.max_blocks_per_seq, block_tables.options().dtype(at::kLong));
+  const auto in_use = cols.unsqueeze(0) < used.unsqueeze(1);
+  const auto bad = in_use & ((block_tables < 0) | (block_tables >= d.num_blocks));
+  if (bad.any().item<bool>()) {
+    const auto idx = bad.nonzero().select(0, 0).to(at::kCPU);
+    const int64_t s = idx[0].item<int64_t>(), b = idx[1].item<int64_t>();
+    TORCH_CHECK(false, op, ": block_tables[", s, "][", b, "] = ", block_tables[s][b].item<int32_t>(),
+                " is outside the cache (num_blocks = ", d.num_blocks, ")");
+  }
+}
+
+void check_query_start_loc_values(const char* op, const PrefillDims& p, const at::Tensor& query_start_loc,
+                                  const at::Tensor& seq_lens, int64_t max_query_len) {
+  if (!query_start_loc.is_cpu() && !device_index_checks_enabled()) return;
+  const at::Tensor qsl_t = host_copy(query_start_loc);
+  const at::Tensor lens_t = host_copy(seq_lens);
+  const int32_t* qsl = qsl_t.data_ptr<int32_t>();
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0, op, ": query_start_loc[0] must be 0, got ", qsl[0]);
+  TORCH_CHECK(qsl[p.attn.num_seqs] == p.num_tokens, op, ": query_start_loc[-1] = ", qsl[p.attn.num_seqs],
+              " must equal the number of query tokens ", p.num_tokens);
+  for (int64_t s = 0; s < p.attn.num_seqs; ++s) {
+    const int64_t q_len = int64_t(qsl[s + 1]) - qsl[s];
+    TORCH_CHECK(q_len >= 0, op, ": query_start_loc must be non-decreasing, got ", qsl[s], " then ", qsl[s + 1]);
+    TORCH_CHECK(q_len <= max_query_len, op, ": sequence ", s, " has ", q_len, " query tokens, more than max_query_len = ",
+                max_query_len);
+    TORCH_CHECK(q_len <= lens[s], op, ": sequence ", s, " has ", q_len, " query tokens but seq_lens[", s, "] = ",
+                lens[s], "; seq_lens counts the new tokens too");
+  }
+}
+
+void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t num_tokens, const CacheDims& c) {
+  check_int_tensor(op, "slot_mapping", slot_mapping, at::kLong, 1);
+  TORCH_CHECK(slot_mapping.size(0) == num_tokens, op, ": slot_mapping has ", slot_mapping.size(0),
+              " entries but key has ", num_tokens, " tokens");
+  if (!slot_mapping.is_cpu() && !device_index_checks_enabled()) return;
+  const int64_t num_slots = c.num_blocks * c.block_size;
+  if (slot_mapping.is_cpu()) {
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      TORCH_CHECK(slots[i] < num_slots, op, ": slot_mapping[", i, "] = ", slots[i],
+                  " is outside the cache (num_blocks * block_size = ", num_slots, ")");
+    }
+    return;
+  }
+  if (num_tokens == 0) return;
+  const int64_t max_slot = slot_mapping.max().item<int64_t>();
+  TORCH_CHECK(max_slot < num_slots, op, ": slot_mapping holds slot ", max_slot,
+              ", outside the cache (num_blocks * block_size = ", num_slots, ")");
+}
+
+void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_t num_src_blocks,
+                         int64_t num_dst_blocks) {
+  TORCH_CHECK(block_mapping.defined(), op, ": block_mapping is required");
+  TORCH_CHECK(block_mapping.scalar_type() == at::kLong, op, ": block_mapping must be int64, got ",
+              block_mapping.scalar_type());
+  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2, op,
+              ": block_mapping must be [num_pairs, 2] (src, dst), got shape ", block_mapping.sizes());
+  if (!block_mapping.is_cpu() && !device_index_checks_enabled()) return;
+  const at::Tensor m = host_copy(block_mapping).contiguous();
+  const int64_t* pairs = m.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m.size(0); ++i) {
+    TORCH_CHECK(pairs[2 * i] >= 0 && pairs[2 * i] < num_src_blocks, op, ": block_mapping[", i, "] source block ",
+                pairs[2 * i], " is outside the source cache (", num_src_blocks, " blocks)");
+    TORCH_CHECK(pairs[2 * i + 1] >= 0 && pairs[2 * i + 1] < num_dst_blocks, op, ": block_mapping[", i,
+                "] destination block ", pairs[2 * i + 1], " is outside the destination cache (", num_dst_blocks,
+                " blocks)");
+  }
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,80 @@
+// Input checks shared by the CPU and CUDA implementations of every op.
+// Each failure is a TORCH_CHECK naming the op, what was expected and what was
+// given, so bad input surfaces as a Python exception, never as a crash or as
+// silently wrong output.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace pagedkv {
+
+struct CacheDims {
+  int64_t num_blocks;
+  int64_t block_size;
+  int64_t num_kv_heads;
+  int64_t head_size;
+};
+
+struct AttentionDims {
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t num_blocks;
+  int64_t max_blocks_per_seq;
+};
+
+struct PrefillDims {
+  AttentionDims attn;  // num_seqs from seq_lens
+  int64_t num_tokens;  // query.size(0)
+};
+
+// key_cache/value_cache: 4-D [num_blocks, block_size, num_kv_heads, head_size],
+// identical shape, dtype and device, contiguous, supported dtype/sizes.
+CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op);
+
+// Decode inputs (v1/v2/paged_attention). `out` may be undefined (allocating op).
+AttentionDims check_decode_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes);
+
+// v2 scratch: exp_sums/max_logits fp32 [num_seqs, num_heads, P], tmp_out
+// [num_seqs, num_heads, P, head_size] in the query dtype, P >= ceil(max_seq_len / partition_size).
+void check_v2_scratch(const char* op, const AttentionDims& dims, const at::Tensor& query,
+                      const at::Tensor& exp_sums, const at::Tensor& max_logits, const at::Tensor& tmp_out,
+                      int64_t max_seq_len, int64_t partition_size);
+
+PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                 const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len);
+
+// Value checks: every seq_len in [0, max_seq_len] and within the block table,
+// every block id a sequence uses in [0, num_blocks). Reads the tensors: free on
+// the CPU, one device->host sync on CUDA (skippable, see index_checks_enabled).
+void check_block_table_values(const char* op, const AttentionDims& dims, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, int64_t max_seq_len);
+
+// query_start_loc: starts at 0, non-decreasing, ends at num_tokens; each
+// q_len <= max_query_len and <= its seq_len.
+void check_query_start_loc_values(const char* op, const PrefillDims& dims, const at::Tensor& query_start_loc,
+                                  const at::Tensor& seq_lens, int64_t max_query_len);
+
+// slot_mapping: every slot < num_blocks * block_size (negative = skip).
+void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t num_tokens,
+                        const CacheDims& cache);
+
+// block_mapping int64 [n, 2] of (src, dst) block ids, src < num_src_blocks, dst < num_dst_blocks.
+void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_t num_src_blocks,
+                         int64_t num_dst_blocks);
+
+// Value checks that need a device->host copy on CUDA are on by default; set
+// PAGEDKV_SKIP_INDEX_CHECKS=1 to drop them in production (CUDA kernels still never
+// read outside the cache: out-of-range ids are skipped there).
+bool device_index_checks_enabled();
+
+}  // namespace pagedkv

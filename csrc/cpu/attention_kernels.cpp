@@ -1,0 +1,1 @@
+// PLACEHOLDER: per-ISA CPU attention kernels.

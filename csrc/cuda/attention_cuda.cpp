@@ -1,0 +1,3 @@
+// PLACEHOLDER (being replaced by the CUDA work)
+#include <torch/library.h>
+#include "ops.h"

@@ -1,0 +1,83 @@
+// Every op's C++ declaration, in one place. Schemas live in torch_bindings.cpp;
+// Python wrappers with docstrings live in python/pagedkv/ops.py.
+//
+// Cache layout (per layer): key_cache and value_cache are each
+//   [num_blocks, block_size, num_kv_heads, head_size], contiguous.
+// block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs];
+// slot_mapping int64 [num_tokens], slot = block_id * block_size + offset,
+// a negative slot means "skip this token" (padding).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace pagedkv {
+
+// ---- CPU implementations (csrc/cpu/) ---------------------------------------
+void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                            const std::optional<at::Tensor>& alibi_slopes);
+
+void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
+                            at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size);
+
+void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                 double scale, int64_t max_query_len, int64_t max_seq_len);
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
+                     const at::Tensor& block_mapping);
+
+void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+
+// ---- Device-generic -------------------------------------------------------------
+// Allocates the output (and v2 scratch) and picks v1 or v2 (paged_attention_select.cpp).
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, std::optional<int64_t> max_seq_len,
+                           const std::optional<at::Tensor>& alibi_slopes);
+
+// True when the split-K v2 kernel should be used for this shape on this device.
+bool should_use_v2(bool is_cuda, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t max_seq_len, int64_t partition_size);
+
+// ---- CUDA implementations (csrc/cuda/, built when PAGEDKV_WITH_CUDA) -------
+#ifdef PAGEDKV_WITH_CUDA
+void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                             const std::optional<at::Tensor>& alibi_slopes);
+
+void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
+                             at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                             const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size);
+
+void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                  double scale, int64_t max_query_len, int64_t max_seq_len);
+
+void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
+                      const at::Tensor& block_mapping);
+
+// Handles GPU->GPU, GPU->CPU and CPU->GPU (the dispatcher routes here whenever
+// either side is a CUDA tensor).
+void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+#endif
+
+}  // namespace pagedkv

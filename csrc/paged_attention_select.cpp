@@ -1,0 +1,68 @@
+// The allocating paged_attention op: sizes the output and v2 scratch and picks
+// v1 (one pass per sequence) or v2 (split-K over partitions + reduce).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "common/supported.h"
+#include "ops.h"
+
+namespace pagedkv {
+
+// The rule, measured by bench/bench_kernels.py --v1-vs-v2 (results in
+// bench/results/): v2 pays when there is too little (sequence, head) work to
+// fill the machine and each sequence is long enough to split.
+//  - CUDA: v1 launches one CTA per (sequence, kv head); an H200 has 132 SMs,
+//    so below ~4 CTAs per SM v2's extra parallelism wins once a sequence spans
+//    more than one partition (the same shape of rule vLLM uses).
+//  - CPU: v1 parallelizes over (sequence, kv head); with fewer of those than
+//    threads, v2 splits each long sequence across threads.
+bool should_use_v2(bool is_cuda, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_seq_len,
+                   int64_t partition_size) {
+  const int64_t num_partitions = (max_seq_len + partition_size - 1) / partition_size;
+  if (num_partitions <= 1) return false;
+  if (is_cuda) {
+    return max_seq_len > 8192 || num_seqs * num_kv_heads < 4 * 132;
+  }
+  const int64_t threads = at::get_num_threads();
+  return num_seqs * num_kv_heads < 2 * threads;
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                           std::optional<int64_t> max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
+  TORCH_CHECK(query.defined() && query.dim() == 3, "paged_attention: query must be 3-D [num_seqs, num_heads, head_size]");
+  TORCH_CHECK(key_cache.defined() && key_cache.dim() == 4,
+              "paged_attention: key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(seq_lens.defined() && seq_lens.dim() == 1, "paged_attention: seq_lens must be 1-D [num_seqs]");
+  const int64_t max_len = max_seq_len.has_value() ? *max_seq_len
+                          : seq_lens.numel() == 0 ? 0
+                                                  : seq_lens.max().item<int64_t>();
+  at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t partition_size = kDefaultPartitionSize;
+  if (!should_use_v2(query.is_cuda(), num_seqs, num_heads, key_cache.size(2), max_len, partition_size)) {
+    static auto v1 = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("pagedkv::paged_attention_v1", "")
+                         .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&, double, int64_t,
+                                     const std::optional<at::Tensor>&)>();
+    v1.call(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_len, alibi_slopes);
+    return out;
+  }
+  const int64_t num_partitions = (max_len + partition_size - 1) / partition_size;
+  auto f32 = query.options().dtype(at::kFloat);
+  at::Tensor exp_sums = at::empty({num_seqs, num_heads, num_partitions}, f32);
+  at::Tensor max_logits = at::empty({num_seqs, num_heads, num_partitions}, f32);
+  at::Tensor tmp_out = at::empty({num_seqs, num_heads, num_partitions, head_size}, query.options());
+  static auto v2 = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pagedkv::paged_attention_v2", "")
+                       .typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   double, int64_t, const std::optional<at::Tensor>&, int64_t)>();
+  v2.call(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_len,
+          alibi_slopes, partition_size);
+  return out;
+}
+
+}  // namespace pagedkv

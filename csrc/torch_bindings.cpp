@@ -1,0 +1,57 @@
+// Op schemas (schema-first, with mutation annotations) and the CPU
+// implementations. CUDA implementations register in csrc/cuda/.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(pagedkv, m) {
+  m.def(
+      "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale, int max_seq_len, Tensor? alibi_slopes=None) -> ()");
+  m.def(
+      "paged_attention_v2(Tensor(a!) out, Tensor(b!) exp_sums, Tensor(c!) max_logits, Tensor(d!) tmp_out, "
+      "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+      "int max_seq_len, Tensor? alibi_slopes=None, int partition_size=512) -> ()");
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int? max_seq_len=None, Tensor? alibi_slopes=None) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, int max_query_len, "
+      "int max_seq_len) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("paged_attention_v1", &pagedkv::paged_attention_v1_cpu);
+  m.impl("paged_attention_v2", &pagedkv::paged_attention_v2_cpu);
+  m.impl("paged_prefill_attention", &pagedkv::paged_prefill_attention_cpu);
+  m.impl("reshape_and_cache", &pagedkv::reshape_and_cache_cpu);
+  m.impl("copy_blocks", &pagedkv::copy_blocks_cpu);
+  m.impl("swap_blocks", &pagedkv::swap_blocks_cpu);
+}
+
+// paged_attention only allocates and calls v1/v2 through the dispatcher, so one
+// kernel serves every backend; its fake kernel is registered in python/pagedkv/ops.py.
+TORCH_LIBRARY_IMPL(pagedkv, CompositeExplicitAutograd, m) {
+  m.impl("paged_attention", &pagedkv::paged_attention);
+}
+
+// `import pagedkv._C` loads this library, which runs the registrations above.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "pagedkv compiled ops (torch.ops.pagedkv.*)", -1,
+                               nullptr};
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+#ifdef PAGEDKV_WITH_CUDA
+  PyModule_AddIntConstant(m, "built_with_cuda", 1);
+#else
+  PyModule_AddIntConstant(m, "built_with_cuda", 0);
+#endif
+  return m;
+}

@@ -1,0 +1,16 @@
+"""pagedkv: paged KV-cache memory management for LLM inference.
+
+`import pagedkv` loads the compiled core, which registers the kernels as
+`torch.ops.pagedkv.*`; `pagedkv.ops` holds typed wrappers and
+`pagedkv.reference` pure-PyTorch versions of every op.
+"""
+
+import torch  # noqa: F401  (loads libtorch before our extension)
+
+from pagedkv import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
+from pagedkv import ops, reference  # noqa: F401
+
+__version__ = "0.1.0"
+built_with_cuda: bool = bool(_C.built_with_cuda)
+
+__all__ = ["ops", "reference", "built_with_cuda", "__version__"]

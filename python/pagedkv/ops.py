@@ -1,0 +1,197 @@
+"""Typed wrappers around `torch.ops.pagedkv.*`, and their fake (meta) kernels.
+
+Cache layout, per layer: `key_cache` and `value_cache`, each
+`[num_blocks, block_size, num_kv_heads, head_size]`, contiguous. `block_tables`
+int32 `[num_seqs, max_blocks_per_seq]` maps a sequence's logical block i to a
+physical block; `seq_lens` int32 `[num_seqs]`; `slot_mapping` int64
+`[num_tokens]` with slot = block_id * block_size + offset (negative: skip).
+
+Supported: float32, float16, bfloat16; head sizes 64, 80, 96, 112, 128, 256;
+block sizes 8, 16, 32; any num_heads / num_kv_heads ratio (MHA, GQA, MQA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_ops = torch.ops.pagedkv
+
+DEFAULT_PARTITION_SIZE = 512
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Decode attention, one query token per sequence, one pass over its context.
+
+    out, query: [num_seqs, num_heads, head_size]; the last two dims dense.
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size].
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]
+    (the query attends to positions 0..seq_len-1; seq_len 0 gives zeros).
+    max_seq_len: an upper bound of seq_lens. alibi_slopes: float32 [num_heads].
+    Writes `out` in place.
+    """
+    _ops.paged_attention_v1(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                            alibi_slopes)
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+) -> None:
+    """Decode attention split over partitions of the context, then reduced.
+
+    For long contexts and few sequences. Scratch, with P >= ceil(max_seq_len / partition_size):
+    exp_sums, max_logits: float32 [num_seqs, num_heads, P];
+    tmp_out: [num_seqs, num_heads, P, head_size] in the query dtype.
+    partition_size: 256, 512 or 1024. Other arguments as in `paged_attention_v1`.
+    """
+    _ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
+                            seq_lens, scale, max_seq_len, alibi_slopes, partition_size)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention that picks v1 or v2 for the shape and allocates scratch.
+
+    Returns `out` ([num_seqs, num_heads, head_size], a new tensor unless `out` is given).
+    `max_seq_len=None` computes it from `seq_lens` (a device sync on CUDA).
+    """
+    result = _ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                                  alibi_slopes)
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> None:
+    """Attention for several new tokens per sequence (prefill, chunked prefill, prefix hits).
+
+    query, out: [num_tokens, num_heads, head_size], the sequences' new tokens concatenated;
+    query_start_loc: int32 [num_seqs + 1], sequence s owns tokens
+    query_start_loc[s]:query_start_loc[s+1]. seq_lens counts all tokens of a sequence,
+    the new ones included, so new token i sits at position seq_len - q_len + i and
+    attends causally to positions 0..that position. The new tokens' K/V must
+    already be in the cache (`reshape_and_cache` first).
+    """
+    _ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                 scale, max_query_len, max_seq_len)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V into the paged cache.
+
+    key, value: [num_tokens, num_kv_heads, head_size] (last dim dense);
+    slot_mapping: int64 [num_tokens], slot = block_id * block_size + offset; negative slots are skipped.
+    """
+    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copy whole blocks within each layer's cache, all layers in one call (copy-on-write).
+
+    block_mapping: int64 [num_pairs, 2] of (src_block, dst_block).
+    """
+    _ops.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks from `src` to `dst` ([num_blocks, ...] each), across devices or not.
+
+    GPU<->CPU copies are asynchronous on the current stream (pin the host cache
+    for real overlap). block_mapping: int64 CPU tensor [num_pairs, 2] of (src_block, dst_block).
+    """
+    _ops.swap_blocks(src, dst, block_mapping)
+
+
+# ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
+
+
+@torch.library.register_fake("pagedkv::paged_attention")
+def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
+                          alibi_slopes=None):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("pagedkv::paged_attention_v1")
+def _paged_attention_v1_fake(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                             alibi_slopes=None):
+    return None
+
+
+@torch.library.register_fake("pagedkv::paged_attention_v2")
+def _paged_attention_v2_fake(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
+                             seq_lens, scale, max_seq_len, alibi_slopes=None, partition_size=512):
+    return None
+
+
+@torch.library.register_fake("pagedkv::paged_prefill_attention")
+def _paged_prefill_attention_fake(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                  scale, max_query_len, max_seq_len):
+    return None
+
+
+@torch.library.register_fake("pagedkv::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("pagedkv::copy_blocks")
+def _copy_blocks_fake(key_caches, value_caches, block_mapping):
+    return None
+
+
+@torch.library.register_fake("pagedkv::swap_blocks")
+def _swap_blocks_fake(src, dst, block_mapping):
+    return None

@@ -1,0 +1,135 @@
+"""Pure-PyTorch reference implementations of every pagedkv op.
+
+Slow and simple on purpose: gather K/V through the block table, softmax in
+float32, no fusion. The tests compare the kernels against these on fresh
+random inputs; users can do the same. Shapes and semantics are those of
+`pagedkv.ops`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence, contiguous: each [seq_len, num_kv_heads, head_size].
+
+    block_table: int [max_blocks_per_seq] (the row of this sequence).
+    """
+    block_size = key_cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def alibi_bias(alibi_slopes: torch.Tensor, query_pos: torch.Tensor, key_len: int) -> torch.Tensor:
+    """ALiBi bias [num_heads, num_queries, key_len]: slope * (key_pos - query_pos)."""
+    key_pos = torch.arange(key_len, device=alibi_slopes.device, dtype=torch.float32)
+    dist = key_pos[None, :] - query_pos.float()[:, None]
+    return alibi_slopes.float()[:, None, None] * dist[None]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    query_pos: torch.Tensor,
+    alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention of q [n, num_heads, d] at positions query_pos [n] over k/v [L, num_kv_heads, d].
+
+    Returns float32 [n, num_heads, d].
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, H, d]
+    vf = v.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale  # [H, n, L]
+    if alibi_slopes is not None:
+        logits = logits + alibi_bias(alibi_slopes, query_pos, k.shape[0])
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    mask = key_pos[None, :] > query_pos[:, None]  # [n, L]: future positions
+    logits = logits.masked_fill(mask[None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", probs, vf)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention (what v1, v2 and paged_attention compute). Returns [num_seqs, num_heads, head_size]."""
+    out = torch.zeros_like(query)
+    for s in range(query.shape[0]):
+        seq_len = int(seq_lens[s])
+        if seq_len == 0:
+            continue
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len)
+        pos = torch.tensor([seq_len - 1], device=query.device)
+        out[s] = _attend(query[s : s + 1], k, v, scale, pos, alibi_slopes)[0].to(query.dtype)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over the cache. Returns [num_tokens, num_heads, head_size]."""
+    out = torch.zeros_like(query)
+    for s in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        seq_len = int(seq_lens[s])
+        if end == start:
+            continue
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len)
+        pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        out[start:end] = _attend(query[start:end], k, v, scale, pos, None).to(query.dtype)
+    return out
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_size] into their slots (negative: skip)."""
+    block_size = key_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep]
+    value_cache[blocks, offsets] = value[keep]
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor
+) -> None:
+    """For each (src, dst) row of block_mapping, copy block src to block dst in every layer."""
+    for src, dst in block_mapping.tolist():
+        for cache in (*key_caches, *value_caches):
+            cache[dst] = cache[src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """dst[d] = src[s] for each (s, d) row of block_mapping."""
+    for s, d in block_mapping.tolist():
+        dst[d].copy_(src[s])
