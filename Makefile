@@ -1,0 +1,18 @@
+# Every target installs what it needs first, so each works on a fresh machine.
+PYTHON ?= python3
+# The CUDA toolkit is found here on our machines; torch guesses /usr/local otherwise.
+export CUDA_HOME ?= /usr/local/cuda
+
+.PHONY: install bench test lint
+install:
+	$(PYTHON) -m pip install -q -r requirements.txt -r requirements-test.txt
+	$(PYTHON) -m pip install -q -e . --no-build-isolation
+
+bench: install
+	$(PYTHON) bench/bench_kernels.py --quick
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+lint:
+	$(PYTHON) -m ruff check python tests bench
