@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 from pagedkv.core import (
     AllocStatus,
     BlockManager,
@@ -302,6 +301,8 @@ def test_fill_metadata_errors(backend):
         bm.fill_metadata([2], bt, sm, sl)
     with pytest.raises(ValueError, match="numpy array or a CPU torch tensor"):
         bm.fill_metadata([1], [[0, 0, 0]], sm, sl)
+    with pytest.raises(ValueError, match="must be a CPU tensor"):
+        bm.fill_metadata([1], torch.empty((2, 3), dtype=torch.int32, device="meta"), sm, sl)
 
 
 def test_fill_metadata_rejects_buffers_it_cannot_write():

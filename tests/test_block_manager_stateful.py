@@ -18,7 +18,6 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from pagedkv.core import BlockManager, BlockManagerError
 
 BS = 4
@@ -32,7 +31,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        kw = dict(watermark=0.05, enable_caching=self.enable_caching)
+        kw = {"watermark": 0.05, "enable_caching": self.enable_caching}
         self.cpp = BlockManager(BS, NUM_GPU, NUM_CPU, backend="cpp", **kw)
         self.model = BlockManager(BS, NUM_GPU, NUM_CPU, backend="python", **kw)
         self.next_id = 0
@@ -195,8 +194,8 @@ class BlockManagerMachineNoCaching(BlockManagerMachine):
     enable_caching = False
 
 
-COMMON = dict(deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+COMMON = {"deadline": None, "database": None, "derandomize": True,
+          "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 TestBlockManagerWithCaching = BlockManagerMachine.TestCase
 TestBlockManagerWithCaching.settings = settings(max_examples=120, stateful_step_count=50, **COMMON)

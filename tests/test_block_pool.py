@@ -1,7 +1,6 @@
 """BlockPool: free list order, ref counts, prefix-cache index, errors (C++ pool and its Python twin)."""
 
 import pytest
-
 from pagedkv.core import BlockPool, BlockRefCountError, NoFreeBlocksError, PyBlockPool
 
 

@@ -5,8 +5,13 @@ import importlib.util
 import struct
 
 import pytest
-
-from pagedkv.core import BlockManager, PrefixCache, PrefixCacheStats, block_hashes, hash_block_tokens
+from pagedkv.core import (
+    BlockManager,
+    PrefixCache,
+    PrefixCacheStats,
+    block_hashes,
+    hash_block_tokens,
+)
 from pagedkv.core.prefix_cache import encode_extra_keys
 
 BS = 4
@@ -151,7 +156,7 @@ def test_freed_blocks_stay_cached_until_needed(backend):
 
 def test_eviction_is_lru_and_deepest_first(backend):
     bm = make(backend, num_gpu=8)
-    a = list(range(0, 13))  # blocks a0 a1 a2 (+ partial)
+    a = list(range(13))  # blocks a0 a1 a2 (+ partial)
     b = list(range(100, 109))  # blocks b0 b1 (+ partial)
     bm.allocate(1, a)
     bm.allocate(2, b)

@@ -1,4 +1,10 @@
-"""pagedkv.core: block manager, prefix cache (and, later, scheduler and sequences)."""
+"""pagedkv.core: block manager and prefix cache (later also scheduler and sequences).
+
+`BlockManager` is the API; `PyBlockManager` / `PyBlockPool` are the pure-Python
+twins of the compiled core; `prefix_cache` computes the chained block hashes.
+Prefix caching shares full blocks only: a prefix shorter than one block never
+gets a hit, and matches are exact (see pagedkv.core.prefix_cache).
+"""
 
 from pagedkv._block_manager import (
     AllocStatus,
@@ -11,7 +17,12 @@ from pagedkv._block_manager import (
     UnknownSequenceError,
 )
 from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.prefix_cache import PrefixCache, PrefixCacheStats, block_hashes, hash_block_tokens
+from pagedkv.core.prefix_cache import (
+    PrefixCache,
+    PrefixCacheStats,
+    block_hashes,
+    hash_block_tokens,
+)
 from pagedkv.core.py_block_manager import PyBlockManager, PyBlockPool
 
 __all__ = [

@@ -21,6 +21,8 @@ Errors: every error is a `BlockManagerError`. Running out of blocks raises
 first, or catch it and preempt); misuse raises `UnknownSequenceError`
 (a KeyError), `SequenceExistsError`, `BlockRefCountError` or
 `InvalidSequenceStateError` (ValueErrors). A call that raises changes nothing.
+
+Not thread-safe: one scheduler thread owns a manager.
 """
 
 from __future__ import annotations
@@ -153,10 +155,11 @@ class BlockManager:
         must get src's contents (`copy_blocks`) before the next forward pass.
         token_ids: the new tokens, required with caching (blocks they fill get indexed).
         """
+        if self.prefix_cache is None:  # the per-token hot path: straight to the core
+            return self.core.append_slots(seq_id, num_new_tokens)
         self._check_tokens(token_ids, num_new_tokens)
         cow = self.core.append_slots(seq_id, num_new_tokens)
-        if self.prefix_cache is not None:
-            self.prefix_cache.on_append(self.core, seq_id, token_ids)
+        self.prefix_cache.on_append(self.core, seq_id, token_ids)
         return cow
 
     def append_slots_batch(self, seq_ids: Sequence[int], num_new_tokens: int = 1,

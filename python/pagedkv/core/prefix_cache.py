@@ -23,6 +23,9 @@ Rules users should know:
 - `extra_keys` (request level: a `cache_salt` for tenants who must not share
   cache, a LoRA id, multimodal ids) go into the hash of the first block; the
   chain carries them into every later one. Different keys, no sharing.
+- Blocks are indexed when they are allocated (or filled by an append), i.e.
+  before the forward pass writes their KV: a hit in the same step must be
+  computed in that step's batch, which writes every KV before reading any.
 - Default hash: SHA-256 over a canonical byte encoding (Python's `hash()` is
   seeded per process and its collisions can be forced). `hash_algo="xxhash"`
   (128-bit XXH3, needs the `xxhash` package) is faster but not collision
