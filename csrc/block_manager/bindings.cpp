@@ -20,7 +20,8 @@ template <typename T>
 T* out_buffer(py::array& arr, const char* name, int ndim) {
   if (!arr.dtype().equal(py::dtype::of<T>())) {
     throw std::invalid_argument(std::string("fill_metadata: ") + name + " must have dtype " +
-                                std::string(py::str(py::dtype::of<T>())) + ", got " + std::string(py::str(arr.dtype())));
+                                std::string(py::str(py::dtype::of<T>())) + ", got " +
+                                std::string(py::str(arr.dtype())));
   }
   if (arr.ndim() != ndim) {
     throw std::invalid_argument(std::string("fill_metadata: ") + name + " must be " + std::to_string(ndim) +
@@ -71,31 +72,31 @@ PYBIND11_MODULE(_block_manager, m) {
 
   // Python classes: every error is a BlockManagerError; misuse errors are
   // also KeyError / ValueError so generic handlers keep working.
-  static py::exception<BlockManagerError> base(m, "BlockManagerError", PyExc_Exception);
-  static py::exception<NoFreeBlocksError> no_free(m, "NoFreeBlocksError", base);
-  static py::exception<UnknownSequenceError> unknown(m, "UnknownSequenceError",
-                                                     py::make_tuple(base, py::handle(PyExc_KeyError)));
-  static py::exception<SequenceExistsError> exists(m, "SequenceExistsError",
-                                                   py::make_tuple(base, py::handle(PyExc_ValueError)));
-  static py::exception<BlockRefCountError> refcount(m, "BlockRefCountError",
-                                                    py::make_tuple(base, py::handle(PyExc_ValueError)));
-  static py::exception<InvalidSequenceStateError> state(m, "InvalidSequenceStateError",
-                                                        py::make_tuple(base, py::handle(PyExc_ValueError)));
+  // The class objects are leaked on purpose: a static py::object would be
+  // destroyed after the interpreter is gone.
+  static auto* base = new py::exception<BlockManagerError>(m, "BlockManagerError", PyExc_Exception);
+  static auto* no_free = new py::exception<NoFreeBlocksError>(m, "NoFreeBlocksError", *base);
+  auto also = [](PyObject* builtin) { return py::make_tuple(*base, py::handle(builtin)); };
+  static auto* unknown = new py::exception<UnknownSequenceError>(m, "UnknownSequenceError", also(PyExc_KeyError));
+  static auto* exists = new py::exception<SequenceExistsError>(m, "SequenceExistsError", also(PyExc_ValueError));
+  static auto* refcount = new py::exception<BlockRefCountError>(m, "BlockRefCountError", also(PyExc_ValueError));
+  static auto* state =
+      new py::exception<InvalidSequenceStateError>(m, "InvalidSequenceStateError", also(PyExc_ValueError));
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const NoFreeBlocksError& e) {
-      py::set_error(no_free, e.what());
+      py::set_error(*no_free, e.what());
     } catch (const UnknownSequenceError& e) {
-      py::set_error(unknown, e.what());
+      py::set_error(*unknown, e.what());
     } catch (const SequenceExistsError& e) {
-      py::set_error(exists, e.what());
+      py::set_error(*exists, e.what());
     } catch (const BlockRefCountError& e) {
-      py::set_error(refcount, e.what());
+      py::set_error(*refcount, e.what());
     } catch (const InvalidSequenceStateError& e) {
-      py::set_error(state, e.what());
+      py::set_error(*state, e.what());
     } catch (const BlockManagerError& e) {
-      py::set_error(base, e.what());
+      py::set_error(*base, e.what());
     }
   });
 
@@ -132,7 +133,8 @@ PYBIND11_MODULE(_block_manager, m) {
            py::arg("num_cpu_blocks"), py::arg("watermark"), py::arg("enable_caching"))
       .def("allocate_status", &BlockManager::allocate_status, py::arg("num_tokens"), py::arg("cached_prefix"))
       .def("allocate", &BlockManager::allocate, py::arg("seq_id"), py::arg("num_tokens"), py::arg("cached_prefix"))
-      .def("blocks_to_append", py::overload_cast<SeqId, int64_t>(&BlockManager::blocks_to_append, py::const_), py::arg("seq_id"), py::arg("num_new_tokens"))
+      .def("blocks_to_append", py::overload_cast<SeqId, int64_t>(&BlockManager::blocks_to_append, py::const_),
+           py::arg("seq_id"), py::arg("num_new_tokens"))
       .def("can_append", &BlockManager::can_append, py::arg("seq_ids"), py::arg("num_new_tokens"))
       .def("append_slots", &BlockManager::append_slots, py::arg("seq_id"), py::arg("num_new_tokens"))
       .def("append_slots_batch", &BlockManager::append_slots_batch, py::arg("seq_ids"), py::arg("num_new_tokens"))

@@ -25,7 +25,9 @@ BlockManager::BlockManager(int32_t block_size, int32_t num_gpu_blocks, int32_t n
       cpu_(num_cpu_blocks, "cpu"),
       watermark_blocks_(0),
       enable_caching_(enable_caching) {
-  if (block_size < 1) throw std::invalid_argument("BlockManager: block_size must be >= 1, got " + std::to_string(block_size));
+  if (block_size < 1) {
+    throw std::invalid_argument("BlockManager: block_size must be >= 1, got " + std::to_string(block_size));
+  }
   if (!(watermark >= 0.0 && watermark < 1.0)) {
     throw std::invalid_argument("BlockManager: watermark must be in [0, 1), got " + std::to_string(watermark));
   }

@@ -180,7 +180,9 @@ void BlockPool::check_invariants() const {
     if (++walked > num_blocks()) fail("cycle in free list");
     if (!key_[b].empty()) ++evictable;
   }
-  if (walked != num_free_) fail("free count " + std::to_string(num_free_) + " != list length " + std::to_string(walked));
+  if (walked != num_free_) {
+    fail("free count " + std::to_string(num_free_) + " != list length " + std::to_string(walked));
+  }
   if (evictable != num_evictable_) fail("evictable count mismatch");
   int32_t flagged = 0;
   for (BlockId b = 0; b < num_blocks(); ++b) {
