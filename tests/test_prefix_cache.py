@@ -99,6 +99,8 @@ def test_common_prefix_shares_blocks(backend):
     system = list(range(100, 112))  # 3 full blocks
     assert bm.allocate(1, system + [1, 2]) == 0
     t1 = bm.get_block_table(1)
+    assert bm.num_cached_tokens(system + [3, 4, 5]) == 12
+    assert bm.num_cached_tokens(system) == 8
     assert bm.allocate(2, system + [3, 4, 5]) == 12
     t2 = bm.get_block_table(2)
     assert t2[:3] == t1[:3] and t2[3] != t1[3]

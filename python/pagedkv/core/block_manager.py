@@ -110,6 +110,13 @@ class BlockManager:
         hashes = self.prefix_cache.prompt_hashes(prompt, extra_keys)
         return n, hashes, self.prefix_cache.match(self.core, n, hashes)
 
+    def num_cached_tokens(self, prompt: Sequence[int], extra_keys: Sequence[ExtraKey] = ()) -> int:
+        """Prompt tokens `allocate` would take from the cache now (a multiple of block_size; 0 without caching).
+
+        For a scheduler's token budget; counts nothing in the hit-rate stats.
+        """
+        return len(self._prompt(prompt, extra_keys)[2]) * self.block_size
+
     def allocate_status(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> AllocStatus:
         """OK: allocate now; LATER: wait for blocks; NEVER: the prompt can never fit."""
         n, _, hits = self._prompt(prompt, extra_keys)
