@@ -1,0 +1,97 @@
+// A pool of fixed-size physical KV-cache blocks on one device kind.
+//
+// Each block has a reference count (the number of block tables holding it).
+// Free blocks sit in an intrusive doubly linked list threaded through two
+// index arrays (prev/next), so that every list operation is O(1):
+//   - allocate pops the front;
+//   - a block whose count drops to 0 is pushed back into the list;
+//   - a prefix-cache hit on a free but still cached block unlinks it from the
+//     middle ("revives" it) without touching its contents.
+//
+// Prefix caching. A block may carry a cache key (the digest of its chained
+// token hash, computed in Python). The pool owns the key -> block index, so a
+// free cached block stays findable ("evictable") until the pool hands it out
+// again; allocate evicts it then and drops its key, with no callback needed.
+// Order of the free list, front (allocated first) to back:
+//   uncached free blocks | cached free blocks, least recently freed first.
+// Uncached blocks go to the front (their contents are worthless), cached ones
+// to the back; allocation therefore evicts the least recently used cached
+// block, and only once no uncached block is left.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace pagedkv {
+
+using BlockId = int32_t;
+
+class BlockPool {
+ public:
+  // `name` appears in error messages ("gpu", "cpu").
+  BlockPool(int32_t num_blocks, std::string name);
+
+  // Takes a free block (ref count 0 -> 1); evicts it from the prefix cache if
+  // it was cached. Throws NoFreeBlocksError when the free list is empty.
+  BlockId allocate();
+  // One more holder of a block. A free block may only be shared if it is
+  // cached (a prefix-cache hit): it is unlinked from the free list.
+  void incref(BlockId block);
+  // One holder fewer; returns the new count. At 0 the block returns to the
+  // free list (cached: to the back, else to the front).
+  int32_t decref(BlockId block);
+  // Releases a block held exactly once. Throws if it is shared (count > 1)
+  // or already free.
+  void free(BlockId block);
+
+  // Prefix-cache index. `key` is an opaque digest (e.g. 32 SHA-256 bytes).
+  // Returns false (and caches nothing) if the key is already present or the
+  // block already carries a key.
+  bool cache_block(BlockId block, const std::string& key);
+  // The block cached under `key`, or -1.
+  BlockId lookup(const std::string& key) const;
+  bool is_cached(BlockId block) const;
+  // Drops every cache key (free cached blocks become plain free blocks).
+  void clear_cache();
+
+  int32_t ref_count(BlockId block) const;
+  bool is_free(BlockId block) const;
+  int32_t num_blocks() const { return static_cast<int32_t>(ref_count_.size()); }
+  int32_t num_free() const { return num_free_; }
+  int32_t num_used() const { return num_blocks() - num_free_; }
+  // Free blocks that still hold cached contents.
+  int32_t num_evictable() const { return num_evictable_; }
+  int32_t num_cached() const { return static_cast<int32_t>(index_.size()); }
+  int64_t num_evictions() const { return num_evictions_; }
+  // Free list from front (next to be allocated) to back.
+  std::vector<BlockId> free_list() const;
+  const std::string& name() const { return name_; }
+
+  // Walks every structure and throws std::logic_error on any inconsistency.
+  // For tests: O(num_blocks).
+  void check_invariants() const;
+
+ private:
+  void check_block(BlockId block, const char* op) const;
+  void push_front(BlockId block);
+  void push_back(BlockId block);
+  void unlink(BlockId block);
+  void evict(BlockId block);
+
+  std::string name_;
+  std::vector<int32_t> ref_count_;
+  // Free-list links; index num_blocks() is the sentinel (head.next = front).
+  std::vector<BlockId> prev_;
+  std::vector<BlockId> next_;
+  std::vector<uint8_t> in_free_list_;
+  // Cache key per block ("" = not cached) and the reverse index.
+  std::vector<std::string> key_;
+  std::unordered_map<std::string, BlockId> index_;
+  int32_t num_free_ = 0;
+  int32_t num_evictable_ = 0;
+  int64_t num_evictions_ = 0;
+};
+
+}  // namespace pagedkv

@@ -1,0 +1,298 @@
+"""BlockManager: the typed Python face of the C++ block manager.
+
+A sequence (`seq_id`, any int64) owns a block table mapping its logical
+blocks to physical GPU blocks of `block_size` tokens. The manager allocates
+blocks for a prompt, appends slots as the sequence grows (a new block only at
+a block boundary), forks sequences that share blocks by reference count
+(parallel sampling, beam search), copies a shared last block before a write
+(copy-on-write), swaps whole sequences to a CPU pool and back, and fills the
+batch metadata tensors (`block_tables`, `slot_mapping`, `seq_lens`) for the
+attention ops without per-token Python.
+
+The state lives in a compiled core (`backend="cpp"`, the default) or in its
+pure-Python twin (`backend="python"`, pagedkv.core.py_block_manager) with the
+same behaviour, used as a baseline and a test model. With
+`enable_caching=True`, full blocks are also indexed by a chained hash of
+their tokens (pagedkv.core.prefix_cache) and reused by later prompts that
+start the same way.
+
+Errors: every error is a `BlockManagerError`. Running out of blocks raises
+`NoFreeBlocksError`, a normal condition (ask `can_allocate` / `can_append`
+first, or catch it and preempt); misuse raises `UnknownSequenceError`
+(a KeyError), `SequenceExistsError`, `BlockRefCountError` or
+`InvalidSequenceStateError` (ValueErrors). A call that raises changes nothing.
+
+Not thread-safe: one scheduler thread owns a manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from pagedkv import _block_manager as _cpp
+from pagedkv._block_manager import AllocStatus
+from pagedkv.core.prefix_cache import ExtraKey, HashAlgo, PrefixCache, PrefixCacheStats
+from pagedkv.core.py_block_manager import PyBlockManager
+
+Backend = Literal["cpp", "python"]
+BlockPair = tuple[int, int]
+
+
+def _as_numpy(buf: Any, name: str) -> np.ndarray:
+    """A numpy view of a buffer to fill in place (a CPU torch tensor shares its memory)."""
+    if isinstance(buf, np.ndarray):
+        return buf
+    device = getattr(buf, "device", None)
+    if device is not None and hasattr(buf, "numpy"):
+        if getattr(device, "type", str(device)) != "cpu":
+            raise ValueError(f"fill_metadata: {name} must be a CPU tensor (copy it to the device afterwards), "
+                             f"got one on {device}")
+        return buf.numpy()
+    raise ValueError(f"fill_metadata: {name} must be a numpy array or a CPU torch tensor, got {type(buf).__name__}")
+
+
+def _ids(seq_ids: int | Sequence[int]) -> list[int]:
+    return [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+
+
+class BlockManager:
+    """Paged KV-cache block tables for a set of sequences.
+
+    Args:
+        block_size: tokens per physical block (vLLM's --block-size).
+        num_gpu_blocks: blocks of the KV cache on the device.
+        num_cpu_blocks: blocks of the CPU swap space (0: no swapping).
+        watermark: fraction of GPU blocks kept free when admitting new prompts
+            (`can_allocate`), so running sequences can still append.
+        enable_caching: reuse the full blocks of identical prefixes.
+        hash_algo: "sha256" (default) or "xxhash" (faster, not collision resistant).
+        backend: "cpp" (compiled core) or "python" (reference twin).
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        watermark: float = 0.01,
+        enable_caching: bool = False,
+        hash_algo: HashAlgo = "sha256",
+        backend: Backend = "cpp",
+    ) -> None:
+        for name, value in (("block_size", block_size), ("num_gpu_blocks", num_gpu_blocks),
+                            ("num_cpu_blocks", num_cpu_blocks)):
+            if not isinstance(value, int) or value < (1 if name == "block_size" else 0):
+                raise ValueError(f"BlockManager: {name} must be a non-negative int (block_size >= 1), got {value!r}")
+        if backend == "cpp":
+            core = _cpp.BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, float(watermark), enable_caching)
+        elif backend == "python":
+            core = PyBlockManager(block_size, num_gpu_blocks, num_cpu_blocks, float(watermark), enable_caching)
+        else:
+            raise ValueError(f"BlockManager: backend must be 'cpp' or 'python', got {backend!r}")
+        self.block_size = block_size
+        self.backend = backend
+        self.core = core
+        self.prefix_cache: PrefixCache | None = PrefixCache(block_size, hash_algo) if enable_caching else None
+
+    # --- admission ----------------------------------------------------------
+    def _prompt(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey]) -> tuple[int, list[bytes], list[int]]:
+        """(num_tokens, block hashes, cached blocks) of a prompt."""
+        if isinstance(prompt, int):
+            if self.prefix_cache is not None:
+                raise ValueError("BlockManager: with enable_caching=True pass the prompt's token ids, not a count")
+            return prompt, [], []
+        n = len(prompt)
+        if self.prefix_cache is None or n == 0:
+            return n, [], []
+        hashes = self.prefix_cache.prompt_hashes(prompt, extra_keys)
+        return n, hashes, self.prefix_cache.match(self.core, n, hashes)
+
+    def num_cached_tokens(self, prompt: Sequence[int], extra_keys: Sequence[ExtraKey] = ()) -> int:
+        """Prompt tokens `allocate` would take from the cache now (a multiple of block_size; 0 without caching).
+
+        For a scheduler's token budget; counts nothing in the hit-rate stats.
+        """
+        return len(self._prompt(prompt, extra_keys)[2]) * self.block_size
+
+    def allocate_status(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> AllocStatus:
+        """OK: allocate now; LATER: wait for blocks; NEVER: the prompt can never fit."""
+        n, _, hits = self._prompt(prompt, extra_keys)
+        return self.core.allocate_status(n, hits)
+
+    def can_allocate(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> bool:
+        """Whether `prompt` (token ids, or a token count without caching) fits now, watermark kept."""
+        return self.allocate_status(prompt, extra_keys) == AllocStatus.OK
+
+    def allocate(self, seq_id: int, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> int:
+        """Gives `seq_id` the blocks of its prompt; returns how many prompt tokens are cached.
+
+        With caching, the longest chain of cached full blocks is shared (never
+        copied); the cached tokens need no prefill. `extra_keys`: e.g.
+        (cache_salt, lora_id); prompts with different keys share nothing.
+        """
+        n, hashes, hits = self._prompt(prompt, extra_keys)
+        self.core.allocate(seq_id, n, hits)
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_allocate(self.core, seq_id, prompt, hashes, len(hits), extra_keys)
+        return len(hits) * self.block_size
+
+    # --- growth -------------------------------------------------------------
+    def blocks_to_append(self, seq_id: int, num_new_tokens: int = 1) -> int:
+        """New GPU blocks that appending `num_new_tokens` to `seq_id` would take."""
+        return self.core.blocks_to_append(seq_id, num_new_tokens)
+
+    def can_append(self, seq_ids: int | Sequence[int], num_new_tokens: int = 1) -> bool:
+        """Whether every listed sequence can append `num_new_tokens` now."""
+        return self.core.can_append(_ids(seq_ids), num_new_tokens)
+
+    def _check_tokens(self, token_ids: Sequence[int] | None, num_new_tokens: int) -> None:
+        if self.prefix_cache is not None and (token_ids is None or len(token_ids) != num_new_tokens):
+            raise ValueError(f"append_slots: with enable_caching=True pass the {num_new_tokens} new token ids, "
+                             f"got {token_ids!r}")
+
+    def append_slots(self, seq_id: int, num_new_tokens: int = 1,
+                     token_ids: Sequence[int] | None = None) -> BlockPair | None:
+        """Reserves slots for new tokens; returns the (src, dst) block to copy first, if any.
+
+        A pair comes back when the last block was partly filled and shared
+        (after a fork): the sequence now writes into its own copy `dst`, which
+        must get src's contents (`copy_blocks`) before the next forward pass.
+        token_ids: the new tokens, required with caching (blocks they fill get indexed).
+        """
+        if self.prefix_cache is None:  # the per-token hot path: straight to the core
+            return self.core.append_slots(seq_id, num_new_tokens)
+        self._check_tokens(token_ids, num_new_tokens)
+        cow = self.core.append_slots(seq_id, num_new_tokens)
+        self.prefix_cache.on_append(self.core, seq_id, token_ids)
+        return cow
+
+    def append_slots_batch(self, seq_ids: Sequence[int], num_new_tokens: int = 1,
+                           token_ids: Sequence[Sequence[int]] | None = None) -> list[BlockPair]:
+        """append_slots for every sequence of a decode step in one call, all or nothing.
+
+        Returns the copy-on-write pairs. token_ids[i]: the new tokens of seq_ids[i] (with caching).
+        """
+        if self.prefix_cache is not None:
+            if token_ids is None or len(token_ids) != len(seq_ids):
+                raise ValueError("append_slots_batch: with enable_caching=True pass one token list per sequence")
+            for toks in token_ids:
+                self._check_tokens(toks, num_new_tokens)
+        cows = self.core.append_slots_batch(list(seq_ids), num_new_tokens)
+        if self.prefix_cache is not None:
+            for seq_id, toks in zip(seq_ids, token_ids):
+                self.prefix_cache.on_append(self.core, seq_id, toks)
+        return cows
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """`child_id` shares every block of `parent_id`; later writes copy on demand."""
+        self.core.fork(parent_id, child_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_fork(parent_id, child_id)
+
+    def free(self, seq_id: int) -> None:
+        """Returns the blocks of a finished (or preempted-by-recompute) sequence."""
+        self.core.free(seq_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_free(seq_id)
+
+    # --- swapping -------------------------------------------------------------
+    def can_swap_out(self, seq_ids: int | Sequence[int]) -> bool:
+        return self.core.can_swap_out(_ids(seq_ids))
+
+    def can_swap_in(self, seq_ids: int | Sequence[int]) -> bool:
+        return self.core.can_swap_in(_ids(seq_ids))
+
+    def swap_out(self, seq_ids: int | Sequence[int]) -> list[BlockPair]:
+        """Moves sequences (e.g. a forked group, whose sharing is kept) to the CPU pool.
+
+        Returns (gpu_block, cpu_block) pairs for `swap_blocks`, each block once.
+        """
+        return self.core.swap_out(_ids(seq_ids))
+
+    def swap_in(self, seq_ids: int | Sequence[int]) -> list[BlockPair]:
+        """Moves swapped-out sequences back; returns (cpu_block, gpu_block) pairs."""
+        ids = _ids(seq_ids)
+        mapping = self.core.swap_in(ids)
+        if self.prefix_cache is not None:
+            for seq_id in ids:
+                self.prefix_cache.on_swap_in(self.core, seq_id)
+        return mapping
+
+    # --- batch metadata ---------------------------------------------------------
+    def fill_metadata(self, seq_ids: Sequence[int] | np.ndarray, block_tables: Any, slot_mapping: Any, seq_lens: Any,
+                      query_lens: Sequence[int] | np.ndarray | None = None, pad_value: int = 0) -> int:
+        """Writes the attention metadata of scheduled sequences into preallocated buffers.
+
+        block_tables: int32 [>= num_seqs, max_blocks_per_seq], rows padded with `pad_value`;
+        seq_lens: int32 [>= num_seqs], each sequence's token count;
+        slot_mapping: int64 [>= sum(query_lens)], slot = block * block_size + offset of
+        each sequence's last query_lens[i] positions (query_lens None: 1 each, a decode step).
+        Buffers are numpy arrays or CPU torch tensors (filled in place), C-contiguous.
+        Returns the number of slots written.
+        """
+        return self.core.fill_metadata(
+            seq_ids, query_lens, _as_numpy(block_tables, "block_tables"), _as_numpy(slot_mapping, "slot_mapping"),
+            _as_numpy(seq_lens, "seq_lens"), pad_value)
+
+    # --- prefix cache -------------------------------------------------------------
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Queried and hit prompt tokens (zeros without caching)."""
+        return self.prefix_cache.stats if self.prefix_cache is not None else PrefixCacheStats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (running sequences keep theirs) and zeroes the counters."""
+        self.core.reset_prefix_cache()
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats.reset()
+
+    # --- introspection ------------------------------------------------------------
+    def get_block_table(self, seq_id: int) -> list[int]:
+        return self.core.block_table(seq_id)
+
+    def get_num_tokens(self, seq_id: int) -> int:
+        return self.core.num_tokens(seq_id)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self.core.is_swapped(seq_id)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return self.core.has_seq(seq_id)
+
+    def seq_ids(self) -> list[int]:
+        return self.core.seq_ids()
+
+    @property
+    def num_total_gpu_blocks(self) -> int:
+        return self.core.num_gpu_blocks
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Free GPU blocks, evictable cached ones included."""
+        return self.core.num_free_gpu_blocks
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self.core.num_gpu_blocks - self.core.num_free_gpu_blocks
+
+    @property
+    def num_evictable_gpu_blocks(self) -> int:
+        """Free blocks that still hold cached prefixes (reused on a hit, evicted LRU when needed)."""
+        return self.core.num_evictable_gpu_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.core.num_free_cpu_blocks
+
+    @property
+    def gpu_usage(self) -> float:
+        """Fraction of GPU blocks held by sequences (vLLM's gpu_cache_usage)."""
+        total = self.core.num_gpu_blocks
+        return self.num_used_gpu_blocks / total if total else 0.0
+
+    def check_invariants(self) -> None:
+        """Raises if any internal structure is inconsistent (tests and debugging: O(num_blocks))."""
+        self.core.check_invariants()

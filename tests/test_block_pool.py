@@ -1,0 +1,143 @@
+"""BlockPool: free list order, ref counts, prefix-cache index, errors (C++ pool and its Python twin)."""
+
+import pytest
+from pagedkv.core import BlockPool, BlockRefCountError, NoFreeBlocksError, PyBlockPool
+
+
+@pytest.fixture(params=["cpp", "python"])
+def make_pool(request):
+    def make(num_blocks: int):
+        return BlockPool(num_blocks, "gpu") if request.param == "cpp" else PyBlockPool(num_blocks, "gpu")
+    return make
+
+
+def check(pool) -> None:
+    if hasattr(pool, "check_invariants"):
+        pool.check_invariants()
+    assert pool.num_free + pool.num_used == pool.num_blocks
+
+
+def test_allocate_in_order_until_empty(make_pool):
+    pool = make_pool(3)
+    assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
+    assert pool.num_free == 0 and pool.num_used == 3
+    with pytest.raises(NoFreeBlocksError, match="all 3 are in use"):
+        pool.allocate()
+    check(pool)
+
+
+def test_zero_blocks_and_negative(make_pool):
+    pool = make_pool(0)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+    with pytest.raises(ValueError, match="num_blocks"):
+        make_pool(-1)
+
+
+def test_free_returns_block_to_front(make_pool):
+    pool = make_pool(4)
+    a, b = pool.allocate(), pool.allocate()
+    pool.free(b)
+    assert pool.free_list()[0] == b  # uncached: reused first
+    assert pool.allocate() == b
+    pool.free(a)
+    check(pool)
+
+
+def test_ref_counts(make_pool):
+    pool = make_pool(2)
+    b = pool.allocate()
+    pool.incref(b)
+    assert pool.ref_count(b) == 2
+    assert pool.decref(b) == 1
+    assert not pool.is_free(b)
+    assert pool.decref(b) == 0
+    assert pool.is_free(b)
+    check(pool)
+
+
+def test_double_free(make_pool):
+    pool = make_pool(2)
+    b = pool.allocate()
+    pool.free(b)
+    with pytest.raises(BlockRefCountError, match=f"double free of gpu block {b}"):
+        pool.free(b)
+    with pytest.raises(BlockRefCountError, match="already free"):
+        pool.decref(b)
+    check(pool)
+
+
+def test_free_still_referenced(make_pool):
+    pool = make_pool(2)
+    b = pool.allocate()
+    pool.incref(b)
+    with pytest.raises(BlockRefCountError, match="still referenced by 2"):
+        pool.free(b)
+    assert pool.ref_count(b) == 2
+
+
+def test_share_free_uncached_block(make_pool):
+    pool = make_pool(2)
+    with pytest.raises(BlockRefCountError, match="not cached"):
+        pool.incref(1)
+
+
+def test_out_of_range(make_pool):
+    pool = make_pool(2)
+    for op in (pool.incref, pool.decref, pool.free, pool.ref_count, pool.is_free, pool.is_cached):
+        with pytest.raises(ValueError, match="out of range"):
+            op(2)
+        with pytest.raises(ValueError, match="out of range"):
+            op(-1)
+
+
+def test_cached_block_survives_free_and_revives(make_pool):
+    pool = make_pool(3)
+    b = pool.allocate()
+    assert pool.cache_block(b, b"k0")
+    pool.free(b)
+    assert pool.is_free(b) and pool.num_evictable == 1
+    assert pool.lookup(b"k0") == b
+    pool.incref(b)  # a prefix hit: unlinked from the middle of the free list
+    assert not pool.is_free(b) and pool.num_evictable == 0 and pool.ref_count(b) == 1
+    check(pool)
+
+
+def test_eviction_is_lru_after_uncached(make_pool):
+    pool = make_pool(4)
+    blocks = [pool.allocate() for _ in range(4)]
+    for i, b in enumerate(blocks[:3]):
+        pool.cache_block(b, bytes([i + 1]))
+    for b in (blocks[1], blocks[0], blocks[3], blocks[2]):
+        pool.free(b)
+    # uncached 3 first, then cached in the order they were freed
+    assert pool.free_list() == [blocks[3], blocks[1], blocks[0], blocks[2]]
+    assert pool.allocate() == blocks[3]
+    assert pool.num_evictions == 0
+    assert pool.allocate() == blocks[1]
+    assert pool.lookup(bytes([2])) == -1 and not pool.is_cached(blocks[1])
+    assert pool.num_evictions == 1 and pool.num_evictable == 2
+    check(pool)
+
+
+def test_cache_key_rules(make_pool):
+    pool = make_pool(3)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.cache_block(a, b"x")
+    assert not pool.cache_block(b, b"x")  # key taken: b stays uncached
+    assert not pool.cache_block(a, b"y")  # a already has a key
+    assert pool.num_cached == 1 and pool.lookup(b"y") == -1
+    with pytest.raises(ValueError, match="empty"):
+        pool.cache_block(b, b"")
+    with pytest.raises(BlockRefCountError, match="allocate it first"):
+        pool.cache_block(2, b"z")
+    pool.clear_cache()
+    assert pool.num_cached == 0 and pool.lookup(b"x") == -1
+    check(pool)
+
+
+def test_cpp_invariant_checker_runs():
+    pool = BlockPool(8)
+    for _ in range(5):
+        pool.allocate()
+    pool.check_invariants()
