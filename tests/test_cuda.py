@@ -9,6 +9,10 @@ and round once on output, the reference does the same in PyTorch.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pagedkv
 import pytest
@@ -554,18 +558,44 @@ def test_bad_slot_mapping_and_block_mapping_are_errors():
         )
 
 
-def test_kernels_read_no_bad_block_when_checks_are_skipped(monkeypatch):
-    # With PAGEDKV_SKIP_INDEX_CHECKS=1 (read once per process) the host check may be off;
-    # either way a bad id must give an error or a masked (finite) result, never a fault.
-    query, key_cache, value_cache, block_tables, lens, _ = decode_case(
-        [40, 8], 4, 4, 64, 16, torch.float32
+def test_bad_block_id_is_masked_when_host_checks_are_skipped():
+    # PAGEDKV_SKIP_INDEX_CHECKS=1 drops the host-side table check (read once per process,
+    # hence the subprocess): the kernels must then skip the bad block, not read outside
+    # the cache. The sequence's other tokens still give a finite, normalized result.
+    script = textwrap.dedent(
+        """
+        import torch, pagedkv
+        from pagedkv import ops
+        torch.manual_seed(0)
+        kc = torch.randn(6, 16, 2, 64, device="cuda")
+        vc = torch.ones(6, 16, 2, 64, device="cuda")
+        q = torch.randn(2, 4, 64, device="cuda")
+        bt = torch.tensor([[0, 1 << 30, 2], [3, -7, 4]], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([40, 20], dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        ops.paged_attention_v1(out, q, kc, vc, bt, lens, 0.1, 40)
+        es = torch.empty(2, 4, 1, device="cuda"); ml = torch.empty_like(es)
+        tmp = torch.empty(2, 4, 1, 64, device="cuda"); out2 = torch.empty_like(q)
+        ops.paged_attention_v2(out2, es, ml, tmp, q, kc, vc, bt, lens, 0.1, 40, None, 256)
+        qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+        out3 = torch.empty_like(q)
+        ops.paged_prefill_attention(out3, q, kc, vc, bt, qsl, lens, 0.1, 1, 40)
+        torch.cuda.synchronize()
+        for o in (out, out2, out3):
+            # V is all ones, so any softmax-weighted mix of readable tokens is exactly 1.
+            assert torch.allclose(o, torch.ones_like(o)), o
+        print("masked ok")
+        """
     )
-    bad = block_tables.clone()
-    bad[0, 1] = 1 << 30
-    try:
-        out = run_v1(query, key_cache, value_cache, bad, lens, 0.1, None)
-    except RuntimeError as e:
-        assert "outside the cache" in str(e)
-        return
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    env = dict(os.environ, PAGEDKV_SKIP_INDEX_CHECKS="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "masked ok" in result.stdout, result.stderr[
+        -2000:
+    ]

@@ -46,7 +46,6 @@ struct PrefillShape {
   static constexpr int kRowThreads = kPrefillThreads / kRows;  // threads per row in the softmax update
   static constexpr int kSmemFloats = kRows * kLd + 2 * kKvTile * kLd + kRows * kSLd + 3 * kRows;
   static constexpr size_t kSmemBytes = sizeof(float) * kSmemFloats + sizeof(int) * kKvTile;
-  static_assert(kRowGroups * 8 <= kPrefillThreads * 2, "score tile work split");
   static_assert(kRows * kRowThreads == kPrefillThreads, "softmax rows split");
   static_assert(D % 4 == 0, "float4 columns");
 };
