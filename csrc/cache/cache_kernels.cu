@@ -36,6 +36,8 @@ __global__ void __launch_bounds__(kCacheThreads)
 }
 
 // grid (num_pairs, num_layers): copies block src -> dst of one layer's key and value cache.
+// Pairs run concurrently: a block that is the destination of one pair must not be the
+// source of another (copy-on-write mappings copy shared blocks into fresh ones).
 __global__ void __launch_bounds__(kCacheThreads)
     copy_blocks_kernel(const int64_t* layer_ptrs, int num_layers, const int64_t* block_mapping,
                        int64_t vecs_per_block, int64_t num_blocks) {

@@ -113,16 +113,17 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   const c10::cuda::CUDAGuard guard(device);
 
   // Base pointers of every layer (keys, then values), so one launch covers all layers.
-  at::Tensor ptrs = at::empty({2 * num_layers}, at::TensorOptions().dtype(at::kLong));
+  // Pinned, so the host->device copy is asynchronous; the pinned-memory allocator keeps
+  // the buffer alive until the copy has run, the device allocator keeps both device
+  // tables alive (stream-ordered reuse) until the kernel has read them.
+  at::Tensor ptrs = at::empty({2 * num_layers}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* p = ptrs.data_ptr<int64_t>();
   for (int64_t l = 0; l < num_layers; ++l) {
     p[l] = reinterpret_cast<int64_t>(key_caches[l].data_ptr());
     p[num_layers + l] = reinterpret_cast<int64_t>(value_caches[l].data_ptr());
   }
-  // Both small tables go to the device on the current stream; the caching allocator keeps
-  // their memory from being reused before the kernel that reads them has run.
-  const at::Tensor ptrs_dev = ptrs.to(device);
-  const at::Tensor mapping_dev = block_mapping.to(device).contiguous();
+  const at::Tensor ptrs_dev = ptrs.to(device, /*non_blocking=*/true);
+  const at::Tensor mapping_dev = block_mapping.to(device, /*non_blocking=*/true).contiguous();
   const int64_t block_bytes = key_caches[0].stride(0) * key_caches[0].element_size();
   check_cuda_call(op, "kernel launch",
                   cuda::launch_copy_blocks(ptrs_dev.data_ptr<int64_t>(), static_cast<int>(num_layers),
