@@ -79,7 +79,7 @@ def decode_case(
     return query, key_cache, value_cache, block_tables, lens, slopes
 
 
-def run_v1(query, key_cache, value_cache, block_tables, lens, scale, slopes, out=None):
+def run_v1(query, key_cache, value_cache, block_tables, lens, slopes, scale, out=None):
     out = torch.empty_like(query) if out is None else out
     ops.paged_attention_v1(
         out,
@@ -101,8 +101,8 @@ def run_v2(
     value_cache,
     block_tables,
     lens,
-    scale,
     slopes,
+    scale,
     partition_size,
     extra_partitions=0,
 ):
@@ -254,7 +254,7 @@ def test_strided_query_and_out():
     big_out = torch.zeros(3, 2 * 8 * 96, device=DEVICE, dtype=dtype)
     out = big_out[:, 8 * 96 :].view(3, 8, 96)
     assert q.stride(0) != 8 * 96 and out.stride(0) != 8 * 96
-    run_v1(q, key_cache, value_cache, block_tables, lens, 0.1, None, out=out)
+    run_v1(q, key_cache, value_cache, block_tables, lens, None, 0.1, out=out)
     expected = reference.paged_attention(
         query, key_cache, value_cache, block_tables, lens, 0.1
     )
@@ -394,7 +394,7 @@ def test_prefill_single_token_equals_decode():
     qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
     out = run_prefill(query, key_cache, value_cache, block_tables, qsl, lens, 0.1)
     assert_close(
-        out, run_v1(query, key_cache, value_cache, block_tables, lens, 0.1, None), dtype
+        out, run_v1(query, key_cache, value_cache, block_tables, lens, None, 0.1), dtype
     )
 
 
@@ -518,12 +518,12 @@ def test_device_mismatch_is_an_error():
             value_cache,
             block_tables,
             lens,
-            0.1,
             None,
+            0.1,
             out=torch.empty_like(query.cpu()),
         )
     with pytest.raises(RuntimeError, match="device"):
-        run_v1(query, key_cache, value_cache, block_tables.cpu(), lens, 0.1, None)
+        run_v1(query, key_cache, value_cache, block_tables.cpu(), lens, None, 0.1)
 
 
 def test_out_of_range_block_id_is_an_error():
@@ -533,10 +533,10 @@ def test_out_of_range_block_id_is_an_error():
     bad = block_tables.clone()
     bad[0, 1] = key_cache.shape[0] + 5
     with pytest.raises(RuntimeError, match="outside the cache"):
-        run_v1(query, key_cache, value_cache, bad, lens, 0.1, None)
+        run_v1(query, key_cache, value_cache, bad, lens, None, 0.1)
     bad[0, 1] = -1
     with pytest.raises(RuntimeError, match="outside the cache"):
-        run_v2(query, key_cache, value_cache, bad, lens, 0.1, None, partition_size=256)
+        run_v2(query, key_cache, value_cache, bad, lens, None, 0.1, partition_size=256)
 
 
 def test_bad_slot_mapping_and_block_mapping_are_errors():
