@@ -52,7 +52,12 @@ stage build "${BUILD_TIMEOUT:-300}" "$PY" setup.py build_ext --inplace --build-t
 stage import 60 "$PY" -c "import pagedkv, torch; assert pagedkv.built_with_cuda, 'built without CUDA'; print('cuda ops:', torch._C._dispatch_dump('pagedkv::paged_attention_v1').count('CUDA'))"
 stage tests "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -rs --maxfail=30 tests/test_cuda.py --junitxml="$LOG_DIR/test_cuda.xml"
 if [ -f bench/bench_kernels.py ]; then
+  touch "$LOG_DIR/.bench_start"
   stage bench "${BENCH_TIMEOUT:-180}" "$PY" bench/bench_kernels.py --device cuda
+  # Keep whatever result files the benchmark wrote (JSON/CSV/PNG) with the logs.
+  find bench -type f -newer "$LOG_DIR/.bench_start" \( -name '*.json' -o -name '*.csv' -o -name '*.png' \) \
+    -exec cp {} "$LOG_DIR/" \; 2>/dev/null
+  rm -f "$LOG_DIR/.bench_start"
 else
   echo "=== [bench] bench/bench_kernels.py not found, skipped"
   NAMES+=("bench")
