@@ -1,1 +1,449 @@
-// PLACEHOLDER
+// Decode PagedAttention on CUDA: v1 (one pass over the context) and v2 (split
+// over partitions of the context, then a reduce kernel).
+//
+// Instantiated set (the one of csrc/common/supported.h):
+//   dtype {float, half, bfloat16} x head_size {64, 80, 96, 112, 128, 256}
+//   x query heads per CTA {1, 2, 4, 8}           = 72 decode kernels + 3 reduce kernels.
+// Why: head_size is a template parameter because it fixes the per-lane register
+// arrays (query and accumulator slices) and the 16-byte-vector lane mapping; the
+// query-heads-per-CTA count fixes the size of those arrays (G = num_heads /
+// num_kv_heads is rounded up to 1, 2, 4 or 8, and G > 8 is split into chunks of
+// <= 8 heads across CTAs). block_size and partition_size are runtime values:
+// they only enter index arithmetic, and templating on them would triple the
+// set for no measurable gain. The prefill kernel (prefill_attention.cu) is
+// templated on dtype x head_size only (18 kernels).
+//
+// Decode kernel layout. One CTA = (kv head, chunk of <= 8 query heads sharing
+// it, sequence, partition); 4 warps. Every K/V row a CTA reads is used by all
+// its query heads, so with GQA the cache is read once per group (not once per
+// query head). Within a warp, a "lane group" of kGroup lanes (a power of two)
+// covers one token's head_size elements with 16-byte loads; the warp handles
+// 32 / kGroup tokens per pass and kPasses passes per step (all loads of a step
+// are issued before use). Warps take interleaved steps of the partition and run
+// their own online softmax (running max m, sum l, accumulator); at the end the
+// lane groups are summed with xor shuffles and the 4 warps merged through
+// shared memory. Logits never go to shared memory, so v1 handles any context
+// length with the same shared memory footprint (<= 32 KiB).
+#include <algorithm>
+
+#include "attention/attention_launch.h"
+#include "attention/attention_utils.cuh"
+
+namespace pagedkv::cuda {
+namespace {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * 32;
+constexpr int kMaxHeadsPerCta = 8;
+constexpr int kReduceChunk = 256;  // partitions whose weights are staged in shared memory at once
+
+struct DecodeParams {
+  PagedKV kv;
+  void* out;
+  const void* query;
+  int64_t out_stride;
+  int64_t query_stride;
+  const float* alibi_slopes;
+  float scale;
+  int num_heads;
+  int group_size;       // num_heads / num_kv_heads
+  int heads_per_chunk;  // query heads per CTA (<= kMaxHeadsPerCta)
+  int num_chunks;       // ceil(group_size / heads_per_chunk)
+  // v2 only; partition_size == 0 selects v1 (one partition = the whole context).
+  int partition_size;
+  int max_partitions;  // partition dim of the scratch tensors
+  int num_partitions;  // partitions launched (grid z)
+  float* exp_sums;
+  float* max_logits;
+  void* tmp_out;
+};
+
+// The lane mapping of the decode kernel, fixed at compile time.
+template <typename T, int D, int GC>
+struct DecodeShape {
+  static constexpr int kVec = Vec16<T>::kElems;      // elements per 16-byte load
+  static constexpr int kVecsPerRow = D / kVec;        // 16-byte loads per K/V row
+  static constexpr int kGroup = kVecsPerRow >= 32 ? 32 : pow2_ceil(kVecsPerRow);  // lanes per token
+  static constexpr int kVecsPerLane = (kVecsPerRow + kGroup - 1) / kGroup;
+  static constexpr int kDimsPerLane = kVecsPerLane * kVec;
+  static constexpr int kTokensPerPass = 32 / kGroup;
+  // Loads in flight per lane per step: K and V, kPasses * kVecsPerLane each.
+  // Fewer passes when the per-lane arrays are large, to stay clear of spills.
+  static constexpr int kPasses = (kVecsPerLane > 1 || (GC >= 8 && kDimsPerLane >= 8)) ? 2 : 4;
+  static constexpr int kStep = kTokensPerPass * kPasses;  // tokens per warp step
+  static_assert(D % kVec == 0, "head_size must be a multiple of the 16-byte vector");
+  static_assert(32 % kGroup == 0, "lane groups must tile the warp");
+};
+
+template <typename T, int D, int GC>
+__global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
+  using Shape = DecodeShape<T, D, GC>;
+  constexpr int VEC = Shape::kVec;
+  constexpr int VPR = Shape::kVecsPerRow;
+  constexpr int LG = Shape::kGroup;
+  constexpr int NV = Shape::kVecsPerLane;
+  constexpr int NDIM = Shape::kDimsPerLane;
+  constexpr int TP = Shape::kTokensPerPass;
+  constexpr int PP = Shape::kPasses;
+
+  __shared__ float s_acc[kDecodeWarps][GC][D];
+  __shared__ float s_max[kDecodeWarps][GC];
+  __shared__ float s_sum[kDecodeWarps][GC];
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group = lane / LG;          // which token of a pass
+  const int lane_in_group = lane % LG;  // which 16-byte slices of the row
+  const int kv_head = blockIdx.x / p.num_chunks;
+  const int chunk = blockIdx.x % p.num_chunks;
+  const int seq = blockIdx.y;
+  const int part = blockIdx.z;
+  const int head0 = kv_head * p.group_size + chunk * p.heads_per_chunk;
+  const int num_q = min(p.heads_per_chunk, p.group_size - chunk * p.heads_per_chunk);
+
+  // Clamped so that block_tables is never indexed past its row, whatever seq_lens holds.
+  const int seq_len = max(0, min(p.kv.seq_lens[seq], p.kv.max_blocks_per_seq * p.kv.block_size));
+  int start = 0;
+  int end = seq_len;
+  if (p.partition_size > 0) {
+    start = part * p.partition_size;
+    if (start >= seq_len) return;  // empty partition: the reduce kernel never reads it
+    end = min(seq_len, start + p.partition_size);
+  }
+
+  // This lane's slices of the (pre-scaled) query rows, in fp32.
+  float q[GC][NDIM];
+  float slope[GC];
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    const bool active = g < num_q;
+    const T* q_row = static_cast<const T*>(p.query) + seq * p.query_stride + int64_t(head0 + g) * D;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int c = lane_in_group + k * LG;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        q[g][k * VEC + e] = (active && c < VPR) ? to_float(q_row[c * VEC + e]) * p.scale : 0.f;
+      }
+    }
+    slope[g] = (active && p.alibi_slopes != nullptr) ? p.alibi_slopes[head0 + g] : 0.f;
+  }
+
+  float m[GC];          // running max (warp-uniform)
+  float l[GC];          // running sum of this lane group's tokens
+  float acc[GC][NDIM];  // running weighted sum of V over this lane group's tokens
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NDIM; ++j) acc[g][j] = 0.f;
+  }
+
+  const int32_t* table = p.kv.block_tables + int64_t(seq) * p.kv.max_blocks_per_seq;
+  const int64_t token_stride = int64_t(p.kv.num_kv_heads) * D;
+  const T* k_base = static_cast<const T*>(p.kv.key_cache) + int64_t(kv_head) * D;
+  const T* v_base = static_cast<const T*>(p.kv.value_cache) + int64_t(kv_head) * D;
+  const int num_steps = (end - start + Shape::kStep - 1) / Shape::kStep;
+
+  for (int step = warp; step < num_steps; step += kDecodeWarps) {
+    // Issue every K and V load of the step first.
+    uint4 k_raw[PP][NV];
+    uint4 v_raw[PP][NV];
+    int pos[PP];
+    bool valid[PP];
+#pragma unroll
+    for (int pp = 0; pp < PP; ++pp) {
+      pos[pp] = start + step * Shape::kStep + pp * TP + group;
+      valid[pp] = pos[pp] < end;
+      int64_t offset = 0;
+      if (valid[pp]) {
+        const int block = table[pos[pp] / p.kv.block_size];
+        // An out-of-range block id is masked and never dereferenced.
+        valid[pp] = block >= 0 && block < p.kv.num_blocks;
+        offset = (int64_t(block) * p.kv.block_size + pos[pp] % p.kv.block_size) * token_stride;
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int c = lane_in_group + k * LG;
+        if (valid[pp] && c < VPR) {
+          k_raw[pp][k] = load16(k_base + offset + c * VEC);
+          v_raw[pp][k] = load16(v_base + offset + c * VEC);
+        } else {
+          k_raw[pp][k] = make_uint4(0, 0, 0, 0);
+          v_raw[pp][k] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+
+    // Logits: partial dot products per lane, summed over the lane group.
+    float logit[PP][GC];
+#pragma unroll
+    for (int pp = 0; pp < PP; ++pp) {
+      float kf[NV][VEC];
+#pragma unroll
+      for (int k = 0; k < NV; ++k) unpack(k_raw[pp][k], kf[k], T{});
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dot = fmaf(q[g][k * VEC + e], kf[k][e], dot);
+        }
+        dot = warp_sum<1, LG>(dot);
+        logit[pp][g] = valid[pp] ? dot + slope[g] * float(pos[pp] - (seq_len - 1)) : -INFINITY;
+      }
+    }
+
+    // Online softmax update; logit[][] becomes the probabilities p.
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      float step_max = logit[0][g];
+#pragma unroll
+      for (int pp = 1; pp < PP; ++pp) step_max = fmaxf(step_max, logit[pp][g]);
+      step_max = warp_max<LG, 32>(step_max);  // over the tokens of the warp
+      const float m_new = fmaxf(m[g], step_max);
+      const float alpha = rescale_factor(m[g], m_new);
+      m[g] = m_new;
+      float p_sum = 0.f;
+#pragma unroll
+      for (int pp = 0; pp < PP; ++pp) {
+        logit[pp][g] = exp_shifted(logit[pp][g], m_new);
+        p_sum += logit[pp][g];
+      }
+      l[g] = l[g] * alpha + p_sum;
+#pragma unroll
+      for (int j = 0; j < NDIM; ++j) acc[g][j] *= alpha;
+    }
+
+#pragma unroll
+    for (int pp = 0; pp < PP; ++pp) {
+      float vf[NV][VEC];
+#pragma unroll
+      for (int k = 0; k < NV; ++k) unpack(v_raw[pp][k], vf[k], T{});
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][k * VEC + e] = fmaf(logit[pp][g], vf[k][e], acc[g][k * VEC + e]);
+        }
+      }
+    }
+  }
+
+  // Sum the lane groups (same running max across the warp), then merge the warps.
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    l[g] = warp_sum<LG, 32>(l[g]);
+#pragma unroll
+    for (int j = 0; j < NDIM; ++j) acc[g][j] = warp_sum<LG, 32>(acc[g][j]);
+  }
+  if (group == 0) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int c = lane_in_group + k * LG;
+        if (c < VPR) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) s_acc[warp][g][c * VEC + e] = acc[g][k * VEC + e];
+        }
+      }
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      s_max[warp][g] = m[g];
+      s_sum[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < num_q * D; i += kDecodeThreads) {
+    const int g = i / D;
+    const int d = i % D;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) m_all = fmaxf(m_all, s_max[w][g]);
+    float sum = 0.f;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float f = rescale_factor(s_max[w][g], m_all);
+      sum += s_sum[w][g] * f;
+      o += s_acc[w][g][d] * f;
+    }
+    // sum == 0: empty context (or every block id masked): the output is zeros.
+    const float result = sum > 0.f ? o / sum : 0.f;
+    const int head = head0 + g;
+    if (p.partition_size == 0) {
+      static_cast<T*>(p.out)[seq * p.out_stride + int64_t(head) * D + d] = from_float<T>(result);
+    } else {
+      const int64_t row = (int64_t(seq) * p.num_heads + head) * p.max_partitions + part;
+      static_cast<T*>(p.tmp_out)[row * D + d] = from_float<T>(result);
+      if (d == 0) {
+        p.max_logits[row] = m_all;
+        p.exp_sums[row] = sum;
+      }
+    }
+  }
+}
+
+// Block-wide max / sum over kDecodeThreads threads; s_red holds kDecodeWarps floats.
+__device__ float block_max(float x, float* s_red) {
+  x = warp_max<1, 32>(x);
+  if (threadIdx.x % 32 == 0) s_red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = s_red[0];
+#pragma unroll
+  for (int w = 1; w < kDecodeWarps; ++w) r = fmaxf(r, s_red[w]);
+  __syncthreads();  // s_red is reused by the caller
+  return r;
+}
+__device__ float block_sum(float x, float* s_red) {
+  x = warp_sum<1, 32>(x);
+  if (threadIdx.x % 32 == 0) s_red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = 0.f;
+#pragma unroll
+  for (int w = 0; w < kDecodeWarps; ++w) r += s_red[w];
+  __syncthreads();
+  return r;
+}
+
+// v2 reduce: one CTA per (head, sequence) combines the partitions of the
+// sequence: out = sum_p exp_sums[p] * exp(max_logits[p] - M) * tmp_out[p] / sum(...).
+// Partitions past the sequence's length were never written and are not read.
+template <typename T>
+__global__ void __launch_bounds__(kDecodeThreads) paged_decode_reduce_kernel(const DecodeParams p) {
+  constexpr int kMaxDimsPerThread = 256 / kDecodeThreads;  // head_size <= 256
+  __shared__ float s_weight[kReduceChunk];
+  __shared__ float s_red[kDecodeWarps];
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int head_size = p.kv.head_size;
+  const int seq_len = max(0, min(p.kv.seq_lens[seq], p.kv.max_blocks_per_seq * p.kv.block_size));
+  const int num_parts = min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size);
+  const int64_t row0 = (int64_t(seq) * p.num_heads + head) * p.max_partitions;
+  const float* max_logits = p.max_logits + row0;
+  const float* exp_sums = p.exp_sums + row0;
+  const T* tmp_out = static_cast<const T*>(p.tmp_out) + row0 * head_size;
+
+  float m_all = -INFINITY;
+  for (int i = threadIdx.x; i < num_parts; i += kDecodeThreads) m_all = fmaxf(m_all, max_logits[i]);
+  m_all = block_max(m_all, s_red);
+  float sum = 0.f;
+  for (int i = threadIdx.x; i < num_parts; i += kDecodeThreads) {
+    sum += exp_sums[i] * rescale_factor(max_logits[i], m_all);
+  }
+  sum = block_sum(sum, s_red);
+  const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+
+  float o[kMaxDimsPerThread] = {};
+  for (int base = 0; base < num_parts; base += kReduceChunk) {
+    const int n = min(kReduceChunk, num_parts - base);
+    __syncthreads();  // the previous chunk's weights are consumed
+    for (int i = threadIdx.x; i < n; i += kDecodeThreads) {
+      s_weight[i] = exp_sums[base + i] * rescale_factor(max_logits[base + i], m_all) * inv_sum;
+    }
+    __syncthreads();
+    for (int i = 0; i < n; ++i) {
+      const float w = s_weight[i];
+      const T* row = tmp_out + int64_t(base + i) * head_size;
+#pragma unroll
+      for (int k = 0; k < kMaxDimsPerThread; ++k) {
+        const int d = threadIdx.x + k * kDecodeThreads;
+        if (d < head_size) o[k] = fmaf(w, to_float(row[d]), o[k]);
+      }
+    }
+  }
+  T* out = static_cast<T*>(p.out) + seq * p.out_stride + int64_t(head) * head_size;
+#pragma unroll
+  for (int k = 0; k < kMaxDimsPerThread; ++k) {
+    const int d = threadIdx.x + k * kDecodeThreads;
+    if (d < head_size) out[d] = from_float<T>(o[k]);
+  }
+}
+
+DecodeParams make_params(const DecodeArgs& a) {
+  DecodeParams p{};
+  p.kv = a.kv;
+  p.out = a.out;
+  p.query = a.query;
+  p.out_stride = a.out_stride;
+  p.query_stride = a.query_stride;
+  p.alibi_slopes = a.alibi_slopes;
+  p.scale = a.scale;
+  p.num_heads = a.num_heads;
+  p.group_size = a.num_heads / a.kv.num_kv_heads;
+  // Split large groups evenly into chunks of at most kMaxHeadsPerCta heads.
+  p.num_chunks = (p.group_size + kMaxHeadsPerCta - 1) / kMaxHeadsPerCta;
+  p.heads_per_chunk = (p.group_size + p.num_chunks - 1) / p.num_chunks;
+  return p;
+}
+
+template <typename T, int D>
+void launch_decode(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
+  const int hc = p.heads_per_chunk;
+  if (hc == 1) {
+    paged_decode_kernel<T, D, 1><<<grid, kDecodeThreads, 0, stream>>>(p);
+  } else if (hc == 2) {
+    paged_decode_kernel<T, D, 2><<<grid, kDecodeThreads, 0, stream>>>(p);
+  } else if (hc <= 4) {
+    paged_decode_kernel<T, D, 4><<<grid, kDecodeThreads, 0, stream>>>(p);
+  } else {
+    paged_decode_kernel<T, D, 8><<<grid, kDecodeThreads, 0, stream>>>(p);
+  }
+}
+
+cudaError_t launch_decode_any(const DecodeParams& p, DType dtype, dim3 grid, cudaStream_t stream) {
+  return dispatch_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    return dispatch_head_size(p.kv.head_size, [&](auto hs) {
+      launch_decode<T, decltype(hs)::value>(p, grid, stream);
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace
+
+cudaError_t launch_paged_attention_v1(const DecodeArgs& args, cudaStream_t stream) {
+  if (args.num_seqs == 0) return cudaSuccess;
+  if (args.num_seqs > kMaxGridYZ) return cudaErrorInvalidConfiguration;
+  DecodeParams p = make_params(args);
+  const dim3 grid(args.kv.num_kv_heads * p.num_chunks, args.num_seqs, 1);
+  return launch_decode_any(p, args.dtype, grid, stream);
+}
+
+cudaError_t launch_paged_attention_v2(const DecodeArgs& args, const DecodeScratch& scratch, int max_seq_len,
+                                      cudaStream_t stream) {
+  if (args.num_seqs == 0) return cudaSuccess;
+  if (args.num_seqs > kMaxGridYZ || scratch.partition_size <= 0) return cudaErrorInvalidConfiguration;
+  DecodeParams p = make_params(args);
+  p.partition_size = scratch.partition_size;
+  p.max_partitions = scratch.max_partitions;
+  p.num_partitions = std::min((max_seq_len + scratch.partition_size - 1) / scratch.partition_size,
+                              scratch.max_partitions);
+  if (p.num_partitions > kMaxGridYZ) return cudaErrorInvalidConfiguration;
+  p.exp_sums = scratch.exp_sums;
+  p.max_logits = scratch.max_logits;
+  p.tmp_out = scratch.tmp_out;
+  if (p.num_partitions > 0) {
+    const dim3 grid(args.kv.num_kv_heads * p.num_chunks, args.num_seqs, p.num_partitions);
+    const cudaError_t err = launch_decode_any(p, args.dtype, grid, stream);
+    if (err != cudaSuccess) return err;
+  }
+  // The reduce runs even with no partition: it writes the zeros of empty sequences.
+  const dim3 reduce_grid(args.num_heads, args.num_seqs);
+  return dispatch_dtype(args.dtype, [&](auto t) {
+    using T = decltype(t);
+    paged_decode_reduce_kernel<T><<<reduce_grid, kDecodeThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace pagedkv::cuda

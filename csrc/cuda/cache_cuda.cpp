@@ -1,3 +1,168 @@
-// PLACEHOLDER (being replaced by the CUDA work)
+// CUDA block-copy ops: reshape_and_cache and copy_blocks launch the kernels of
+// csrc/cache/cache_kernels.cu; swap_blocks moves whole blocks with
+// cudaMemcpyAsync (GPU<->CPU, GPU->GPU), coalescing runs of consecutive blocks.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cache/cache_launch.h"
+#include "common/validation.h"
 #include "ops.h"
+
+namespace pagedkv {
+namespace {
+
+void check_cuda_call(const char* op, const char* what, cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, op, ": ", what, " failed: ", cudaGetErrorString(err));
+}
+
+void check_token_tensor(const char* name, const at::Tensor& t, const CacheDims& c, const at::Tensor& cache) {
+  TORCH_CHECK(t.defined(), "reshape_and_cache: ", name, " is required");
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == c.num_kv_heads && t.size(2) == c.head_size, "reshape_and_cache: ", name,
+              " must be [num_tokens, num_kv_heads=", c.num_kv_heads, ", head_size=", c.head_size, "], got shape ",
+              t.sizes());
+  TORCH_CHECK(t.scalar_type() == cache.scalar_type(), "reshape_and_cache: ", name, " dtype ", t.scalar_type(),
+              " differs from the cache dtype ", cache.scalar_type());
+  TORCH_CHECK(t.device() == cache.device(), "reshape_and_cache: ", name, " is on ", t.device(),
+              " but the cache is on ", cache.device());
+  TORCH_CHECK(t.stride(2) == 1, "reshape_and_cache: ", name, " must have a contiguous last dim, got strides ",
+              t.strides());
+}
+
+// One cudaMemcpyAsync per run of pairs (s, d), (s+1, d+1), ... of the mapping.
+void copy_block_runs(const char* op, const char* src, char* dst, const int64_t* pairs, int64_t num_pairs,
+                     int64_t block_bytes, cudaMemcpyKind kind, cudaStream_t stream) {
+  int64_t i = 0;
+  while (i < num_pairs) {
+    const int64_t s0 = pairs[2 * i];
+    const int64_t d0 = pairs[2 * i + 1];
+    int64_t run = 1;
+    while (i + run < num_pairs && pairs[2 * (i + run)] == s0 + run && pairs[2 * (i + run) + 1] == d0 + run) ++run;
+    check_cuda_call(op, "cudaMemcpyAsync",
+                    cudaMemcpyAsync(dst + d0 * block_bytes, src + s0 * block_bytes, run * block_bytes, kind, stream));
+    i += run;
+  }
+}
+
+}  // namespace
+
+void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  constexpr const char* op = "reshape_and_cache";
+  const CacheDims c = check_kv_cache(key_cache, value_cache, op);
+  check_token_tensor("key", key, c, key_cache);
+  check_token_tensor("value", value, c, key_cache);
+  TORCH_CHECK(value.size(0) == key.size(0), op, ": key has ", key.size(0), " tokens, value has ", value.size(0));
+  TORCH_CHECK(key_cache.is_cuda(), op, ": the CUDA kernel needs CUDA caches, got ", key_cache.device());
+  TORCH_CHECK(slot_mapping.defined() && slot_mapping.device() == key_cache.device(), op,
+              ": slot_mapping must be on the cache device ", key_cache.device(), ", got ",
+              slot_mapping.defined() ? slot_mapping.device() : at::Device(at::kCPU));
+  check_slot_mapping(op, slot_mapping, key.size(0), c);
+  const c10::cuda::CUDAGuard guard(key_cache.device());
+  cuda::ReshapeAndCacheArgs a{};
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.key_stride_token = key.stride(0);
+  a.key_stride_head = key.stride(1);
+  a.value_stride_token = value.stride(0);
+  a.value_stride_head = value.stride(1);
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  a.num_tokens = key.size(0);
+  a.num_slots = c.num_blocks * c.block_size;
+  a.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  a.head_size = static_cast<int>(c.head_size);
+  a.element_size = static_cast<int>(key_cache.element_size());
+  check_cuda_call(op, "kernel launch", cuda::launch_reshape_and_cache(a, c10::cuda::getCurrentCUDAStream()));
+}
+
+void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
+  constexpr const char* op = "copy_blocks";
+  TORCH_CHECK(key_caches.size() == value_caches.size(), op, ": got ", key_caches.size(), " key caches but ",
+              value_caches.size(), " value caches");
+  if (key_caches.empty()) return;
+  const CacheDims c0 = check_kv_cache(key_caches[0], value_caches[0], op);
+  const at::Device device = key_caches[0].device();
+  TORCH_CHECK(device.is_cuda(), op, ": the CUDA kernel needs CUDA caches, got ", device);
+  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(num_layers <= 65535, op, ": at most 65535 layers per call, got ", num_layers);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    check_kv_cache(key_caches[l], value_caches[l], op);
+    TORCH_CHECK(key_caches[l].sizes() == key_caches[0].sizes() &&
+                    key_caches[l].scalar_type() == key_caches[0].scalar_type(),
+                op, ": layer ", l, " cache shape/dtype ", key_caches[l].sizes(), " ", key_caches[l].scalar_type(),
+                " differs from layer 0 ", key_caches[0].sizes(), " ", key_caches[0].scalar_type());
+    TORCH_CHECK(key_caches[l].device() == device, op, ": layer ", l, " cache is on ", key_caches[l].device(),
+                ", layer 0 on ", device);
+    for (const at::Tensor* t : {&key_caches[l], &value_caches[l]}) {
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": layer ", l,
+                  " cache must be 16-byte aligned");
+    }
+  }
+  check_block_mapping(op, block_mapping, c0.num_blocks, c0.num_blocks);
+  TORCH_CHECK(block_mapping.is_cpu() || block_mapping.device() == device, op, ": block_mapping is on ",
+              block_mapping.device(), " but the caches are on ", device);
+  const int64_t num_pairs = block_mapping.size(0);
+  if (num_pairs == 0) return;
+  const c10::cuda::CUDAGuard guard(device);
+
+  // Base pointers of every layer (keys, then values), so one launch covers all layers.
+  // Pinned, so the host->device copy is asynchronous; the pinned-memory allocator keeps
+  // the buffer alive until the copy has run, the device allocator keeps both device
+  // tables alive (stream-ordered reuse) until the kernel has read them.
+  at::Tensor ptrs = at::empty({2 * num_layers}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* p = ptrs.data_ptr<int64_t>();
+  for (int64_t l = 0; l < num_layers; ++l) {
+    p[l] = reinterpret_cast<int64_t>(key_caches[l].data_ptr());
+    p[num_layers + l] = reinterpret_cast<int64_t>(value_caches[l].data_ptr());
+  }
+  const at::Tensor ptrs_dev = ptrs.to(device, /*non_blocking=*/true);
+  const at::Tensor mapping_dev = block_mapping.to(device, /*non_blocking=*/true).contiguous();
+  const int64_t block_bytes = key_caches[0].stride(0) * key_caches[0].element_size();
+  check_cuda_call(op, "kernel launch",
+                  cuda::launch_copy_blocks(ptrs_dev.data_ptr<int64_t>(), static_cast<int>(num_layers),
+                                           mapping_dev.data_ptr<int64_t>(), num_pairs, block_bytes, c0.num_blocks,
+                                           c10::cuda::getCurrentCUDAStream()));
+}
+
+void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  constexpr const char* op = "swap_blocks";
+  TORCH_CHECK(src.defined() && dst.defined(), op, ": src and dst are required");
+  TORCH_CHECK(src.dim() >= 2 && dst.dim() == src.dim() && src.sizes().slice(1) == dst.sizes().slice(1), op,
+              ": src and dst must hold blocks of one shape ([num_blocks, ...]), got ", src.sizes(), " and ",
+              dst.sizes());
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), op, ": src dtype ", src.scalar_type(),
+              " differs from dst dtype ", dst.scalar_type());
+  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), op, ": src and dst must be contiguous");
+  TORCH_CHECK((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()) && (src.is_cuda() || dst.is_cuda()),
+              op, ": the CUDA implementation copies between CUDA and CPU tensors, got src on ", src.device(),
+              " and dst on ", dst.device());
+  TORCH_CHECK(!(src.is_cuda() && dst.is_cuda()) || src.device() == dst.device(), op,
+              ": GPU->GPU swaps must stay on one device, got src on ", src.device(), " and dst on ", dst.device());
+  TORCH_CHECK(block_mapping.defined() && block_mapping.is_cpu(), op, ": block_mapping must be a CPU tensor, got ",
+              block_mapping.defined() ? block_mapping.device() : at::Device(at::kCPU));
+  check_block_mapping(op, block_mapping, src.size(0), dst.size(0));
+  const at::Tensor mapping = block_mapping.contiguous();
+  if (mapping.size(0) == 0) return;
+  const cudaMemcpyKind kind = src.is_cuda() ? (dst.is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
+                                            : cudaMemcpyHostToDevice;
+  const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
+  const int64_t block_bytes = src.stride(0) * src.element_size();
+  copy_block_runs(op, static_cast<const char*>(src.data_ptr()), static_cast<char*>(dst.data_ptr()),
+                  mapping.data_ptr<int64_t>(), mapping.size(0), block_bytes, kind,
+                  c10::cuda::getCurrentCUDAStream());
+}
+
+}  // namespace pagedkv
+
+TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
+  m.impl("reshape_and_cache", &pagedkv::reshape_and_cache_cuda);
+  m.impl("copy_blocks", &pagedkv::copy_blocks_cuda);
+  m.impl("swap_blocks", &pagedkv::swap_blocks_cuda);
+}

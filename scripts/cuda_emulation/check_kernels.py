@@ -1,0 +1,503 @@
+"""Check the CUDA kernels' logic on a machine without a GPU, by emulation.
+
+Compiles csrc/attention/*.cu and csrc/cache/cache_kernels.cu as host C++ against
+emu.h (one std::thread per CUDA thread, barriers for __syncthreads, an exchange
+buffer for warp shuffles), then runs small cases through the real launchers and
+compares with pagedkv.reference. It checks indexing, masking, partition bounds
+and reductions, not speed; the GPU tests (tests/test_cuda.py) remain the
+authority.
+
+    python scripts/cuda_emulation/check_kernels.py [--quick]
+
+Needs g++ (C++20) and the CUDA headers (CUDA_HOME, default /usr/local/cuda); no
+GPU and no built pagedkv extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import itertools
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+KERNELS = [
+    "attention/paged_attention.cu",
+    "attention/prefill_attention.cu",
+    "cache/cache_kernels.cu",
+]
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def load_reference():
+    spec = importlib.util.spec_from_file_location(
+        "reference", ROOT / "python/pagedkv/reference.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(build_dir: Path) -> ctypes.CDLL:
+    """Rewrites kernel launches as emu::launch calls and compiles a shared library."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = [HERE / "harness.cpp"]
+    for rel in KERNELS:
+        text = (ROOT / "csrc" / rel).read_text()
+        text = re.sub(
+            r"([\w:]+(?:<[^<>;]*>)?)<<<(.*?)>>>\((.*?)\);",
+            r"emu::launch(\1, \2, \3);",
+            text,
+            flags=re.DOTALL,
+        )
+        text = text.replace(
+            "extern __shared__ float4 smem_f4[];",
+            "float4* smem_f4 = emu::dynamic_smem<float4>();",
+        )
+        out = build_dir / (Path(rel).stem + ".cpp")
+        out.write_text('#include "emu.h"\n' + text)
+        sources.append(out)
+    lib = build_dir / "libpagedkv_emu.so"
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-O2",
+        "-fno-strict-aliasing",
+        "-fPIC",
+        "-shared",
+        "-w",
+        f"-I{HERE}",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{cuda_home}/include",
+        *map(str, sources),
+        "-o",
+        str(lib),
+        "-lpthread",
+    ]
+    subprocess.run(cmd, check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    p, i, ll, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    lib.emu_decode.argtypes = [
+        i,
+        i,
+        p,
+        p,
+        ll,
+        ll,
+        p,
+        p,
+        p,
+        p,
+        i,
+        i,
+        i,
+        i,
+        i,
+        p,
+        f,
+        i,
+        i,
+        p,
+        p,
+        p,
+        i,
+        i,
+        i,
+    ]
+    lib.emu_prefill.argtypes = [
+        i,
+        p,
+        p,
+        ll,
+        ll,
+        p,
+        p,
+        p,
+        p,
+        i,
+        i,
+        i,
+        i,
+        i,
+        p,
+        f,
+        i,
+        i,
+        i,
+        i,
+    ]
+    lib.emu_reshape.argtypes = [p, p, ll, ll, ll, ll, p, p, p, ll, ll, i, i, i]
+    lib.emu_copy_blocks.argtypes = [p, i, p, ll, ll, ll]
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def make_tables(seq_lens, block_size, gen, extra=3):
+    per_seq = [max(1, math.ceil(n / block_size)) for n in seq_lens]
+    num_blocks = sum(per_seq) + extra
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(per_seq):
+        table[s, :n] = perm[start : start + n].int()
+        start += n
+    return table, num_blocks
+
+
+class Checker:
+    def __init__(self, lib, ref):
+        self.lib, self.ref, self.cases = lib, ref, 0
+
+    def close(self, actual, expected, dtype, what):
+        torch.testing.assert_close(
+            actual.float(),
+            expected.float(),
+            atol=ATOL[dtype],
+            rtol=ATOL[dtype],
+            msg=what,
+        )
+        self.cases += 1
+
+    def decode(
+        self,
+        version,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        dtype,
+        *,
+        alibi=False,
+        partition_size=256,
+        strided=False,
+        seed=0,
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        tables, num_blocks = make_tables(seq_lens, block_size, gen)
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        kc, vc = (
+            torch.randn(shape, generator=gen).to(dtype),
+            torch.randn(shape, generator=gen).to(dtype),
+        )
+        n = len(seq_lens)
+        if strided:  # query as a slice of a bigger projection
+            query = torch.randn(n, 2, num_heads, head_size, generator=gen).to(dtype)[
+                :, 1
+            ]
+        else:
+            query = torch.randn(n, num_heads, head_size, generator=gen).to(dtype)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        slopes = (
+            torch.tensor(
+                [2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)]
+            )
+            if alibi
+            else None
+        )
+        scale = head_size**-0.5
+        out = torch.full((n, num_heads, head_size), 7.0).to(dtype)
+        max_len = max(seq_lens)
+        parts = (
+            max_len + partition_size - 1
+        ) // partition_size + 1  # one spare: must stay unread
+        exp_sums = torch.full((n, num_heads, parts), float("nan"))
+        max_logits = exp_sums.clone()
+        tmp_out = torch.full((n, num_heads, parts, head_size), float("nan")).to(dtype)
+        rc = self.lib.emu_decode(
+            version,
+            DTYPE_CODE[dtype],
+            ptr(out),
+            ptr(query),
+            out.stride(0),
+            query.stride(0),
+            ptr(kc),
+            ptr(vc),
+            ptr(tables),
+            ptr(lens),
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_size,
+            tables.shape[1],
+            ptr(slopes),
+            scale,
+            n,
+            num_heads,
+            ptr(exp_sums),
+            ptr(max_logits),
+            ptr(tmp_out),
+            parts,
+            partition_size,
+            max_len,
+        )
+        assert rc == 0, f"launcher returned {rc}"
+        expected = self.ref.paged_attention(query, kc, vc, tables, lens, scale, slopes)
+        self.close(
+            out,
+            expected,
+            dtype,
+            f"decode v{version} {dtype} d={head_size} bs={block_size} "
+            f"heads={num_heads}/{num_kv_heads}",
+        )
+
+    def decode_bad_block(self):
+        """An out-of-range block id is masked, never read: V = 1 everywhere gives exactly 1."""
+        kc = torch.randn(6, 16, 2, 64)
+        vc = torch.ones(6, 16, 2, 64)
+        query = torch.randn(2, 4, 64)
+        tables = torch.tensor([[0, 1 << 30, 2], [3, -7, 4]], dtype=torch.int32)
+        lens = torch.tensor([40, 20], dtype=torch.int32)
+        for version in (1, 2):
+            out = torch.zeros_like(query)
+            es, ml, tmp = (
+                torch.empty(2, 4, 1),
+                torch.empty(2, 4, 1),
+                torch.empty(2, 4, 1, 64),
+            )
+            rc = self.lib.emu_decode(
+                version,
+                0,
+                ptr(out),
+                ptr(query),
+                out.stride(0),
+                query.stride(0),
+                ptr(kc),
+                ptr(vc),
+                ptr(tables),
+                ptr(lens),
+                6,
+                16,
+                2,
+                64,
+                3,
+                None,
+                0.1,
+                2,
+                4,
+                ptr(es),
+                ptr(ml),
+                ptr(tmp),
+                1,
+                256,
+                40,
+            )
+            assert rc == 0
+            self.close(
+                out, torch.ones_like(out), torch.float32, f"bad block id, v{version}"
+            )
+
+    def prefill(
+        self,
+        q_lens,
+        ctx_lens,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        dtype,
+        seed=0,
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+        tables, num_blocks = make_tables(seq_lens, block_size, gen)
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        kc, vc = (
+            torch.randn(shape, generator=gen).to(dtype),
+            torch.randn(shape, generator=gen).to(dtype),
+        )
+        num_tokens = sum(q_lens)
+        query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        out = torch.full((num_tokens, num_heads, head_size), 7.0).to(dtype)
+        scale = head_size**-0.5
+        rc = self.lib.emu_prefill(
+            DTYPE_CODE[dtype],
+            ptr(out),
+            ptr(query),
+            out.stride(0),
+            query.stride(0),
+            ptr(kc),
+            ptr(vc),
+            ptr(tables),
+            ptr(lens),
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_size,
+            tables.shape[1],
+            ptr(qsl),
+            scale,
+            len(q_lens),
+            num_heads,
+            num_tokens,
+            max(q_lens),
+        )
+        assert rc == 0, f"launcher returned {rc}"
+        expected = self.ref.paged_prefill_attention(
+            query, kc, vc, tables, qsl, lens, scale
+        )
+        self.close(
+            out,
+            expected,
+            dtype,
+            f"prefill {dtype} d={head_size} bs={block_size} "
+            f"heads={num_heads}/{num_kv_heads}",
+        )
+
+    def cache_ops(self, dtype, head_size, strided):
+        gen = torch.Generator().manual_seed(head_size)
+        num_tokens, num_kv_heads, block_size, num_blocks = 21, 3, 8, 6
+        if strided:  # key/value as slices of a fused projection
+            fused = torch.randn(
+                num_tokens, 3, num_kv_heads, head_size, generator=gen
+            ).to(dtype)
+            key, value = fused[:, 1], fused[:, 2]
+        else:
+            key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(
+                dtype
+            )
+            value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(
+                dtype
+            )
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        slots[::5] = -1
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        kc, vc = (
+            torch.randn(shape, generator=gen).to(dtype),
+            torch.randn(shape, generator=gen).to(dtype),
+        )
+        ek, ev = kc.clone(), vc.clone()
+        self.ref.reshape_and_cache(key, value, ek, ev, slots)
+        rc = self.lib.emu_reshape(
+            ptr(key),
+            ptr(value),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            ptr(kc),
+            ptr(vc),
+            ptr(slots),
+            num_tokens,
+            num_blocks * block_size,
+            num_kv_heads,
+            head_size,
+            kc.element_size(),
+        )
+        assert rc == 0 and torch.equal(kc, ek) and torch.equal(vc, ev), (
+            "reshape_and_cache"
+        )
+        layers = [
+            (
+                torch.randn(shape, generator=gen).to(dtype),
+                torch.randn(shape, generator=gen).to(dtype),
+            )
+            for _ in range(2)
+        ]
+        ptrs = torch.tensor(
+            [k.data_ptr() for k, _ in layers] + [v.data_ptr() for _, v in layers]
+        )
+        mapping = torch.tensor([[0, 3], [1, 4], [5, 0]])
+        ek, ev = [k.clone() for k, _ in layers], [v.clone() for _, v in layers]
+        self.ref.copy_blocks(ek, ev, mapping)
+        rc = self.lib.emu_copy_blocks(
+            ptr(ptrs), 2, ptr(mapping), 3, kc.stride(0) * kc.element_size(), num_blocks
+        )
+        assert rc == 0
+        for (k, v), k_exp, v_exp in zip(layers, ek, ev):
+            assert torch.equal(k, k_exp) and torch.equal(v, v_exp), "copy_blocks"
+        self.cases += 2
+
+
+def run(checker: Checker, quick: bool) -> None:
+    dtypes = [torch.float16] if quick else list(DTYPE_CODE)
+    head_sizes = [64, 80, 128, 256] if quick else [64, 80, 96, 112, 128, 256]
+    # (num_heads, num_kv_heads): G = 1, 2, 3 (rounded up to 4), 8, 12 (two chunks of 6), 64 (MQA).
+    groups = (
+        [(2, 2), (8, 1)]
+        if quick
+        else [(2, 2), (6, 3), (3, 1), (8, 1), (12, 1), (64, 1)]
+    )
+    for dtype, head_size in itertools.product(dtypes, head_sizes):
+        for n, (num_heads, num_kv_heads) in enumerate(groups):
+            block_size = [8, 16, 32][(head_size // 16 + n) % 3]
+            for version in (1, 2):
+                checker.decode(
+                    version,
+                    [0, 1, 37, 300],
+                    num_heads,
+                    num_kv_heads,
+                    head_size,
+                    block_size,
+                    dtype,
+                    alibi=num_heads % 3 == 0,
+                    strided=head_size == 96,
+                    seed=head_size + num_heads,
+                )
+            checker.prefill(
+                [37, 70, 1, 0],
+                [0, 45, 100, 9],
+                num_heads,
+                num_kv_heads,
+                head_size,
+                block_size,
+                dtype,
+                seed=head_size + n,
+            )
+        print(f"  {dtype} head_size={head_size}: ok", flush=True)
+    checker.decode(
+        2,
+        [1, 1100, 513],
+        8,
+        2,
+        64,
+        8,
+        torch.bfloat16,
+        alibi=True,
+        partition_size=512,
+        seed=1,
+    )
+    checker.prefill(
+        [130, 3], [0, 200], 96, 1, 64, 16, torch.float16
+    )  # G > rows per CTA: head chunks
+    checker.decode_bad_block()
+    for dtype, head_size, strided in itertools.product(
+        DTYPE_CODE, (64, 80, 256), (False, True)
+    ):
+        checker.cache_ops(dtype, head_size, strided)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="fp16 and four head sizes only"
+    )
+    parser.add_argument("--build-dir", default=str(ROOT / "build" / "cuda_emulation"))
+    args = parser.parse_args()
+    lib = build(Path(args.build_dir))
+    bind(lib)
+    checker = Checker(lib, load_reference())
+    run(checker, args.quick)
+    print(f"cuda emulation: {checker.cases} checks passed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

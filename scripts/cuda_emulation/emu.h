@@ -1,0 +1,104 @@
+// Host emulation of the CUDA features the pagedkv kernels use, so their logic
+// (indexing, masking, partition bounds, shuffles, barriers) can be checked on a
+// machine without a GPU. Every CUDA thread of a block is a std::thread;
+// __syncthreads / __syncwarp are barriers and warp shuffles go through a
+// per-warp exchange buffer. Blocks run one after another, so `__shared__` can be
+// a function-local static. Slow: for logic checks on small shapes only. It says
+// nothing about speed, and memory-model races can hide from it.
+// Build with -fno-strict-aliasing: the kernels type-pun 16-byte vectors the CUDA way.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#undef __global__
+#define __global__
+#define __launch_bounds__(...)
+#undef __shared__
+#define __shared__ static
+#undef __device__
+#define __device__
+#undef __forceinline__
+#define __forceinline__ inline
+
+namespace emu {
+struct Warp {
+  std::barrier<> bar{32};
+  float buf[32];
+};
+struct Block {
+  explicit Block(int threads) : bar(threads) {
+    for (int w = 0; w < (threads + 31) / 32; ++w) warps.emplace_back(std::make_unique<Warp>());
+  }
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<Warp>> warps;
+  std::vector<unsigned char> smem;
+};
+inline thread_local Block* tl_block = nullptr;
+inline thread_local dim3 tl_tid, tl_bid, tl_bdim, tl_gdim;
+
+template <typename T>
+T* dynamic_smem() {
+  return reinterpret_cast<T*>(tl_block->smem.data());
+}
+
+template <typename K, typename... Args>
+void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, const Args&... args) {
+  const int threads = block.x * block.y * block.z;
+  Block b(threads);
+  std::barrier<> between(threads);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      tl_block = &b;
+      tl_tid = dim3(t, 0, 0);
+      tl_bdim = block;
+      tl_gdim = grid;
+      for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+          for (unsigned bx = 0; bx < grid.x; ++bx) {
+            if (t == 0) b.smem.assign(smem + 16, 0xcd);  // garbage, as on a GPU
+            between.arrive_and_wait();
+            tl_bid = dim3(bx, by, bz);
+            kernel(args...);
+            between.arrive_and_wait();
+          }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+}  // namespace emu
+
+#define threadIdx (emu::tl_tid)
+#define blockIdx (emu::tl_bid)
+#define blockDim (emu::tl_bdim)
+#define gridDim (emu::tl_gdim)
+
+inline void __syncthreads() { emu::tl_block->bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::tl_block->warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float x, int o) {
+  emu::Warp& w = *emu::tl_block->warps[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  w.buf[lane] = x;
+  w.bar.arrive_and_wait();
+  const float r = w.buf[lane ^ o];
+  w.bar.arrive_and_wait();
+  return r;
+}
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __expf(float x) { return std::exp(x); }
+using std::max;
+using std::min;
+
+#define cudaGetLastError() cudaSuccess
+#define cudaFuncSetAttribute(...) cudaSuccess

@@ -1,0 +1,54 @@
+// C entry points over the kernel launchers, for ctypes (see check_kernels.py).
+#include "emu.h"
+#include "attention/attention_launch.h"
+#include "cache/cache_launch.h"
+using namespace pagedkv::cuda;
+
+static PagedKV kv_of(const void* kc, const void* vc, const int* bt, const int* lens, int nb, int bs, int nkv, int hs,
+                     int mbps) {
+  PagedKV kv{};
+  kv.key_cache = kc; kv.value_cache = vc; kv.block_tables = bt; kv.seq_lens = lens;
+  kv.num_blocks = nb; kv.block_size = bs; kv.num_kv_heads = nkv; kv.head_size = hs; kv.max_blocks_per_seq = mbps;
+  return kv;
+}
+
+extern "C" int emu_decode(int version, int dtype, void* out, const void* query, long long out_stride,
+                          long long q_stride, const void* kc, const void* vc, const int* bt, const int* lens,
+                          int nb, int bs, int nkv, int hs, int mbps, const float* alibi, float scale, int num_seqs,
+                          int num_heads, float* es, float* ml, void* tmp, int max_parts, int part_size,
+                          int max_seq_len) {
+  DecodeArgs a{};
+  a.kv = kv_of(kc, vc, bt, lens, nb, bs, nkv, hs, mbps);
+  a.out = out; a.query = query; a.out_stride = out_stride; a.query_stride = q_stride;
+  a.alibi_slopes = alibi; a.scale = scale; a.num_seqs = num_seqs; a.num_heads = num_heads;
+  a.dtype = static_cast<DType>(dtype);
+  if (version == 1) return launch_paged_attention_v1(a, nullptr);
+  DecodeScratch s{es, ml, tmp, max_parts, part_size};
+  return launch_paged_attention_v2(a, s, max_seq_len, nullptr);
+}
+
+extern "C" int emu_prefill(int dtype, void* out, const void* query, long long out_stride, long long q_stride,
+                           const void* kc, const void* vc, const int* bt, const int* lens, int nb, int bs, int nkv,
+                           int hs, int mbps, const int* qsl, float scale, int num_seqs, int num_heads,
+                           int num_tokens, int max_query_len) {
+  PrefillArgs a{};
+  a.kv = kv_of(kc, vc, bt, lens, nb, bs, nkv, hs, mbps);
+  a.out = out; a.query = query; a.out_stride = out_stride; a.query_stride = q_stride;
+  a.query_start_loc = qsl; a.scale = scale; a.num_seqs = num_seqs; a.num_heads = num_heads;
+  a.num_tokens = num_tokens; a.max_query_len = max_query_len; a.dtype = static_cast<DType>(dtype);
+  return launch_paged_prefill_attention(a, nullptr);
+}
+
+extern "C" int emu_reshape(const void* key, const void* value, long long kst, long long ksh, long long vst,
+                           long long vsh, void* kc, void* vc, const long long* slots, long long num_tokens,
+                           long long num_slots, int nkv, int hs, int esize) {
+  ReshapeAndCacheArgs a{key, value, kst, ksh, vst, vsh, kc, vc, reinterpret_cast<const int64_t*>(slots),
+                        num_tokens, num_slots, nkv, hs, esize};
+  return launch_reshape_and_cache(a, nullptr);
+}
+
+extern "C" int emu_copy_blocks(const long long* ptrs, int num_layers, const long long* mapping, long long num_pairs,
+                               long long block_bytes, long long num_blocks) {
+  return launch_copy_blocks(reinterpret_cast<const int64_t*>(ptrs), num_layers,
+                            reinterpret_cast<const int64_t*>(mapping), num_pairs, block_bytes, num_blocks, nullptr);
+}

@@ -1,0 +1,601 @@
+"""CUDA kernels vs the pure-PyTorch reference and vs the CPU kernels.
+
+Every case builds a fresh random paged cache with a shuffled block table, so
+blocks of a sequence are not contiguous. Tolerances (absolute, on outputs of
+magnitude ~1): fp32 1e-4, fp16 5e-3, bf16 3e-2: the kernels accumulate in fp32
+and round once on output, the reference does the same in PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pagedkv
+import pytest
+import torch
+from pagedkv import ops, reference
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and pagedkv.built_with_cuda),
+    reason="needs a CUDA device and pagedkv built with CUDA",
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_SIZES = [64, 80, 96, 112, 128, 256]
+BLOCK_SIZES = [8, 16, 32]
+ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+DEVICE = "cuda"
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, gen):
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    value_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    return key_cache, value_cache
+
+
+def make_tables(seq_lens, block_size, gen, extra_blocks=3):
+    """Shuffled, non-overlapping block tables; returns (block_tables, num_blocks)."""
+    per_seq = [max(1, math.ceil(n / block_size)) for n in seq_lens]
+    max_blocks = max(per_seq)
+    num_blocks = sum(per_seq) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(per_seq):
+        table[s, :n] = perm[start : start + n].int()
+        start += n
+    return table.to(DEVICE), num_blocks
+
+
+def decode_case(
+    seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0, alibi=False
+):
+    gen = _seeded(seed)
+    block_tables, num_blocks = make_tables(seq_lens, block_size, gen)
+    key_cache, value_cache = make_cache(
+        num_blocks, block_size, num_kv_heads, head_size, dtype, gen
+    )
+    query = (
+        torch.randn(len(seq_lens), num_heads, head_size, generator=gen)
+        .to(dtype)
+        .to(DEVICE)
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    slopes = None
+    if alibi:
+        slopes = torch.tensor(
+            [2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)],
+            device=DEVICE,
+        )
+    return query, key_cache, value_cache, block_tables, lens, slopes
+
+
+def run_v1(query, key_cache, value_cache, block_tables, lens, slopes, scale, out=None):
+    out = torch.empty_like(query) if out is None else out
+    ops.paged_attention_v1(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        lens,
+        scale,
+        int(lens.max()) if lens.numel() else 0,
+        slopes,
+    )
+    return out
+
+
+def run_v2(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    lens,
+    slopes,
+    scale,
+    partition_size,
+    extra_partitions=0,
+):
+    max_len = int(lens.max()) if lens.numel() else 0
+    parts = (max_len + partition_size - 1) // partition_size + extra_partitions
+    n, h, d = query.shape
+    # Scratch filled with garbage: unused partitions must not leak into the output.
+    exp_sums = torch.full((n, h, parts), float("nan"), device=DEVICE)
+    max_logits = torch.full((n, h, parts), float("nan"), device=DEVICE)
+    tmp_out = torch.full((n, h, parts, d), float("nan"), device=DEVICE).to(query.dtype)
+    out = torch.empty_like(query)
+    ops.paged_attention_v2(
+        out,
+        exp_sums,
+        max_logits,
+        tmp_out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        lens,
+        scale,
+        max_len,
+        slopes,
+        partition_size,
+    )
+    return out
+
+
+def assert_close(actual, expected, dtype):
+    torch.testing.assert_close(
+        actual.float().cpu(), expected.float().cpu(), atol=ATOL[dtype], rtol=ATOL[dtype]
+    )
+
+
+def call_cpu_or_skip(fn):
+    try:
+        return fn()
+    except RuntimeError as e:  # the CPU kernels may not be built in this tree yet
+        if "not built" in str(e):
+            pytest.skip(f"CPU kernel unavailable: {e}")
+        raise
+
+
+# ---- decode ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_v1_all_shapes_match_reference(dtype, head_size, block_size):
+    # GQA ratio varies with the case so every instantiation meets several ratios overall.
+    num_kv_heads, group = [(2, 1), (1, 3), (2, 4), (1, 8)][
+        (head_size // 16 + block_size) % 4
+    ]
+    seq_lens = [1, 17, 97, block_size, 3 * block_size + 1, 300]
+    args = decode_case(
+        seq_lens,
+        num_kv_heads * group,
+        num_kv_heads,
+        head_size,
+        block_size,
+        dtype,
+        seed=head_size + block_size,
+    )
+    scale = head_size**-0.5
+    out = run_v1(*args, scale)
+    expected = reference.paged_attention(*args[:5], scale, args[5])
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads",
+    [(4, 4), (6, 2), (8, 2), (16, 2), (12, 1), (24, 2), (64, 1)],
+)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_gqa_ratios(num_heads, num_kv_heads, version):
+    dtype = torch.float16
+    args = decode_case(
+        [5, 64, 700, 1300], num_heads, num_kv_heads, 128, 16, dtype, seed=num_heads
+    )
+    scale = 128**-0.5
+    out = (
+        run_v1(*args, scale)
+        if version == "v1"
+        else run_v2(*args, scale, partition_size=256)
+    )
+    expected = reference.paged_attention(*args[:5], scale, args[5])
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partition_size", [256, 512, 1024])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_v2_multi_partition_matches_reference_and_v1(dtype, partition_size, head_size):
+    # Lengths on both sides of partition boundaries, one empty sequence, one much shorter
+    # than the longest (its trailing partitions must be skipped and ignored).
+    seq_lens = [
+        0,
+        1,
+        partition_size,
+        partition_size + 1,
+        2 * partition_size - 1,
+        3000,
+        37,
+    ]
+    args = decode_case(
+        seq_lens, 8, 2, head_size, 16, dtype, seed=partition_size + head_size
+    )
+    scale = head_size**-0.5
+    out = run_v2(*args, scale, partition_size, extra_partitions=2)
+    expected = reference.paged_attention(*args[:5], scale, args[5])
+    assert_close(out, expected, dtype)
+    assert_close(out, run_v1(*args, scale), dtype)
+    assert torch.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alibi(version, dtype):
+    args = decode_case([3, 250, 1100], 8, 2, 64, 16, dtype, seed=7, alibi=True)
+    scale = 0.125
+    out = (
+        run_v1(*args, scale)
+        if version == "v1"
+        else run_v2(*args, scale, partition_size=256)
+    )
+    expected = reference.paged_attention(*args[:5], scale, args[5])
+    assert_close(out, expected, dtype)
+
+
+def test_seq_len_zero_gives_zeros():
+    args = decode_case([0, 0, 5], 4, 4, 64, 16, torch.float32, seed=3)
+    out = run_v1(*args, 0.125, out=torch.full_like(args[0], 7.0))
+    assert torch.all(out[:2] == 0)
+    assert torch.all(run_v2(*args, 0.125, partition_size=256)[:2] == 0)
+
+
+def test_strided_query_and_out():
+    dtype = torch.float16
+    query, key_cache, value_cache, block_tables, lens, _ = decode_case(
+        [9, 130, 513], 8, 2, 96, 8, dtype, seed=11
+    )
+    big_q = torch.randn(3, 3 * 8 * 96, device=DEVICE).to(dtype)
+    q = big_q[:, 8 * 96 : 2 * 8 * 96].view(
+        3, 8, 96
+    )  # a slice of a fused QKV projection
+    q.copy_(query)
+    big_out = torch.zeros(3, 2 * 8 * 96, device=DEVICE, dtype=dtype)
+    out = big_out[:, 8 * 96 :].view(3, 8, 96)
+    assert q.stride(0) != 8 * 96 and out.stride(0) != 8 * 96
+    run_v1(q, key_cache, value_cache, block_tables, lens, None, 0.1, out=out)
+    expected = reference.paged_attention(
+        query, key_cache, value_cache, block_tables, lens, 0.1
+    )
+    assert_close(out, expected, dtype)
+    assert torch.all(big_out[:, : 8 * 96] == 0)  # nothing written outside the view
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_op_picks_a_path(dtype):
+    # Few sequences with long contexts: the allocating op takes v2 on CUDA.
+    for seq_lens in ([4000, 17], [5, 9, 33, 1] * 40):
+        args = decode_case(seq_lens, 8, 8, 128, 16, dtype, seed=len(seq_lens))
+        out = ops.paged_attention(*args[:5], 0.09, alibi_slopes=args[5])
+        assert_close(out, reference.paged_attention(*args[:5], 0.09, args[5]), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_decode_matches_cpu_kernels(dtype, version):
+    args = decode_case(
+        [1, 40, 333, 1024, 1500], 12, 4, 80, 16, dtype, seed=5, alibi=True
+    )
+    scale = 80**-0.5
+    cpu = [a.cpu() if a is not None else None for a in args]
+    if version == "v1":
+        out = run_v1(*args, scale)
+        cpu_out = torch.empty_like(cpu[0])
+        call_cpu_or_skip(
+            lambda: torch.ops.pagedkv.paged_attention_v1(
+                cpu_out, *cpu[:5], scale, 1500, cpu[5]
+            )
+        )
+    else:
+        out = run_v2(*args, scale, 512)
+        n, h, d = cpu[0].shape
+        es, ml = torch.empty(n, h, 3), torch.empty(n, h, 3)
+        tmp = torch.empty(n, h, 3, d, dtype=dtype)
+        cpu_out = torch.empty_like(cpu[0])
+        call_cpu_or_skip(
+            lambda: torch.ops.pagedkv.paged_attention_v2(
+                cpu_out, es, ml, tmp, *cpu[:5], scale, 1500, cpu[5], 512
+            )
+        )
+    assert_close(out, cpu_out, dtype)
+
+
+# ---- prefill -----------------------------------------------------------------------
+
+
+def prefill_case(
+    q_lens, ctx_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0
+):
+    gen = _seeded(seed)
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    block_tables, num_blocks = make_tables(seq_lens, block_size, gen)
+    key_cache, value_cache = make_cache(
+        num_blocks, block_size, num_kv_heads, head_size, dtype, gen
+    )
+    query = (
+        torch.randn(sum(q_lens), num_heads, head_size, generator=gen)
+        .to(dtype)
+        .to(DEVICE)
+    )
+    qsl = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return query, key_cache, value_cache, block_tables, qsl, lens
+
+
+def run_prefill(
+    query, key_cache, value_cache, block_tables, qsl, lens, scale, out=None
+):
+    out = torch.empty_like(query) if out is None else out
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    ops.paged_prefill_attention(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        qsl,
+        lens,
+        scale,
+        max(q_lens, default=0),
+        int(lens.max()) if lens.numel() else 0,
+    )
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+def test_prefill_matches_reference(dtype, head_size):
+    # Plain prefill, chunked prefill over a cached prefix, a single token, an empty sequence.
+    block_size = [8, 16, 32][head_size % 3]
+    args = prefill_case(
+        [37, 70, 1, 0, 130],
+        [0, 45, 200, 9, 64],
+        8,
+        2,
+        head_size,
+        block_size,
+        dtype,
+        seed=head_size,
+    )
+    scale = head_size**-0.5
+    out = run_prefill(*args, scale)
+    assert_close(out, reference.paged_prefill_attention(*args, scale), dtype)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads",
+    [(3, 3), (6, 2), (8, 2), (16, 2), (24, 1), (64, 1), (96, 1)],
+)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_prefill_gqa_ratios(num_heads, num_kv_heads, block_size):
+    dtype = torch.bfloat16
+    args = prefill_case(
+        [65, 3, 33],
+        [0, 100, 31],
+        num_heads,
+        num_kv_heads,
+        64,
+        block_size,
+        dtype,
+        seed=num_heads,
+    )
+    out = run_prefill(*args, 0.125)
+    assert_close(out, reference.paged_prefill_attention(*args, 0.125), dtype)
+
+
+def test_prefill_single_token_equals_decode():
+    dtype = torch.float32
+    query, key_cache, value_cache, block_tables, lens, _ = decode_case(
+        [1, 50, 400], 8, 4, 128, 16, dtype, seed=9
+    )
+    qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    out = run_prefill(query, key_cache, value_cache, block_tables, qsl, lens, 0.1)
+    assert_close(
+        out, run_v1(query, key_cache, value_cache, block_tables, lens, None, 0.1), dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_matches_cpu_kernel(dtype):
+    args = prefill_case([20, 64, 7], [10, 0, 90], 12, 4, 112, 16, dtype, seed=2)
+    out = run_prefill(*args, 0.1)
+    cpu = [a.cpu() for a in args]
+    cpu_out = torch.empty_like(cpu[0])
+    call_cpu_or_skip(
+        lambda: torch.ops.pagedkv.paged_prefill_attention(cpu_out, *cpu, 0.1, 64, 97)
+    )
+    assert_close(out, cpu_out, dtype)
+
+
+# ---- cache ops ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 80, 256])
+@pytest.mark.parametrize("strided", [False, True])
+def test_reshape_and_cache(dtype, head_size, strided):
+    gen = _seeded(head_size)
+    num_tokens, num_kv_heads, block_size, num_blocks = 45, 3, 16, 10
+    if strided:  # key/value as slices of a fused [tokens, 3 * heads * d] projection
+        fused = (
+            torch.randn(num_tokens, 3, num_kv_heads, head_size, generator=gen)
+            .to(dtype)
+            .to(DEVICE)
+        )
+        key, value = fused[:, 1], fused[:, 2]
+    else:
+        key = (
+            torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+            .to(dtype)
+            .to(DEVICE)
+        )
+        value = (
+            torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+            .to(dtype)
+            .to(DEVICE)
+        )
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::7] = -1  # padding tokens
+    slot_mapping = slots.to(DEVICE)
+    key_cache, value_cache = make_cache(
+        num_blocks, block_size, num_kv_heads, head_size, dtype, gen
+    )
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slot_mapping)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+def test_reshape_and_cache_unaligned_rows_take_the_scalar_path():
+    # A head stride that is not a multiple of 16 bytes (fp32, stride 65 elements).
+    gen = _seeded(1)
+    raw = torch.randn(9, 2, 65, generator=gen).to(DEVICE)
+    key = raw[:, :, :64]
+    value = raw[:, :, 1:]
+    key_cache, value_cache = make_cache(4, 8, 2, 64, torch.float32, gen)
+    slot_mapping = torch.tensor([0, 3, 31, -1, 8, 9, 10, 20, 17], device=DEVICE)
+    ek, ev = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, ek, ev, slot_mapping)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    assert torch.equal(key_cache, ek) and torch.equal(value_cache, ev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mapping_device", ["cpu", DEVICE])
+def test_copy_blocks_all_layers(dtype, mapping_device):
+    gen = _seeded(4)
+    layers = [make_cache(12, 16, 2, 128, dtype, gen) for _ in range(3)]
+    key_caches = [k for k, _ in layers]
+    value_caches = [v for _, v in layers]
+    mapping = torch.tensor([[0, 5], [1, 6], [2, 11], [7, 3]], dtype=torch.int64)
+    ek = [k.clone() for k in key_caches]
+    ev = [v.clone() for v in value_caches]
+    reference.copy_blocks(ek, ev, mapping)
+    ops.copy_blocks(key_caches, value_caches, mapping.to(mapping_device))
+    for a, b in zip(key_caches + value_caches, ek + ev):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("direction", ["gpu_to_cpu", "cpu_to_gpu", "gpu_to_gpu"])
+@pytest.mark.parametrize("pinned", [True, False])
+def test_swap_blocks(direction, pinned):
+    gen = _seeded(5)
+    shape = (10, 16, 2, 64)
+    src = torch.randn(shape, generator=gen).half()
+    dst = torch.randn(shape, generator=gen).half()
+    src_dev, dst_dev = {
+        "gpu_to_cpu": (DEVICE, "cpu"),
+        "cpu_to_gpu": ("cpu", DEVICE),
+        "gpu_to_gpu": (DEVICE, DEVICE),
+    }[direction]
+    src, dst = src.to(src_dev), dst.to(dst_dev)
+    if pinned:
+        src = src.pin_memory() if src.is_cpu else src
+        dst = dst.pin_memory() if dst.is_cpu else dst
+    # Consecutive runs (0,1,2 -> 4,5,6) are coalesced into one copy; the rest are single blocks.
+    mapping = torch.tensor([[0, 4], [1, 5], [2, 6], [9, 0], [3, 9]], dtype=torch.int64)
+    expected = dst.cpu().clone()
+    reference.swap_blocks(src.cpu(), expected, mapping)
+    ops.swap_blocks(src, dst, mapping)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), expected)
+
+
+# ---- bad input ---------------------------------------------------------------------
+
+
+def test_device_mismatch_is_an_error():
+    query, key_cache, value_cache, block_tables, lens, _ = decode_case(
+        [5], 4, 4, 64, 16, torch.float16
+    )
+    with pytest.raises(RuntimeError, match="device"):
+        run_v1(
+            query.cpu(),
+            key_cache,
+            value_cache,
+            block_tables,
+            lens,
+            None,
+            0.1,
+            out=torch.empty_like(query.cpu()),
+        )
+    with pytest.raises(RuntimeError, match="device"):
+        run_v1(query, key_cache, value_cache, block_tables.cpu(), lens, None, 0.1)
+
+
+def test_out_of_range_block_id_is_an_error():
+    query, key_cache, value_cache, block_tables, lens, _ = decode_case(
+        [40], 4, 4, 64, 16, torch.float16
+    )
+    bad = block_tables.clone()
+    bad[0, 1] = key_cache.shape[0] + 5
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run_v1(query, key_cache, value_cache, bad, lens, None, 0.1)
+    bad[0, 1] = -1
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run_v2(query, key_cache, value_cache, bad, lens, None, 0.1, partition_size=256)
+
+
+def test_bad_slot_mapping_and_block_mapping_are_errors():
+    key_cache, value_cache = make_cache(4, 8, 2, 64, torch.float16, _seeded(0))
+    key = torch.zeros(3, 2, 64, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="slot"):
+        ops.reshape_and_cache(
+            key, key, key_cache, value_cache, torch.tensor([0, 1, 32], device=DEVICE)
+        )
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        ops.reshape_and_cache(
+            key, key, key_cache, value_cache, torch.tensor([0, 1, 2])
+        )  # CPU slots
+    with pytest.raises(RuntimeError, match="block_mapping"):
+        ops.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 4]]))
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        ops.swap_blocks(
+            key_cache, value_cache.cpu(), torch.tensor([[0, 1]], device=DEVICE)
+        )
+
+
+def test_bad_block_id_is_masked_when_host_checks_are_skipped():
+    # PAGEDKV_SKIP_INDEX_CHECKS=1 drops the host-side table check (read once per process,
+    # hence the subprocess): the kernels must then skip the bad block, not read outside
+    # the cache. The sequence's other tokens still give a finite, normalized result.
+    script = textwrap.dedent(
+        """
+        import torch, pagedkv
+        from pagedkv import ops
+        torch.manual_seed(0)
+        kc = torch.randn(6, 16, 2, 64, device="cuda")
+        vc = torch.ones(6, 16, 2, 64, device="cuda")
+        q = torch.randn(2, 4, 64, device="cuda")
+        bt = torch.tensor([[0, 1 << 30, 2], [3, -7, 4]], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([40, 20], dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        ops.paged_attention_v1(out, q, kc, vc, bt, lens, 0.1, 40)
+        es = torch.empty(2, 4, 1, device="cuda"); ml = torch.empty_like(es)
+        tmp = torch.empty(2, 4, 1, 64, device="cuda"); out2 = torch.empty_like(q)
+        ops.paged_attention_v2(out2, es, ml, tmp, q, kc, vc, bt, lens, 0.1, 40, None, 256)
+        qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+        out3 = torch.empty_like(q)
+        ops.paged_prefill_attention(out3, q, kc, vc, bt, qsl, lens, 0.1, 1, 40)
+        torch.cuda.synchronize()
+        for o in (out, out2, out3):
+            # V is all ones, so any softmax-weighted mix of readable tokens is exactly 1.
+            assert torch.allclose(o, torch.ones_like(o)), o
+        print("masked ok")
+        """
+    )
+    env = dict(os.environ, PAGEDKV_SKIP_INDEX_CHECKS="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "masked ok" in result.stdout, result.stderr[
+        -2000:
+    ]
