@@ -99,11 +99,12 @@ void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const F& f) {
 // Decode
 // =====================================================================================
 
+// Per-thread state of one decode task; "heads" = the query heads of the task's kv heads.
 struct DecodeScratch {
-  std::vector<float> q;       // [G, D], pre-scaled
-  std::vector<float> acc;     // [G, D], unnormalized output
-  std::vector<float> logits;  // [G, kMaxBlockSize], probabilities after the update
-  std::vector<float> m, l;    // [G]
+  std::vector<float> q;       // [heads, D], pre-scaled
+  std::vector<float> acc;     // [heads, D], unnormalized output
+  std::vector<float> logits;  // [G, kMaxBlockSize] of the kv head in progress; probabilities after the update
+  std::vector<float> m, l;    // [heads] running max and sum of exp
 };
 
 // logits[j * kMaxBlockSize + t] = q_j . k_t for NT tokens and NG heads: each K
