@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import pagedkv  # noqa: F401  (registers torch.ops.pagedkv.*)
 from pagedkv import ops, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
