@@ -1,18 +1,145 @@
-// PLACEHOLDER (being replaced by the CPU kernel work): op entry points for CPU attention.
+// CPU entry points of the attention ops: validate (common/validation.h), fill
+// the raw-pointer parameter blocks, run the kernel variant for this CPU.
 #include <ATen/ATen.h>
+
+#include "common/validation.h"
+#include "cpu/attention_kernels.h"
+#include "cpu/cpu_capability.h"
 #include "ops.h"
+
 namespace pagedkv {
-void paged_attention_v1_cpu(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, int64_t, const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "paged_attention_v1: CPU kernel not built yet");
+namespace {
+
+using cpu::CpuCapability;
+
+void run_decode(const cpu::DecodeParams& params) {
+  switch (cpu::selected_cpu_capability()) {
+    case CpuCapability::kAvx512:
+      return cpu::AVX512::decode_attention(params);
+    case CpuCapability::kAvx2:
+      return cpu::AVX2::decode_attention(params);
+    case CpuCapability::kDefault:
+      break;
+  }
+  cpu::DEFAULT::decode_attention(params);
 }
-void paged_attention_v2_cpu(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                            const std::optional<at::Tensor>&, int64_t) {
-  TORCH_CHECK(false, "paged_attention_v2: CPU kernel not built yet");
+
+void run_reduce(const cpu::DecodeParams& params) {
+  switch (cpu::selected_cpu_capability()) {
+    case CpuCapability::kAvx512:
+      return cpu::AVX512::reduce_partitions(params);
+    case CpuCapability::kAvx2:
+      return cpu::AVX2::reduce_partitions(params);
+    case CpuCapability::kDefault:
+      break;
+  }
+  cpu::DEFAULT::reduce_partitions(params);
 }
-void paged_prefill_attention_cpu(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t) {
-  TORCH_CHECK(false, "paged_prefill_attention: CPU kernel not built yet");
+
+void run_prefill(const cpu::PrefillParams& params) {
+  switch (cpu::selected_cpu_capability()) {
+    case CpuCapability::kAvx512:
+      return cpu::AVX512::prefill_attention(params);
+    case CpuCapability::kAvx2:
+      return cpu::AVX2::prefill_attention(params);
+    case CpuCapability::kDefault:
+      break;
+  }
+  cpu::DEFAULT::prefill_attention(params);
 }
+
+cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale,
+                                const std::optional<at::Tensor>& alibi_slopes, const AttentionDims& d) {
+  cpu::DecodeParams p{};
+  p.dtype = query.scalar_type();
+  p.out = out.data_ptr();
+  p.out_stride = out.stride(0);
+  p.query = query.const_data_ptr();
+  p.query_stride = query.stride(0);
+  p.key_cache = key_cache.const_data_ptr();
+  p.value_cache = value_cache.const_data_ptr();
+  p.block_tables = block_tables.const_data_ptr<int32_t>();
+  p.max_blocks_per_seq = d.max_blocks_per_seq;
+  p.seq_lens = seq_lens.const_data_ptr<int32_t>();
+  p.alibi_slopes =
+      alibi_slopes.has_value() && alibi_slopes->defined() ? alibi_slopes->const_data_ptr<float>() : nullptr;
+  p.scale = static_cast<float>(scale);
+  p.num_seqs = d.num_seqs;
+  p.num_heads = d.num_heads;
+  p.num_kv_heads = d.num_kv_heads;
+  p.head_size = d.head_size;
+  p.block_size = d.block_size;
+  return p;
+}
+
+}  // namespace
+
+void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                            const std::optional<at::Tensor>& alibi_slopes) {
+  const char* op = "paged_attention_v1";
+  TORCH_CHECK(out.defined(), op, ": out is required");
+  const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
+                                              max_seq_len, alibi_slopes);
+  if (d.num_seqs == 0) return;
+  run_decode(decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, d));
+}
+
+void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits, at::Tensor& tmp_out,
+                            const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                            int64_t partition_size) {
+  const char* op = "paged_attention_v2";
+  TORCH_CHECK(out.defined(), op, ": out is required");
+  const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
+                                              max_seq_len, alibi_slopes);
+  check_v2_scratch(op, d, query, exp_sums, max_logits, tmp_out, max_seq_len, partition_size);
+  if (d.num_seqs == 0) return;
+  cpu::DecodeParams p =
+      decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, d);
+  p.partition_size = partition_size;
+  // Partitions past a sequence's end (and extra scratch columns) are marked empty.
+  p.max_partitions = exp_sums.size(2);
+  p.exp_sums = exp_sums.data_ptr<float>();
+  p.max_logits = max_logits.data_ptr<float>();
+  p.tmp_out = tmp_out.data_ptr();
+  run_decode(p);
+  run_reduce(p);
+}
+
+void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                                 int64_t max_query_len, int64_t max_seq_len) {
+  const char* op = "paged_prefill_attention";
+  TORCH_CHECK(out.defined(), op, ": out is required");
+  const PrefillDims pd = check_prefill_inputs(op, out, query, key_cache, value_cache, block_tables,
+                                              query_start_loc, seq_lens, max_query_len, max_seq_len);
+  const AttentionDims& d = pd.attn;
+  if (pd.num_tokens == 0 || d.num_seqs == 0) return;
+  cpu::PrefillParams p{};
+  p.dtype = query.scalar_type();
+  p.out = out.data_ptr();
+  p.out_stride = out.stride(0);
+  p.query = query.const_data_ptr();
+  p.query_stride = query.stride(0);
+  p.key_cache = key_cache.const_data_ptr();
+  p.value_cache = value_cache.const_data_ptr();
+  p.block_tables = block_tables.const_data_ptr<int32_t>();
+  p.max_blocks_per_seq = d.max_blocks_per_seq;
+  p.seq_lens = seq_lens.const_data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.const_data_ptr<int32_t>();
+  p.scale = static_cast<float>(scale);
+  p.num_seqs = d.num_seqs;
+  p.num_heads = d.num_heads;
+  p.num_kv_heads = d.num_kv_heads;
+  p.head_size = d.head_size;
+  p.block_size = d.block_size;
+  run_prefill(p);
+}
+
 }  // namespace pagedkv

@@ -1,1 +1,618 @@
-// PLACEHOLDER: per-ISA CPU attention kernels.
+// Paged attention on the CPU, vectorized with at::vec and parallel with
+// at::parallel_for. Compiled once per CPU_CAPABILITY (see attention_kernels.h).
+//
+// Shared ideas:
+//  - GQA: a task owns one kv head and all G = num_heads / num_kv_heads query
+//    heads that read it, so each K/V row is read from memory once per task.
+//  - Online softmax (running max m, running sum l, unnormalized accumulator),
+//    so K and V are streamed exactly once; all arithmetic in fp32.
+//  - Tasks are handed out dynamically (an atomic counter), because sequence
+//    lengths, partitions and causal tiles have very different costs.
+//
+// Decode works token by token: with one query row per head, dot products of a
+// K row against the G query vectors are the natural unit. Prefill tiles
+// query tokens x heads into up to ~4 vectors of rows, keeps Q and the output
+// transposed ([head_size, rows]) so rows are vector lanes, and runs two small
+// register-blocked matrix products per tile of 32 keys; the softmax is then
+// vectorized across rows as well.
+#include "cpu/attention_kernels.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+namespace pagedkv::cpu::CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kW = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Decode processes at most this many tokens per softmax update (the largest block size).
+constexpr int kMaxBlockSize = 32;
+// Prefill: keys per tile, and query rows (tokens x heads) aimed at per tile.
+constexpr int kKeyTile = 32;
+constexpr int kPrefillRows = 4 * kW;
+
+// ---- element access --------------------------------------------------------------
+
+template <typename T>
+inline Vec load_f32(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+template <typename T>
+inline float to_f32(T x) {
+  return static_cast<float>(x);
+}
+
+inline float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline void prefetch_rows(const char* base, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = base + r * row_stride_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+  }
+}
+
+// Runs f(task, scratch) for task in [0, num_tasks) on the intra-op thread pool,
+// handing tasks out one at a time; each thread builds one Scratch.
+template <typename Scratch, typename MakeScratch, typename F>
+void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const F& f) {
+  if (num_tasks <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch = make_scratch();
+    for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) f(task, scratch);
+  });
+}
+
+// =====================================================================================
+// Decode
+// =====================================================================================
+
+struct DecodeScratch {
+  std::vector<float> q;       // [G, D], pre-scaled
+  std::vector<float> acc;     // [G, D], unnormalized output
+  std::vector<float> logits;  // [G, kMaxBlockSize], probabilities after the update
+  std::vector<float> m, l;    // [G]
+};
+
+// logits[j * kMaxBlockSize + t] = q_j . k_t for NT tokens and NG heads: each K
+// row is loaded once for all NG heads, NT*NG independent FMA chains.
+template <typename T, int D, int NT, int NG>
+inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits) {
+  Vec acc[NG][NT];
+  for (int j = 0; j < NG; ++j)
+    for (int t = 0; t < NT; ++t) acc[j][t] = Vec(0.f);
+  for (int c = 0; c < D; c += kW) {
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load_f32(k + t * k_stride + c);
+    for (int j = 0; j < NG; ++j) {
+      const Vec qv = Vec::loadu(q + j * D + c);
+      for (int t = 0; t < NT; ++t) acc[j][t] = at::vec::fmadd(qv, kv[t], acc[j][t]);
+    }
+  }
+  for (int j = 0; j < NG; ++j)
+    for (int t = 0; t < NT; ++t) logits[j * kMaxBlockSize + t] = hsum(acc[j][t]);
+}
+
+template <typename T, int D, int NG>
+inline void qk_block_heads(const float* q, const T* k, int64_t k_stride, int n, float* logits) {
+  constexpr int NT = NG <= 2 ? 4 : 2;
+  // Rows up to round_up(n, NT) <= block_size exist in the block; extra logits are masked later.
+  for (int t = 0; t < n; t += NT) qk_tile<T, D, NT, NG>(q, k + t * k_stride, k_stride, logits + t);
+}
+
+// logits for G heads x n tokens of one block (rows k, k + k_stride, ...).
+template <typename T, int D>
+inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) qk_block_heads<T, D, 4>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+  switch (G - g) {
+    case 3:
+      qk_block_heads<T, D, 3>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+      break;
+    case 2:
+      qk_block_heads<T, D, 2>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+      break;
+    case 1:
+      qk_block_heads<T, D, 1>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+      break;
+    default:
+      break;
+  }
+}
+
+// acc[j] += sum_t p[j][t] * v_t for NG heads; accumulators stay in registers
+// across the block's tokens, NC vectors of head_size at a time.
+template <typename T, int D, int NG>
+inline void pv_block_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc) {
+  constexpr int NC = (D / kW) % 2 == 0 ? 2 : 1;
+  for (int c = 0; c < D; c += NC * kW) {
+    Vec a[NG][NC];
+    for (int j = 0; j < NG; ++j)
+      for (int i = 0; i < NC; ++i) a[j][i] = Vec::loadu(acc + j * D + c + i * kW);
+    for (int t = 0; t < n; ++t) {
+      Vec vv[NC];
+      for (int i = 0; i < NC; ++i) vv[i] = load_f32(v + t * v_stride + c + i * kW);
+      for (int j = 0; j < NG; ++j) {
+        const Vec pb(p[j * kMaxBlockSize + t]);
+        for (int i = 0; i < NC; ++i) a[j][i] = at::vec::fmadd(pb, vv[i], a[j][i]);
+      }
+    }
+    for (int j = 0; j < NG; ++j)
+      for (int i = 0; i < NC; ++i) a[j][i].store(acc + j * D + c + i * kW);
+  }
+}
+
+template <typename T, int D>
+inline void pv_block(const float* p, int64_t G, const T* v, int64_t v_stride, int n, float* acc) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) pv_block_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+  switch (G - g) {
+    case 3:
+      pv_block_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      break;
+    case 2:
+      pv_block_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      break;
+    case 1:
+      pv_block_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      break;
+    default:
+      break;
+  }
+}
+
+// Online-softmax update of one head with n new logits (row of kMaxBlockSize):
+// rescales the accumulator when the max grows, turns logits into exp(logit - m).
+template <int D>
+inline void softmax_update(float* logits, int n, float& m, float& l, float* acc) {
+  float block_max = kNegInf;
+  for (int t = 0; t < n; ++t) block_max = std::max(block_max, logits[t]);
+  if (block_max > m) {
+    const float correction = std::exp(m - block_max);  // 0 on the first block (m = -inf)
+    if (l != 0.f) {
+      const Vec cv(correction);
+      for (int c = 0; c < D; c += kW) (Vec::loadu(acc + c) * cv).store(acc + c);
+    }
+    l *= correction;
+    m = block_max;
+  }
+  const int padded = static_cast<int>(round_up(n, kW));
+  for (int t = n; t < padded; ++t) logits[t] = kNegInf;
+  const Vec mv(m);
+  Vec sum(0.f);
+  for (int t = 0; t < padded; t += kW) {
+    const Vec e = (Vec::loadu(logits + t) - mv).exp_u20();
+    e.store(logits + t);
+    sum = sum + e;
+  }
+  l += hsum(sum);
+}
+
+// Attention of the G query heads of (seq, kv_head) over tokens [begin, end) of the
+// sequence; leaves m, l and the unnormalized accumulator in the scratch.
+template <typename T, int D>
+void attend_tokens(const DecodeParams& p, int64_t seq, int64_t kv_head, int64_t begin, int64_t end,
+                   DecodeScratch& s) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t bs = p.block_size;
+  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens of one kv head
+  const int64_t seq_len = p.seq_lens[seq];
+  const T* query = static_cast<const T*>(p.query) + seq * p.query_stride + kv_head * G * D;
+  for (int64_t i = 0; i < G * D; ++i) s.q[i] = to_f32(query[i]) * p.scale;
+  std::fill(s.acc.begin(), s.acc.begin() + G * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + G, kNegInf);
+  std::fill(s.l.begin(), s.l.begin() + G, 0.f);
+
+  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * D;
+  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * D;
+  const int32_t* table = p.block_tables + seq * p.max_blocks_per_seq;
+  const float* slopes = p.alibi_slopes ? p.alibi_slopes + kv_head * G : nullptr;
+  const int64_t first_block = begin / bs, end_block = (end + bs - 1) / bs;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T)), stride_bytes = row_stride * sizeof(T);
+  for (int64_t b = first_block; b < end_block; ++b) {
+    const int64_t block_offset = static_cast<int64_t>(table[b]) * bs * row_stride;
+    const T* k = key_cache + block_offset;
+    const T* v = value_cache + block_offset;
+    if (b + 1 < end_block) {
+      // The rows of one kv head are strided (num_kv_heads * head_size apart), which
+      // the hardware prefetcher does not follow across pages: ask for the next block.
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * bs * row_stride;
+      prefetch_rows(reinterpret_cast<const char*>(key_cache + next), bs, stride_bytes, row_bytes);
+      prefetch_rows(reinterpret_cast<const char*>(value_cache + next), bs, stride_bytes, row_bytes);
+    }
+    const int64_t token0 = b * bs;
+    const int n = static_cast<int>(std::min(bs, end - token0));
+    qk_block<T, D>(s.q.data(), G, k, row_stride, n, s.logits.data());
+    for (int64_t g = 0; g < G; ++g) {
+      float* logits = s.logits.data() + g * kMaxBlockSize;
+      if (slopes) {
+        for (int t = 0; t < n; ++t) logits[t] += slopes[g] * static_cast<float>(token0 + t - (seq_len - 1));
+      }
+      softmax_update<D>(logits, n, s.m[g], s.l[g], s.acc.data() + g * D);
+    }
+    pv_block<T, D>(s.logits.data(), G, v, row_stride, n, s.acc.data());
+  }
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, float scale, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
+}
+
+// One task: (seq, kv_head) for v1, (seq, kv_head, partition) for v2.
+template <typename T, int D>
+void decode_task(const DecodeParams& p, int64_t task, DecodeScratch& s) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const bool v2 = p.partition_size > 0;
+  const int64_t parts = v2 ? p.max_partitions : 1;
+  const int64_t part = task % parts;
+  const int64_t kv_head = (task / parts) % p.num_kv_heads;
+  const int64_t seq = task / (parts * p.num_kv_heads);
+  const int64_t seq_len = p.seq_lens[seq];
+  const int64_t begin = v2 ? part * p.partition_size : 0;
+  const int64_t end = v2 ? std::min(seq_len, begin + p.partition_size) : seq_len;
+  const int64_t head0 = kv_head * G;
+  if (!v2) {
+    T* out = static_cast<T*>(p.out) + seq * p.out_stride + head0 * D;
+    if (seq_len == 0) {
+      std::fill(out, out + G * D, static_cast<T>(0.f));
+      return;
+    }
+    attend_tokens<T, D>(p, seq, kv_head, begin, end, s);
+    for (int64_t g = 0; g < G; ++g) store_row(out + g * D, s.acc.data() + g * D, 1.f / s.l[g], D);
+    return;
+  }
+  const int64_t stat = (seq * p.num_heads + head0) * p.max_partitions + part;  // [seq, head0, part]
+  if (begin >= end) {
+    // Beyond this sequence's length: mark empty; the reduce never reads them.
+    for (int64_t g = 0; g < G; ++g) {
+      p.max_logits[stat + g * p.max_partitions] = kNegInf;
+      p.exp_sums[stat + g * p.max_partitions] = 0.f;
+    }
+    return;
+  }
+  attend_tokens<T, D>(p, seq, kv_head, begin, end, s);
+  T* tmp_out = static_cast<T*>(p.tmp_out);
+  for (int64_t g = 0; g < G; ++g) {
+    p.max_logits[stat + g * p.max_partitions] = s.m[g];
+    p.exp_sums[stat + g * p.max_partitions] = s.l[g];
+    store_row(tmp_out + (stat + g * p.max_partitions) * D, s.acc.data() + g * D, 1.f / s.l[g], D);
+  }
+}
+
+template <typename T, int D>
+void decode_impl(const DecodeParams& p) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t parts = p.partition_size > 0 ? p.max_partitions : 1;
+  const int64_t num_tasks = p.num_seqs * p.num_kv_heads * parts;
+  auto make_scratch = [&] {
+    DecodeScratch s;
+    s.q.resize(G * D);
+    s.acc.resize(G * D);
+    s.logits.resize(G * kMaxBlockSize);
+    s.m.resize(G);
+    s.l.resize(G);
+    return s;
+  };
+  run_tasks<DecodeScratch>(num_tasks, make_scratch,
+                           [&](int64_t task, DecodeScratch& s) { decode_task<T, D>(p, task, s); });
+}
+
+// v2 second pass: out = sum_p w_p * tmp_out_p / sum_p w_p with w_p = exp_sums_p * exp(max_p - max).
+template <typename T, int D>
+void reduce_impl(const DecodeParams& p) {
+  const int64_t P = p.max_partitions;
+  at::parallel_for(0, p.num_seqs * p.num_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(P);
+    float acc[D];
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const int64_t seq = sh / p.num_heads, head = sh % p.num_heads;
+      T* out = static_cast<T*>(p.out) + seq * p.out_stride + head * D;
+      const int64_t seq_len = p.seq_lens[seq];
+      const int64_t parts = (seq_len + p.partition_size - 1) / p.partition_size;
+      if (parts == 0) {
+        std::fill(out, out + D, static_cast<T>(0.f));
+        continue;
+      }
+      const T* tmp = static_cast<const T*>(p.tmp_out) + sh * P * D;
+      if (parts == 1) {
+        std::copy(tmp, tmp + D, out);
+        continue;
+      }
+      const float* max_logits = p.max_logits + sh * P;
+      const float* exp_sums = p.exp_sums + sh * P;
+      const float global_max = *std::max_element(max_logits, max_logits + parts);
+      float total = 0.f;
+      for (int64_t i = 0; i < parts; ++i) {
+        weights[i] = exp_sums[i] * std::exp(max_logits[i] - global_max);
+        total += weights[i];
+      }
+      for (int c = 0; c < D; c += kW) Vec(0.f).store(acc + c);
+      for (int64_t i = 0; i < parts; ++i) {
+        const Vec w(weights[i] / total);
+        for (int c = 0; c < D; c += kW) at::vec::fmadd(w, load_f32(tmp + i * D + c), Vec::loadu(acc + c)).store(acc + c);
+      }
+      store_row(out, acc, 1.f, D);
+    }
+  });
+}
+
+// =====================================================================================
+// Prefill
+// =====================================================================================
+
+struct PrefillScratch {
+  std::vector<float> qt;      // [D, RP] query, transposed and pre-scaled
+  std::vector<float> ot;      // [D, RP] unnormalized output, transposed
+  std::vector<float> scores;  // [kKeyTile, RP] logits, then probabilities
+  std::vector<float> kf, vf;  // [kKeyTile, D] K/V tile in fp32
+  std::vector<float> m, l, qpos;  // [RP]
+};
+
+// scores[t][r] = sum_d kf[t][d] * qt[d][r]: NT keys x NR row vectors per step.
+template <int D, int NT, int NR>
+inline void qk_micro(const float* kf, const float* qt, int64_t rp, float* scores) {
+  Vec acc[NT][NR];
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < NR; ++i) acc[t][i] = Vec(0.f);
+  for (int d = 0; d < D; ++d) {
+    Vec qv[NR];
+    for (int i = 0; i < NR; ++i) qv[i] = Vec::loadu(qt + d * rp + i * kW);
+    for (int t = 0; t < NT; ++t) {
+      const Vec kb(kf[t * D + d]);
+      for (int i = 0; i < NR; ++i) acc[t][i] = at::vec::fmadd(kb, qv[i], acc[t][i]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < NR; ++i) acc[t][i].store(scores + t * rp + i * kW);
+}
+
+// ot[d][r] += sum_t vf[t][d] * probs[t][r] for ND dims x NR row vectors, t < n.
+template <int D, int ND, int NR>
+inline void pv_micro(const float* vf, const float* probs, int64_t rp, int n, float* ot) {
+  Vec acc[ND][NR];
+  for (int d = 0; d < ND; ++d)
+    for (int i = 0; i < NR; ++i) acc[d][i] = Vec::loadu(ot + d * rp + i * kW);
+  for (int t = 0; t < n; ++t) {
+    Vec pv[NR];
+    for (int i = 0; i < NR; ++i) pv[i] = Vec::loadu(probs + t * rp + i * kW);
+    for (int d = 0; d < ND; ++d) {
+      const Vec vb(vf[t * D + d]);
+      for (int i = 0; i < NR; ++i) acc[d][i] = at::vec::fmadd(vb, pv[i], acc[d][i]);
+    }
+  }
+  for (int d = 0; d < ND; ++d)
+    for (int i = 0; i < NR; ++i) acc[d][i].store(ot + d * rp + i * kW);
+}
+
+template <int D>
+void qk_tile_rows(const float* kf, const float* qt, int64_t rp, int n_keys, float* scores) {
+  constexpr int NT = 4;
+  const int64_t nvec = rp / kW;
+  for (int t = 0; t < n_keys; t += NT) {
+    int64_t i = 0;
+    for (; i + 2 <= nvec; i += 2) qk_micro<D, NT, 2>(kf + t * D, qt + i * kW, rp, scores + t * rp + i * kW);
+    if (i < nvec) qk_micro<D, NT, 1>(kf + t * D, qt + i * kW, rp, scores + t * rp + i * kW);
+  }
+}
+
+template <int D>
+void pv_tile_rows(const float* vf, const float* probs, int64_t rp, int n_keys, float* ot) {
+  constexpr int ND = 4;
+  const int64_t nvec = rp / kW;
+  for (int d = 0; d < D; d += ND) {
+    int64_t i = 0;
+    for (; i + 2 <= nvec; i += 2) pv_micro<D, ND, 2>(vf + d, probs + i * kW, rp, n_keys, ot + d * rp + i * kW);
+    if (i < nvec) pv_micro<D, ND, 1>(vf + d, probs + i * kW, rp, n_keys, ot + d * rp + i * kW);
+  }
+}
+
+// Copy keys [k0, k0 + n) of one kv head into a dense fp32 tile [kKeyTile, D].
+template <typename T, int D>
+inline void load_key_tile(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t k0, int n,
+                          float* dst) {
+  for (int t = 0; t < n; ++t) {
+    const int64_t pos = k0 + t;
+    const T* row = cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+    for (int c = 0; c < D; c += kW) load_f32(row + c).store(dst + t * D + c);
+  }
+}
+
+struct PrefillTask {
+  int64_t seq;
+  int64_t first_token;  // index among the sequence's new tokens
+  int64_t num_tokens;
+  int64_t key_end;      // keys [0, key_end) are visible to some row of the tile
+};
+
+template <typename T, int D>
+void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_head, PrefillScratch& s) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t rows = task.num_tokens * G;
+  const int64_t rp = round_up(rows, kW);
+  const int64_t q_begin = p.query_start_loc[task.seq];
+  const int64_t q_len = p.query_start_loc[task.seq + 1] - q_begin;
+  const int64_t context = p.seq_lens[task.seq] - q_len;  // tokens before the new ones
+  const T* query = static_cast<const T*>(p.query);
+  // Row r = token * G + g; padding rows see every key and have zero queries.
+  for (int64_t r = 0; r < rp; ++r) {
+    const bool real = r < rows;
+    const int64_t token = real ? task.first_token + r / G : task.first_token + task.num_tokens - 1;
+    s.qpos[r] = static_cast<float>(context + token);
+    s.m[r] = kNegInf;
+    s.l[r] = 0.f;
+    const T* q = real ? query + (q_begin + token) * p.query_stride + (kv_head * G + r % G) * D : nullptr;
+    for (int64_t d = 0; d < D; ++d) {
+      s.qt[d * rp + r] = real ? to_f32(q[d]) * p.scale : 0.f;
+      s.ot[d * rp + r] = 0.f;
+    }
+  }
+  const int64_t bs = p.block_size;
+  const int64_t row_stride = p.num_kv_heads * D;
+  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * D;
+  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * D;
+  const int32_t* table = p.block_tables + task.seq * p.max_blocks_per_seq;
+  const int64_t min_pos = context + task.first_token;
+  const int64_t nvec = rp / kW;
+  for (int64_t k0 = 0; k0 < task.key_end; k0 += kKeyTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeyTile, task.key_end - k0));
+    load_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, s.kf.data());
+    load_key_tile<T, D>(value_cache, table, bs, row_stride, k0, n, s.vf.data());
+    // Keys up to round_up(n, 4) are multiplied; rows t >= n are never read afterwards.
+    qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
+    const bool needs_mask = k0 + n - 1 > min_pos;
+    for (int64_t i = 0; i < nvec; ++i) {
+      float* sc = s.scores.data() + i * kW;
+      if (needs_mask) {
+        const Vec qpos = Vec::loadu(s.qpos.data() + i * kW);
+        for (int t = 0; t < n; ++t) {
+          const Vec masked = Vec(static_cast<float>(k0 + t)) > qpos;
+          Vec::blendv(Vec::loadu(sc + t * rp), Vec(kNegInf), masked).store(sc + t * rp);
+        }
+      }
+      Vec tile_max(kNegInf);
+      for (int t = 0; t < n; ++t) tile_max = at::vec::maximum(tile_max, Vec::loadu(sc + t * rp));
+      const Vec m_old = Vec::loadu(s.m.data() + i * kW);
+      const Vec m_new = at::vec::maximum(m_old, tile_max);  // finite: key 0 is visible to every row
+      const Vec correction = (m_old - m_new).exp_u20();
+      Vec sum(0.f);
+      for (int t = 0; t < n; ++t) {
+        const Vec e = (Vec::loadu(sc + t * rp) - m_new).exp_u20();
+        e.store(sc + t * rp);
+        sum = sum + e;
+      }
+      at::vec::fmadd(Vec::loadu(s.l.data() + i * kW), correction, sum).store(s.l.data() + i * kW);
+      m_new.store(s.m.data() + i * kW);
+      if (k0 > 0) {
+        for (int64_t d = 0; d < D; ++d) {
+          float* o = s.ot.data() + d * rp + i * kW;
+          (Vec::loadu(o) * correction).store(o);
+        }
+      }
+    }
+    pv_tile_rows<D>(s.vf.data(), s.scores.data(), rp, n, s.ot.data());
+  }
+  T* out = static_cast<T*>(p.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = task.first_token + r / G;
+    T* o = out + (q_begin + token) * p.out_stride + (kv_head * G + r % G) * D;
+    const float inv = 1.f / s.l[r];
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(s.ot[d * rp + r] * inv);
+  }
+}
+
+template <typename T, int D>
+void prefill_impl(const PrefillParams& p) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t tile_tokens = std::max<int64_t>(1, kPrefillRows / G);
+  std::vector<PrefillTask> tiles;
+  for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
+    const int64_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+    const int64_t context = p.seq_lens[seq] - q_len;
+    for (int64_t t = 0; t < q_len; t += tile_tokens) {
+      const int64_t n = std::min(tile_tokens, q_len - t);
+      tiles.push_back({seq, t, n, context + t + n});
+    }
+  }
+  // Longest key ranges first, so the dynamic schedule ends with short tasks.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const PrefillTask& a, const PrefillTask& b) { return a.key_end > b.key_end; });
+  const int64_t rp = round_up(std::max(tile_tokens * G, G), kW);
+  auto make_scratch = [&] {
+    PrefillScratch s;
+    s.qt.resize(D * rp);
+    s.ot.resize(D * rp);
+    s.scores.resize(kKeyTile * rp);
+    s.kf.assign(kKeyTile * D, 0.f);
+    s.vf.assign(kKeyTile * D, 0.f);
+    s.m.resize(rp);
+    s.l.resize(rp);
+    s.qpos.resize(rp);
+    return s;
+  };
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  run_tasks<PrefillScratch>(num_tiles * p.num_kv_heads, make_scratch, [&](int64_t task, PrefillScratch& s) {
+    prefill_task<T, D>(p, tiles[task / p.num_kv_heads], task % p.num_kv_heads, s);
+  });
+}
+
+// ---- dtype x head size dispatch --------------------------------------------------
+
+template <template <typename, int> class Kernel, typename Params>
+void dispatch(const Params& p) {
+  auto by_head_size = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    switch (p.head_size) {
+      case 64:
+        return Kernel<T, 64>::run(p);
+      case 80:
+        return Kernel<T, 80>::run(p);
+      case 96:
+        return Kernel<T, 96>::run(p);
+      case 112:
+        return Kernel<T, 112>::run(p);
+      case 128:
+        return Kernel<T, 128>::run(p);
+      case 256:
+        return Kernel<T, 256>::run(p);
+      default:
+        TORCH_CHECK(false, "pagedkv CPU attention: head_size ", p.head_size, " has no kernel");
+    }
+  };
+  switch (p.dtype) {
+    case c10::ScalarType::Float:
+      return by_head_size(float{});
+    case c10::ScalarType::Half:
+      return by_head_size(c10::Half{});
+    case c10::ScalarType::BFloat16:
+      return by_head_size(c10::BFloat16{});
+    default:
+      TORCH_CHECK(false, "pagedkv CPU attention: dtype ", p.dtype, " has no kernel");
+  }
+}
+
+template <typename T, int D>
+struct DecodeKernel {
+  static void run(const DecodeParams& p) { decode_impl<T, D>(p); }
+};
+template <typename T, int D>
+struct ReduceKernel {
+  static void run(const DecodeParams& p) { reduce_impl<T, D>(p); }
+};
+template <typename T, int D>
+struct PrefillKernel {
+  static void run(const PrefillParams& p) { prefill_impl<T, D>(p); }
+};
+
+}  // namespace
+
+void decode_attention(const DecodeParams& params) { dispatch<DecodeKernel>(params); }
+void reduce_partitions(const DecodeParams& params) { dispatch<ReduceKernel>(params); }
+void prefill_attention(const PrefillParams& params) { dispatch<PrefillKernel>(params); }
+
+}  // namespace pagedkv::cpu::CPU_CAPABILITY

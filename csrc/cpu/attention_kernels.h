@@ -1,0 +1,80 @@
+// CPU attention kernels: raw-pointer parameter blocks and the per-capability
+// entry points. attention_kernels.cpp is compiled once per instruction set
+// (namespaces DEFAULT, AVX2, AVX512, named after the CPU_CAPABILITY macro the
+// way ATen names its own kernel variants); csrc/cpu/attention.cpp validates the
+// tensors, fills these structs and calls the variant picked by cpu_capability.h.
+//
+// Kept free of at::Tensor so the kernel translation units include only
+// ATen's vector headers.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace pagedkv::cpu {
+
+// Decode (v1 and v2). Element strides; query/out rows are [num_heads, head_size] dense.
+struct DecodeParams {
+  c10::ScalarType dtype;
+  void* out;
+  int64_t out_stride;  // elements between consecutive sequences of out
+  const void* query;
+  int64_t query_stride;
+  const void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_size]
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  int64_t max_blocks_per_seq;
+  const int32_t* seq_lens;      // [num_seqs]
+  const float* alibi_slopes;    // [num_heads] or nullptr
+  float scale;
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  // v2 only: partition_size == 0 means v1 (one pass over each sequence, result in out).
+  int64_t partition_size = 0;
+  int64_t max_partitions = 0;  // size(2) of exp_sums / max_logits / tmp_out
+  float* exp_sums = nullptr;    // [num_seqs, num_heads, max_partitions]
+  float* max_logits = nullptr;  // [num_seqs, num_heads, max_partitions]
+  void* tmp_out = nullptr;      // [num_seqs, num_heads, max_partitions, head_size], query dtype
+};
+
+// Prefill / chunked prefill: several new tokens per sequence, causal.
+struct PrefillParams {
+  c10::ScalarType dtype;
+  void* out;
+  int64_t out_stride;  // elements between consecutive tokens of out
+  const void* query;
+  int64_t query_stride;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  int64_t max_blocks_per_seq;
+  const int32_t* seq_lens;         // [num_seqs], new tokens included
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  float scale;
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+};
+
+// One set of entry points per capability. decode_attention runs v1 (partition_size
+// 0) or the per-partition pass of v2; reduce_partitions is v2's second pass.
+#define PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(capability) \
+  namespace capability {                                 \
+  void decode_attention(const DecodeParams& params);     \
+  void reduce_partitions(const DecodeParams& params);    \
+  void prefill_attention(const PrefillParams& params);   \
+  }
+
+PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(DEFAULT)
+PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(AVX2)
+PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(AVX512)
+
+#undef PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS
+
+}  // namespace pagedkv::cpu
