@@ -346,54 +346,84 @@ def run_v1_vs_v2(args: argparse.Namespace) -> list[dict]:
 # ---- block-copy ops -------------------------------------------------------------------------------
 
 
+def index_copy_write(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The fastest plain-PyTorch reshape_and_cache we know: index_copy_ into the flattened slots."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    key_cache.flatten(0, 1).index_copy_(0, slots, key[keep])
+    value_cache.flatten(0, 1).index_copy_(0, slots, value[keep])
+
+
+def index_copy_blocks(key_caches, value_caches, block_mapping) -> None:
+    """The fastest plain-PyTorch copy_blocks we know: one index_copy_ per cache."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in (*key_caches, *value_caches):
+        cache.index_copy_(0, dst, cache[src])
+
+
+def bench_reshape_and_cache(args: argparse.Namespace, dtype_name: str, shape: tuple, gen) -> list[dict]:
+    dtype, rows = DTYPES[dtype_name], []
+    key_cache = torch.zeros(shape, dtype=dtype, device=args.device)
+    value_cache = torch.zeros_like(key_cache)
+    num_slots = shape[0] * shape[1]
+    for num_tokens in (32, 2048):
+        key = torch.randn(num_tokens, *shape[2:], generator=gen).to(args.device, dtype)
+        value = torch.randn(num_tokens, *shape[2:], generator=gen).to(args.device, dtype)
+        slots = torch.randperm(num_slots, generator=gen)[:num_tokens].to(args.device)
+        a = (key, value, key_cache, value_cache, slots)
+        times = time_interleaved({"ours": lambda a=a: ops.reshape_and_cache(*a),
+                                  "reference": lambda a=a: reference.reshape_and_cache(*a),
+                                  "index_copy": lambda a=a: index_copy_write(*a)},
+                                 args.device, args.budget_s / 2, args.min_reps, args.max_reps)
+        rows.append(cache_op_row("reshape_and_cache", f"{num_tokens} tokens", dtype_name, times, 2 * 2 * key.nbytes))
+    return rows
+
+
+def bench_copy_blocks(args: argparse.Namespace, dtype_name: str, shape: tuple, gen, num_layers: int = 8) -> list:
+    dtype, rows = DTYPES[dtype_name], []
+    layers = [torch.zeros(shape, dtype=dtype, device=args.device) for _ in range(2 * num_layers)]
+    kc, vc = layers[:num_layers], layers[num_layers:]
+    for num_pairs in (4, 128):
+        perm = torch.randperm(shape[0], generator=gen)
+        mapping = torch.stack([perm[:num_pairs], perm[num_pairs : 2 * num_pairs]], dim=1).to(args.device)
+        times = time_interleaved({"ours": lambda m=mapping: ops.copy_blocks(kc, vc, m),
+                                  "reference": lambda m=mapping: reference.copy_blocks(kc, vc, m),
+                                  "index_copy": lambda m=mapping: index_copy_blocks(kc, vc, m)},
+                                 args.device, args.budget_s / 2, args.min_reps, args.max_reps)
+        bytes_moved = 2 * 2 * num_layers * num_pairs * layers[0][0].nbytes
+        rows.append(cache_op_row("copy_blocks", f"{num_layers} layers x {num_pairs} pairs", dtype_name, times,
+                                 bytes_moved))
+    return rows
+
+
 def bench_cache_ops(args: argparse.Namespace) -> list[dict]:
-    """reshape_and_cache and copy_blocks vs the pure-PyTorch reference (Llama-3-8B-like layer shapes)."""
-    rows = []
-    num_kv_heads, head_size, num_blocks = 8, 128, 1024
+    """reshape_and_cache and copy_blocks vs pagedkv.reference and vs index_copy_ (Llama-3-8B-like layer)."""
+    shape = (1024, BLOCK_SIZE, 8, 128)  # [num_blocks, block_size, num_kv_heads, head_size]
     gen = torch.Generator().manual_seed(0)
+    rows = []
     for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
-        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
-        key_cache = torch.zeros(shape, dtype=dtype, device=args.device)
-        value_cache = torch.zeros_like(key_cache)
-        for num_tokens in (32, 2048):
-            key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(args.device, dtype)
-            value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(args.device, dtype)
-            slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens].to(args.device)
-            op_args = (key, value, key_cache, value_cache, slots)
-            times = time_interleaved({"ours": lambda a=op_args: ops.reshape_and_cache(*a),
-                                      "reference": lambda a=op_args: reference.reshape_and_cache(*a)},
-                                     args.device, args.budget_s / 2, args.min_reps, args.max_reps)
-            rows.append(cache_op_row("reshape_and_cache", f"{num_tokens} tokens", dtype_name, times,
-                                     2 * 2 * key.nbytes))
-        num_layers = 8
-        layers = [torch.zeros(shape, dtype=dtype, device=args.device) for _ in range(2 * num_layers)]
-        for num_pairs in (4, 128):
-            perm = torch.randperm(num_blocks, generator=gen)
-            mapping = torch.stack([perm[:num_pairs], perm[num_pairs : 2 * num_pairs]], dim=1).to(args.device)
-            kc, vc = layers[:num_layers], layers[num_layers:]
-            times = time_interleaved({"ours": lambda m=mapping, k=kc, v=vc: ops.copy_blocks(k, v, m),
-                                      "reference": lambda m=mapping, k=kc, v=vc: reference.copy_blocks(k, v, m)},
-                                     args.device, args.budget_s / 2, args.min_reps, args.max_reps)
-            block_bytes = layers[0][0].nbytes
-            rows.append(cache_op_row("copy_blocks", f"{num_layers} layers x {num_pairs} pairs", dtype_name, times,
-                                     2 * 2 * num_layers * num_pairs * block_bytes))
-        del layers, key_cache, value_cache
+        log(f"cache ops {dtype_name}")
+        rows += bench_reshape_and_cache(args, dtype_name, shape, gen)
+        rows += bench_copy_blocks(args, dtype_name, shape, gen)
         gc.collect()
-    print("## Block-copy ops vs pagedkv.reference (8 KV heads x 128, block 16, 1024 blocks)\n")
+    print("## Block-copy ops vs pagedkv.reference and vs index_copy_ (8 KV heads x 128, block 16, 1024 blocks)\n")
+    print("reference: pagedkv.reference (advanced-index assignment, a loop over pairs); index_copy: the fastest "
+          "plain-PyTorch form. Ratios > 1: pagedkv faster.\n")
     print_table(rows, [
         ("op", "op", "{}"), ("shape", "shape", "{}"), ("dtype", "dtype", "{}"), ("ours us", "ours_us", "{:.1f}"),
-        ("reference us", "reference_us", "{:.1f}"), ("ref/ours", "ref_over_ours", "{:.1f}"),
-        ("GB/s (r+w)", "ours_GBps", "{:.1f}"),
+        ("GB/s (r+w)", "ours_GBps", "{:.1f}"), ("reference us", "reference_us", "{:.1f}"),
+        ("ref/ours", "ref_over_ours", "{:.1f}"), ("index_copy us", "index_copy_us", "{:.1f}"),
+        ("index_copy/ours", "index_copy_over_ours", "{:.2f}"),
     ])
     print()
     return rows
 
 
 def cache_op_row(op: str, shape: str, dtype: str, times: dict[str, float], bytes_moved: int) -> dict:
-    return {"op": op, "shape": shape, "dtype": dtype, "ours_us": times["ours"] * 1e6,
-            "reference_us": times["reference"] * 1e6, "ref_over_ours": times["reference"] / times["ours"],
-            "ours_GBps": bytes_moved / times["ours"] / 1e9}
+    ours = times["ours"]
+    return {"op": op, "shape": shape, "dtype": dtype, "ours_us": ours * 1e6, "ours_GBps": bytes_moved / ours / 1e9,
+            "reference_us": times["reference"] * 1e6, "ref_over_ours": times["reference"] / ours,
+            "index_copy_us": times["index_copy"] * 1e6, "index_copy_over_ours": times["index_copy"] / ours}
 
 
 # ---- output ---------------------------------------------------------------------------------------
