@@ -141,6 +141,23 @@ def test_copy_blocks_empty_mapping_is_a_no_op():
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])
 
 
+def test_copy_and_swap_accept_a_non_contiguous_block_mapping():
+    """torch.stack([src, dst]).T is a natural way to build the mapping; it is a strided view."""
+    gen = torch.Generator().manual_seed(8)
+    k, v = _caches(10, 8, 1, 64, torch.float32, gen)
+    ref_k, ref_v = k.clone(), v.clone()
+    mapping = torch.stack([torch.tensor([0, 2, 4]), torch.tensor([7, 8, 9])]).T
+    assert not mapping.is_contiguous()
+    ops.copy_blocks([k], [v], mapping)
+    reference.copy_blocks([ref_k], [ref_v], mapping)
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    dst = torch.zeros(10, 8, 1, 64)
+    want = dst.clone()
+    ops.swap_blocks(k, dst, mapping)
+    reference.swap_blocks(k, want, mapping)
+    assert torch.equal(dst, want)
+
+
 # ---- swap_blocks ---------------------------------------------------------------------------------
 
 
