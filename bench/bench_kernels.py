@@ -96,11 +96,6 @@ class DecodeInputs:
 # ---- timing ---------------------------------------------------------------------------------------
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_once(fn: Callable[[], object], device: str) -> float:
     """Seconds for one call (CUDA: device time between two events)."""
     if device == "cuda":
