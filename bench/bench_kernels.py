@@ -307,6 +307,7 @@ def bench_v1_v2_case(case: DecodeCase, args: argparse.Namespace) -> dict:
     tie = abs(times["v1"] - times["v2"]) <= 0.05 * min(times.values())
     return asdict(case) | {
         "heads": case.heads,
+        "work_items": case.batch * case.num_kv_heads,  # what v1 parallelizes over
         "v1_us": times["v1"] * 1e6,
         "v2_us": times["v2"] * 1e6,
         "v1_over_v2": times["v1"] / times["v2"],
@@ -327,10 +328,11 @@ def run_v1_vs_v2(args: argparse.Namespace) -> list[dict]:
                     rows.append(bench_v1_v2_case(case, args))
                     gc.collect()
     print(f"## v1 vs v2 (partition {V2_PARTITION_SIZE}), and what paged_attention picks (should_use_v2)\n")
-    print("v1/v2 > 1: v2 faster. rule ok: the op's choice is the faster kernel (tie: within 5%).\n")
+    print(f"v1/v2 > 1: v2 faster. rule ok: the op's choice is the faster kernel (tie: within 5%). "
+          f"{torch.get_num_threads()} threads.\n")
     print_table(rows, [
         ("dtype", "dtype", "{}"), ("heads", "heads", "{}"), ("batch", "batch", "{}"), ("ctx", "context", "{}"),
-        ("v1 us", "v1_us", "{:.0f}"), ("v2 us", "v2_us", "{:.0f}"), ("v1/v2", "v1_over_v2", "{:.2f}"),
+        ("seqs x kv heads", "work_items", "{}"), ("v1 us", "v1_us", "{:.0f}"), ("v2 us", "v2_us", "{:.0f}"), ("v1/v2", "v1_over_v2", "{:.2f}"),
         ("faster", "faster", "{}"), ("op picks", "rule_picks", "{}"), ("rule ok", "rule_ok", "{}"),
     ])
     wrong = [r for r in rows if r["rule_ok"] == "NO"]
