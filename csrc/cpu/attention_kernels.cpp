@@ -2,8 +2,9 @@
 // at::parallel_for. Compiled once per CPU_CAPABILITY (see attention_kernels.h).
 //
 // Shared ideas:
-//  - GQA: a task owns one kv head and all G = num_heads / num_kv_heads query
-//    heads that read it, so each K/V row is read from memory once per task.
+//  - GQA: a task owns one or more kv heads and, for each, all G =
+//    num_heads / num_kv_heads query heads that read it, so each K/V row is read
+//    from memory once per task, for the whole group.
 //  - Online softmax (running max m, running sum l, unnormalized accumulator),
 //    so K and V are streamed exactly once; all arithmetic in fp32.
 //  - Tasks are handed out dynamically (an atomic counter), because sequence
@@ -213,49 +214,67 @@ inline void softmax_update(float* logits, int n, float& m, float& l, float* acc)
   l += hsum(sum);
 }
 
-// Attention of the G query heads of (seq, kv_head) over tokens [begin, end) of the
-// sequence; leaves m, l and the unnormalized accumulator in the scratch.
-template <typename T, int D>
-void attend_tokens(const DecodeParams& p, int64_t seq, int64_t kv_head, int64_t begin, int64_t end,
-                   DecodeScratch& s) {
-  const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t bs = p.block_size;
-  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens of one kv head
-  const int64_t seq_len = p.seq_lens[seq];
-  const T* query = static_cast<const T*>(p.query) + seq * p.query_stride + kv_head * G * D;
-  for (int64_t i = 0; i < G * D; ++i) s.q[i] = to_f32(query[i]) * p.scale;
-  std::fill(s.acc.begin(), s.acc.begin() + G * D, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + G, kNegInf);
-  std::fill(s.l.begin(), s.l.begin() + G, 0.f);
+// Which kv heads and token range one decode task covers.
+struct DecodeWork {
+  int64_t seq;
+  int64_t kv_head0;      // first kv head of the group
+  int64_t num_kv_heads;  // kv heads in the group
+  int64_t begin, end;    // token range of the sequence
+};
 
-  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * D;
-  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * D;
-  const int32_t* table = p.block_tables + seq * p.max_blocks_per_seq;
-  const float* slopes = p.alibi_slopes ? p.alibi_slopes + kv_head * G : nullptr;
-  const int64_t first_block = begin / bs, end_block = (end + bs - 1) / bs;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T)), stride_bytes = row_stride * sizeof(T);
+// Attention of the query heads of a group of kv heads over tokens [begin, end);
+// leaves m, l and the unnormalized accumulators ([group heads, D]) in the scratch.
+// A group of several kv heads reads each block as one contiguous stretch
+// (token rows are [num_kv_heads, head_size]), which the hardware prefetcher and
+// the TLB handle far better than one head's rows, num_kv_heads * head_size apart.
+template <typename T, int D>
+void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t heads = w.num_kv_heads * G;
+  const int64_t bs = p.block_size;
+  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
+  const int64_t seq_len = p.seq_lens[w.seq];
+  const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
+  for (int64_t i = 0; i < heads * D; ++i) s.q[i] = to_f32(query[i]) * p.scale;
+  std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
+  std::fill(s.l.begin(), s.l.begin() + heads, 0.f);
+
+  const T* key_cache = static_cast<const T*>(p.key_cache) + w.kv_head0 * D;
+  const T* value_cache = static_cast<const T*>(p.value_cache) + w.kv_head0 * D;
+  const int32_t* table = p.block_tables + w.seq * p.max_blocks_per_seq;
+  const float* slopes = p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr;
+  const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t b = first_block; b < end_block; ++b) {
     const int64_t block_offset = static_cast<int64_t>(table[b]) * bs * row_stride;
-    const T* k = key_cache + block_offset;
-    const T* v = value_cache + block_offset;
-    if (b + 1 < end_block) {
-      // The rows of one kv head are strided (num_kv_heads * head_size apart), which
-      // the hardware prefetcher does not follow across pages: ask for the next block.
-      const int64_t next = static_cast<int64_t>(table[b + 1]) * bs * row_stride;
-      prefetch_rows(reinterpret_cast<const char*>(key_cache + next), bs, stride_bytes, row_bytes);
-      prefetch_rows(reinterpret_cast<const char*>(value_cache + next), bs, stride_bytes, row_bytes);
-    }
+    // Blocks are scattered, so the hardware prefetcher loses the stream at every
+    // block: fetch the next block's rows of a head while this block's are used.
+    const int64_t next_offset = b + 1 < end_block ? static_cast<int64_t>(table[b + 1]) * bs * row_stride : -1;
     const int64_t token0 = b * bs;
-    const int n = static_cast<int>(std::min(bs, end - token0));
-    qk_block<T, D>(s.q.data(), G, k, row_stride, n, s.logits.data());
-    for (int64_t g = 0; g < G; ++g) {
-      float* logits = s.logits.data() + g * kMaxBlockSize;
-      if (slopes) {
-        for (int t = 0; t < n; ++t) logits[t] += slopes[g] * static_cast<float>(token0 + t - (seq_len - 1));
+    const int n = static_cast<int>(std::min(bs, w.end - token0));
+    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+      if (next_offset >= 0) {
+        prefetch_rows(reinterpret_cast<const char*>(key_cache + next_offset + h * D), bs, stride_bytes, row_bytes);
+        prefetch_rows(reinterpret_cast<const char*>(value_cache + next_offset + h * D), bs, stride_bytes, row_bytes);
       }
-      softmax_update<D>(logits, n, s.m[g], s.l[g], s.acc.data() + g * D);
+      const T* k = key_cache + block_offset + h * D;
+      const T* v = value_cache + block_offset + h * D;
+      const float* q = s.q.data() + h * G * D;
+      float* acc = s.acc.data() + h * G * D;
+      qk_block<T, D>(q, G, k, row_stride, n, s.logits.data());
+      for (int64_t g = 0; g < G; ++g) {
+        float* logits = s.logits.data() + g * kMaxBlockSize;
+        const int64_t head = h * G + g;
+        if (slopes) {
+          const float slope = slopes[head];
+          for (int t = 0; t < n; ++t) logits[t] += slope * static_cast<float>(token0 + t - (seq_len - 1));
+        }
+        softmax_update<D>(logits, n, s.m[head], s.l[head], acc + g * D);
+      }
+      pv_block<T, D>(s.logits.data(), G, v, row_stride, n, acc);
     }
-    pv_block<T, D>(s.logits.data(), G, v, row_stride, n, s.acc.data());
   }
 }
 
@@ -264,44 +283,59 @@ inline void store_row(T* dst, const float* src, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
 }
 
-// One task: (seq, kv_head) for v1, (seq, kv_head, partition) for v2.
+// Splits the kv heads into groups: whole token rows when there are enough
+// (sequence, partition) tasks to keep every thread busy, smaller groups otherwise.
+int64_t kv_heads_per_task(const DecodeParams& p, int64_t parts) {
+  const int64_t wanted_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
+  int64_t best = 1;
+  for (int64_t n = p.num_kv_heads; n >= 1; --n) {
+    if (p.num_kv_heads % n != 0) continue;
+    best = n;
+    if (p.num_seqs * parts * (p.num_kv_heads / n) >= wanted_tasks) break;
+  }
+  return best;
+}
+
+// One task: (seq, kv head group) for v1, (seq, kv head group, partition) for v2.
 template <typename T, int D>
-void decode_task(const DecodeParams& p, int64_t task, DecodeScratch& s) {
+void decode_task(const DecodeParams& p, int64_t group_heads, int64_t task, DecodeScratch& s) {
   const int64_t G = p.num_heads / p.num_kv_heads;
   const bool v2 = p.partition_size > 0;
   const int64_t parts = v2 ? p.max_partitions : 1;
+  const int64_t groups = p.num_kv_heads / group_heads;
   const int64_t part = task % parts;
-  const int64_t kv_head = (task / parts) % p.num_kv_heads;
-  const int64_t seq = task / (parts * p.num_kv_heads);
+  const int64_t group = (task / parts) % groups;
+  const int64_t seq = task / (parts * groups);
   const int64_t seq_len = p.seq_lens[seq];
   const int64_t begin = v2 ? part * p.partition_size : 0;
   const int64_t end = v2 ? std::min(seq_len, begin + p.partition_size) : seq_len;
-  const int64_t head0 = kv_head * G;
+  const DecodeWork w{seq, group * group_heads, group_heads, begin, end};
+  const int64_t head0 = w.kv_head0 * G, heads = group_heads * G;
   if (!v2) {
     T* out = static_cast<T*>(p.out) + seq * p.out_stride + head0 * D;
     if (seq_len == 0) {
-      std::fill(out, out + G * D, static_cast<T>(0.f));
+      std::fill(out, out + heads * D, static_cast<T>(0.f));
       return;
     }
-    attend_tokens<T, D>(p, seq, kv_head, begin, end, s);
-    for (int64_t g = 0; g < G; ++g) store_row(out + g * D, s.acc.data() + g * D, 1.f / s.l[g], D);
+    attend_tokens<T, D>(p, w, s);
+    for (int64_t h = 0; h < heads; ++h) store_row(out + h * D, s.acc.data() + h * D, 1.f / s.l[h], D);
     return;
   }
   const int64_t stat = (seq * p.num_heads + head0) * p.max_partitions + part;  // [seq, head0, part]
   if (begin >= end) {
     // Beyond this sequence's length: mark empty; the reduce never reads them.
-    for (int64_t g = 0; g < G; ++g) {
-      p.max_logits[stat + g * p.max_partitions] = kNegInf;
-      p.exp_sums[stat + g * p.max_partitions] = 0.f;
+    for (int64_t h = 0; h < heads; ++h) {
+      p.max_logits[stat + h * p.max_partitions] = kNegInf;
+      p.exp_sums[stat + h * p.max_partitions] = 0.f;
     }
     return;
   }
-  attend_tokens<T, D>(p, seq, kv_head, begin, end, s);
+  attend_tokens<T, D>(p, w, s);
   T* tmp_out = static_cast<T*>(p.tmp_out);
-  for (int64_t g = 0; g < G; ++g) {
-    p.max_logits[stat + g * p.max_partitions] = s.m[g];
-    p.exp_sums[stat + g * p.max_partitions] = s.l[g];
-    store_row(tmp_out + (stat + g * p.max_partitions) * D, s.acc.data() + g * D, 1.f / s.l[g], D);
+  for (int64_t h = 0; h < heads; ++h) {
+    p.max_logits[stat + h * p.max_partitions] = s.m[h];
+    p.exp_sums[stat + h * p.max_partitions] = s.l[h];
+    store_row(tmp_out + (stat + h * p.max_partitions) * D, s.acc.data() + h * D, 1.f / s.l[h], D);
   }
 }
 
@@ -309,18 +343,20 @@ template <typename T, int D>
 void decode_impl(const DecodeParams& p) {
   const int64_t G = p.num_heads / p.num_kv_heads;
   const int64_t parts = p.partition_size > 0 ? p.max_partitions : 1;
-  const int64_t num_tasks = p.num_seqs * p.num_kv_heads * parts;
+  const int64_t group_heads = kv_heads_per_task(p, parts);
+  const int64_t num_tasks = p.num_seqs * (p.num_kv_heads / group_heads) * parts;
   auto make_scratch = [&] {
     DecodeScratch s;
-    s.q.resize(G * D);
-    s.acc.resize(G * D);
+    s.q.resize(group_heads * G * D);
+    s.acc.resize(group_heads * G * D);
     s.logits.resize(G * kMaxBlockSize);
-    s.m.resize(G);
-    s.l.resize(G);
+    s.m.resize(group_heads * G);
+    s.l.resize(group_heads * G);
     return s;
   };
-  run_tasks<DecodeScratch>(num_tasks, make_scratch,
-                           [&](int64_t task, DecodeScratch& s) { decode_task<T, D>(p, task, s); });
+  run_tasks<DecodeScratch>(num_tasks, make_scratch, [&](int64_t task, DecodeScratch& s) {
+    decode_task<T, D>(p, group_heads, task, s);
+  });
 }
 
 // v2 second pass: out = sum_p w_p * tmp_out_p / sum_p w_p with w_p = exp_sums_p * exp(max_p - max).

@@ -1,0 +1,442 @@
+"""CPU attention kernels (decode v1/v2, the allocating op, prefill) against pagedkv.reference.
+
+Every case draws fresh random inputs from a generator seeded by the case's own
+parameters, so cases differ from each other but each one is reproducible.
+Block tables hold shuffled ids from a cache with many more blocks than used.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import pagedkv
+import pytest
+import torch
+from pagedkv import ops, reference
+
+# Kernel vs reference, both accumulating in fp32: fp32 differs by summation order
+# only; fp16/bf16 outputs (and v2's tmp_out, kept in the query dtype like vLLM)
+# are rounded to the dtype, which costs up to ~1 ulp of values of magnitude ~1-3.
+TOLERANCES = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+    torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+DTYPES = list(TOLERANCES)
+HEAD_SIZES = [64, 80, 96, 112, 128, 256]
+BLOCK_SIZES = [8, 16, 32]
+
+
+def make_generator(*case) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+
+
+def make_kv_cache(gen, num_blocks, block_size, num_kv_heads, head_size, dtype):
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    return key_cache, value_cache
+
+
+def make_block_tables(gen, seq_lens, block_size, spare_blocks=64):
+    """Shuffled, non-contiguous block ids; unused table entries hold -1 (never read)."""
+    blocks_needed = [(n + block_size - 1) // block_size for n in seq_lens]
+    max_blocks = max(max(blocks_needed), 1) + 2
+    num_blocks = sum(blocks_needed) + spare_blocks
+    ids = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks_needed):
+        table[s, :n] = ids[used : used + n].int()
+        used += n
+    return table, num_blocks
+
+
+class DecodeCase:
+    """Random decode inputs: one query token per sequence."""
+
+    def __init__(self, gen, dtype, num_heads, num_kv_heads, head_size, block_size, seq_lens, alibi=False,
+                 query_padding=0):
+        self.seq_lens_list = list(seq_lens)
+        self.block_tables, num_blocks = make_block_tables(gen, seq_lens, block_size)
+        self.key_cache, self.value_cache = make_kv_cache(gen, num_blocks, block_size, num_kv_heads, head_size, dtype)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        num_seqs = len(seq_lens)
+        # query_padding > 0: query is a slice of a wider tensor (stride(0) > num_heads * head_size).
+        wide = torch.randn(num_seqs, num_heads + query_padding, head_size, generator=gen).to(dtype)
+        self.query = wide[:, query_padding:]
+        self.scale = head_size**-0.5
+        self.max_seq_len = max(seq_lens)
+        self.alibi_slopes = torch.rand(num_heads, generator=gen) * 0.5 if alibi else None
+
+    def reference(self):
+        return reference.paged_attention(self.query, self.key_cache, self.value_cache, self.block_tables,
+                                         self.seq_lens, self.scale, self.alibi_slopes)
+
+    def run_v1(self, out=None):
+        out = torch.empty_like(self.query, memory_format=torch.contiguous_format) if out is None else out
+        ops.paged_attention_v1(out, self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                               self.scale, self.max_seq_len, self.alibi_slopes)
+        return out
+
+    def run_v2(self, partition_size, extra_partitions=0):
+        num_seqs, num_heads, head_size = self.query.shape
+        parts = (self.max_seq_len + partition_size - 1) // partition_size + extra_partitions
+        # NaN-filled scratch: anything the kernel does not write must not reach the output.
+        exp_sums = torch.full((num_seqs, num_heads, parts), float("nan"))
+        max_logits = torch.full_like(exp_sums, float("nan"))
+        tmp_out = torch.full((num_seqs, num_heads, parts, head_size), float("nan")).to(self.query.dtype)
+        out = torch.full_like(self.query, float("nan"), memory_format=torch.contiguous_format)
+        ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, self.query, self.key_cache, self.value_cache,
+                               self.block_tables, self.seq_lens, self.scale, self.max_seq_len, self.alibi_slopes,
+                               partition_size)
+        return out
+
+
+def assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype])
+
+
+# ---- decode -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_v1_every_dtype_head_size_block_size(dtype, head_size, block_size):
+    gen = make_generator("v1", dtype, head_size, block_size)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 0]
+    case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
+                      seq_lens=seq_lens)
+    out = case.run_v1()
+    assert_close(out, case.reference(), dtype)
+    assert torch.count_nonzero(out[-1]) == 0, "seq_len 0 must give zeros"
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads",
+    [(4, 4), (9, 3), (8, 2), (16, 2), (8, 1)],
+    ids=["mha", "gqa3", "gqa4", "gqa8", "mqa"],
+)
+def test_decode_gqa_ratios_and_alibi(num_heads, num_kv_heads, dtype, alibi):
+    gen = make_generator("gqa", num_heads, num_kv_heads, dtype, alibi)
+    seq_lens = [1, 15, 16, 17, 200, 613]
+    case = DecodeCase(gen, dtype, num_heads, num_kv_heads, head_size=64, block_size=16, seq_lens=seq_lens,
+                      alibi=alibi)
+    expected = case.reference()
+    assert_close(case.run_v1(), expected, dtype)
+    assert_close(case.run_v2(partition_size=256), expected, dtype)
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("partition_size", [256, 512])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_v2_spanning_partitions(dtype, partition_size, alibi):
+    gen = make_generator("v2", dtype, partition_size, alibi)
+    p = partition_size
+    seq_lens = [1, p - 1, p, p + 1, 2 * p + 37, 3 * p + 200, 0]
+    case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=128, block_size=16, seq_lens=seq_lens,
+                      alibi=alibi)
+    expected = case.reference()
+    out_v2 = case.run_v2(partition_size, extra_partitions=2)
+    assert_close(out_v2, expected, dtype)
+    assert_close(out_v2, case.run_v1(), dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,head_size,block_size",
+    [(torch.float32, 128, 16), (torch.bfloat16, 128, 32), (torch.float16, 64, 8), (torch.bfloat16, 256, 16)],
+)
+def test_decode_long_context(dtype, head_size, block_size):
+    gen = make_generator("long", dtype, head_size, block_size)
+    case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
+                      seq_lens=[4096, 2999, 1025], alibi=True)
+    expected = case.reference()
+    assert_close(case.run_v1(), expected, dtype)
+    assert_close(case.run_v2(512), expected, dtype)
+    assert_close(case.run_v2(1024), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_non_contiguous_query_and_out(dtype):
+    gen = make_generator("strided", dtype)
+    case = DecodeCase(gen, dtype, num_heads=6, num_kv_heads=2, head_size=96, block_size=16,
+                      seq_lens=[5, 300, 77], query_padding=3)
+    assert not case.query.is_contiguous()
+    expected = case.reference()
+    wide_out = torch.zeros(3, 9, 96, dtype=dtype)
+    out = wide_out[:, 2:8]  # stride(0) = 9 * 96
+    case.run_v1(out)
+    assert_close(out, expected, dtype)
+    assert torch.count_nonzero(wide_out[:, :2]) == 0 and torch.count_nonzero(wide_out[:, 8:]) == 0
+    assert_close(case.run_v2(256), expected, dtype)
+
+
+@pytest.mark.parametrize("seq_lens", [[3, 70, 500, 1], [2500]], ids=["many_short", "one_long"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_allocating_op(dtype, seq_lens):
+    """The op picks v1 or v2 by shape (one long sequence on few threads takes v2)."""
+    gen = make_generator("alloc", dtype, seq_lens)
+    case = DecodeCase(gen, dtype, num_heads=4, num_kv_heads=1, head_size=64, block_size=16, seq_lens=seq_lens,
+                      alibi=True)
+    expected = case.reference()
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale)
+    assert_close(ops.paged_attention(*args, alibi_slopes=case.alibi_slopes), expected, dtype)
+    out = torch.empty_like(case.query)
+    result = ops.paged_attention(*args, max_seq_len=case.max_seq_len, alibi_slopes=case.alibi_slopes, out=out)
+    assert result is out
+    assert_close(out, expected, dtype)
+
+
+def test_decode_empty_batch():
+    gen = make_generator("empty")
+    key_cache, value_cache = make_kv_cache(gen, 4, 16, 2, 64, torch.float32)
+    query = torch.empty(0, 4, 64)
+    out = torch.empty_like(query)
+    ops.paged_attention_v1(out, query, key_cache, value_cache, torch.empty(0, 1, dtype=torch.int32),
+                           torch.empty(0, dtype=torch.int32), 0.125, 0)
+
+
+# ---- prefill ----------------------------------------------------------------------
+
+
+class PrefillCase:
+    """New tokens of several sequences concatenated; K/V of all positions already cached."""
+
+    def __init__(self, gen, dtype, num_heads, num_kv_heads, head_size, block_size, q_lens, seq_lens,
+                 query_padding=0):
+        self.block_tables, num_blocks = make_block_tables(gen, seq_lens, block_size)
+        self.key_cache, self.value_cache = make_kv_cache(gen, num_blocks, block_size, num_kv_heads, head_size, dtype)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        num_tokens = sum(q_lens)
+        wide = torch.randn(num_tokens, num_heads + query_padding, head_size, generator=gen).to(dtype)
+        self.query = wide[:, :num_heads]
+        self.scale = head_size**-0.5
+        self.max_query_len = max(q_lens)
+        self.max_seq_len = max(seq_lens)
+
+    def reference(self):
+        return reference.paged_prefill_attention(self.query, self.key_cache, self.value_cache, self.block_tables,
+                                                 self.query_start_loc, self.seq_lens, self.scale)
+
+    def run(self, out=None):
+        out = torch.full_like(self.query, float("nan"), memory_format=torch.contiguous_format) if out is None else out
+        ops.paged_prefill_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
+                                    self.query_start_loc, self.seq_lens, self.scale, self.max_query_len,
+                                    self.max_seq_len)
+        return out
+
+
+# (q_len, seq_len) per sequence: plain prefill (q_len == seq_len), chunked prefill /
+# prefix-cache hits (seq_len > q_len), single tokens, and a sequence with no new tokens.
+PREFILL_MIX = [(37, 37), (1, 1), (5, 29), (0, 12), (64, 100), (17, 17), (1, 40)]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_every_dtype_head_size_block_size(dtype, head_size, block_size):
+    gen = make_generator("prefill", dtype, head_size, block_size)
+    q_lens, seq_lens = zip(*PREFILL_MIX)
+    case = PrefillCase(gen, dtype, num_heads=6, num_kv_heads=2, head_size=head_size, block_size=block_size,
+                       q_lens=q_lens, seq_lens=seq_lens)
+    assert_close(case.run(), case.reference(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads",
+    [(4, 4), (9, 3), (8, 2), (16, 2), (8, 1), (40, 1)],
+    ids=["mha", "gqa3", "gqa4", "gqa8", "mqa", "mqa40"],
+)
+def test_prefill_gqa_ratios(num_heads, num_kv_heads, dtype):
+    gen = make_generator("prefill_gqa", num_heads, num_kv_heads, dtype)
+    q_lens, seq_lens = [101, 3, 33, 250], [101, 40, 300, 250]
+    case = PrefillCase(gen, dtype, num_heads, num_kv_heads, head_size=64, block_size=16, q_lens=q_lens,
+                       seq_lens=seq_lens)
+    assert_close(case.run(), case.reference(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_long_prompt_and_chunk(dtype):
+    gen = make_generator("prefill_long", dtype)
+    case = PrefillCase(gen, dtype, num_heads=9, num_kv_heads=3, head_size=64, block_size=16,
+                       q_lens=[513, 128], seq_lens=[513, 1500])
+    assert_close(case.run(), case.reference(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_non_contiguous_query_and_out(dtype):
+    gen = make_generator("prefill_strided", dtype)
+    case = PrefillCase(gen, dtype, num_heads=4, num_kv_heads=2, head_size=80, block_size=8, q_lens=[9, 20],
+                       seq_lens=[30, 20], query_padding=5)
+    assert not case.query.is_contiguous()
+    wide_out = torch.zeros(29, 7, 80, dtype=dtype)
+    out = wide_out[:, 1:5]
+    case.run(out)
+    assert_close(out, case.reference(), dtype)
+    assert torch.count_nonzero(wide_out[:, 0]) == 0 and torch.count_nonzero(wide_out[:, 5:]) == 0
+
+
+def test_prefill_single_token_matches_decode():
+    """A prefill of one token per sequence is decode: the two kernels must agree."""
+    gen = make_generator("prefill_vs_decode")
+    seq_lens = [1, 31, 200, 64]
+    decode = DecodeCase(gen, torch.float32, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                        seq_lens=seq_lens)
+    out = torch.empty_like(decode.query)
+    ops.paged_prefill_attention(out, decode.query, decode.key_cache, decode.value_cache, decode.block_tables,
+                                torch.arange(len(seq_lens) + 1, dtype=torch.int32), decode.seq_lens, decode.scale,
+                                1, decode.max_seq_len)
+    assert_close(out, decode.run_v1(), torch.float32)
+
+
+# ---- bad inputs -------------------------------------------------------------------
+
+
+def _decode_args(head_size=64, block_size=16, num_heads=4, num_kv_heads=2, seq_lens=(20, 5)):
+    gen = make_generator("bad", head_size, block_size, num_heads, num_kv_heads)
+    shape = (16, block_size, num_kv_heads, head_size)
+    key_cache, value_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen)
+    table = torch.arange(len(seq_lens) * 4, dtype=torch.int32).view(len(seq_lens), 4) % 16
+    return {"out": torch.empty_like(query), "query": query, "key_cache": key_cache, "value_cache": value_cache,
+                "block_tables": table, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32), "scale": 0.1,
+                "max_seq_len": max(seq_lens)}
+
+
+def _v1(a):
+    ops.paged_attention_v1(a["out"], a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
+                           a["seq_lens"], a["scale"], a["max_seq_len"], a.get("alibi_slopes"))
+
+
+def _v2(a, parts=1, partition_size=512):
+    num_seqs, num_heads, head_size = a["query"].shape
+    exp_sums = torch.empty(num_seqs, num_heads, parts)
+    tmp_out = torch.empty(num_seqs, num_heads, parts, head_size)
+    ops.paged_attention_v2(a["out"], exp_sums, torch.empty_like(exp_sums), tmp_out, a["query"], a["key_cache"],
+                           a["value_cache"], a["block_tables"], a["seq_lens"], a["scale"], a["max_seq_len"],
+                           None, partition_size)
+
+
+def _with(**changes):
+    def make():
+        a = _decode_args(**{k: v for k, v in changes.items() if k in ("head_size", "block_size", "num_heads",
+                                                                         "num_kv_heads", "seq_lens")})
+        for key, fn in changes.items():
+            if callable(fn):
+                a[key] = fn(a)
+        return a
+
+    return make
+
+
+BAD_DECODE_INPUTS = {
+    "head_size_72": (_with(head_size=72), r"head_size 72 is not supported"),
+    "block_size_12": (_with(block_size=12), r"block_size 12 is not supported"),
+    "block_tables_int64": (_with(block_tables=lambda a: a["block_tables"].long()), r"block_tables must be Int"),
+    "block_id_outside_cache": (
+        _with(block_tables=lambda a: a["block_tables"].index_fill(1, torch.tensor([0]), 16)),
+        r"block_tables\[0\]\[0\] = 16 is outside the cache",
+    ),
+    "seq_len_beyond_table": (_with(seq_lens=(65, 5)), r"needs more blocks than block_tables holds"),
+    "seq_len_above_max_seq_len": (_with(max_seq_len=lambda a: 10), r"exceeds max_seq_len"),
+    "heads_not_multiple_of_kv_heads": (_with(num_heads=5, num_kv_heads=2), r"must be a positive multiple"),
+    "query_dtype_differs": (_with(query=lambda a: a["query"].half(), out=lambda a: a["out"].half()),
+                            r"query dtype .* differs from key_cache dtype"),
+    "alibi_wrong_shape": (_with(alibi_slopes=lambda a: torch.ones(3)), r"alibi_slopes must be \[num_heads=4\]"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_DECODE_INPUTS))
+def test_decode_rejects_bad_input(name):
+    make, pattern = BAD_DECODE_INPUTS[name]
+    with pytest.raises(RuntimeError, match=pattern):
+        _v1(make())
+
+
+def test_v2_rejects_small_scratch_and_bad_partition_size():
+    a = _decode_args()
+    a["max_seq_len"] = 600  # scratch is sized by max_seq_len: 2 partitions of 512
+    with pytest.raises(RuntimeError, match=r"partitions>=2"):
+        _v2(a, parts=1, partition_size=512)
+    with pytest.raises(RuntimeError, match=r"partition_size 100 is not supported"):
+        _v2(a, parts=6, partition_size=100)
+
+
+def test_prefill_rejects_bad_query_start_loc():
+    case = PrefillCase(make_generator("bad_prefill"), torch.float32, num_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, q_lens=[5, 3], seq_lens=[5, 10])
+    case.query_start_loc = torch.tensor([0, 6, 8], dtype=torch.int32)  # sequence 0 claims 6 tokens, seq_len 5
+    case.max_query_len = 6
+    with pytest.raises(RuntimeError, match=r"sequence 0 has 6 query tokens but seq_lens\[0\] = 5"):
+        case.run()
+    case.query_start_loc = torch.tensor([0, 5, 7], dtype=torch.int32)  # ends before the last token
+    case.max_query_len = 5
+    with pytest.raises(RuntimeError, match=r"sequence 0 has 6 query tokens, more than max_query_len = 5"):
+        case.query_start_loc = torch.tensor([0, 6, 8], dtype=torch.int32)
+        case.run()
+    case.query_start_loc = torch.tensor([0, 5, 7], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"query_start_loc\[-1\] = 7 must equal the number of query tokens 8"):
+        case.run()
+    case.query_start_loc = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"query_start_loc must have num_seqs\+1=3 entries"):
+        case.run()
+
+
+# ---- instruction-set variants -----------------------------------------------------
+
+
+def test_cpu_capability_is_reported():
+    assert torch.ops.pagedkv.cpu_capability() in ("default", "avx2", "avx512")
+
+
+_VARIANT_SCRIPT = """
+import torch, pagedkv
+from pagedkv import ops, reference
+g = torch.Generator().manual_seed(7)
+kc, vc = torch.randn(40, 16, 2, 80, generator=g), torch.randn(40, 16, 2, 80, generator=g)
+table = torch.randperm(40, generator=g)[:30].view(3, 10).int()
+lens = torch.tensor([150, 1, 33], dtype=torch.int32)
+q = torch.randn(3, 6, 80, generator=g)
+alibi = torch.rand(6, generator=g)
+out = torch.empty_like(q)
+ops.paged_attention_v1(out, q, kc, vc, table, lens, 0.1, 150, alibi)
+torch.testing.assert_close(out, reference.paged_attention(q, kc, vc, table, lens, 0.1, alibi), atol=2e-5, rtol=1e-4)
+qsl = torch.tensor([0, 40, 41, 50], dtype=torch.int32)
+qp = torch.randn(50, 6, 80, generator=g)
+out = torch.empty_like(qp)
+ops.paged_prefill_attention(out, qp, kc, vc, table, qsl, lens, 0.1, 40, 150)
+torch.testing.assert_close(out, reference.paged_prefill_attention(qp, kc, vc, table, qsl, lens, 0.1),
+                           atol=2e-5, rtol=1e-4)
+print(torch.ops.pagedkv.cpu_capability())
+"""
+
+
+def _run_with_capability(value):
+    env = dict(os.environ, PAGEDKV_CPU_CAPABILITY=value)
+    return subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT], env=env, capture_output=True, text=True, check=False,
+                          timeout=120)
+
+
+def test_default_variant_matches_reference():
+    """The portable variant (forced through the environment) computes the same results."""
+    result = _run_with_capability("default")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "default"
+
+
+def test_unknown_capability_is_an_error():
+    result = _run_with_capability("sse9")
+    assert result.returncode != 0
+    assert "PAGEDKV_CPU_CAPABILITY must be one of default, avx2, avx512; got 'sse9'" in result.stderr
+
+
+def test_package_exposes_ops():
+    assert hasattr(pagedkv, "ops") and hasattr(torch.ops.pagedkv, "paged_attention_v1")
