@@ -537,7 +537,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.v1_vs_v2 or args.all:
             results["cache_ops"] = bench_cache_ops(args)
     results["elapsed_s"] = time.perf_counter() - started
-    print(f"Total benchmark time: {results['elapsed_s']:.0f} s.")
+    results["load_average_1m_at_end"] = os.getloadavg()[0]
+    print(f"Total benchmark time: {results['elapsed_s']:.0f} s; 1-minute load average at the end: "
+          f"{results['load_average_1m_at_end']:.1f} (at the start: {info['load_average_1m']:.1f}).")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
