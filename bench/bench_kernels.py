@@ -462,7 +462,7 @@ def machine_info(device: str) -> dict:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "device": device,
-        "load_average_1m": os.getloadavg()[0],
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
     capability = getattr(torch.ops.pagedkv, "cpu_capability", None)
     if capability is not None:
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.v1_vs_v2 or args.all:
             results["cache_ops"] = bench_cache_ops(args)
     results["elapsed_s"] = time.perf_counter() - started
-    results["load_average_1m_at_end"] = os.getloadavg()[0]
+    results["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(f"Total benchmark time: {results['elapsed_s']:.0f} s; 1-minute load average at the end: "
           f"{results['load_average_1m_at_end']:.1f} (at the start: {info['load_average_1m']:.1f}).")
     if args.json:
