@@ -306,9 +306,16 @@ def _decode_args(head_size=64, block_size=16, num_heads=4, num_kv_heads=2, seq_l
     key_cache, value_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen)
     table = torch.arange(len(seq_lens) * 4, dtype=torch.int32).view(len(seq_lens), 4) % 16
-    return {"out": torch.empty_like(query), "query": query, "key_cache": key_cache, "value_cache": value_cache,
-                "block_tables": table, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32), "scale": 0.1,
-                "max_seq_len": max(seq_lens)}
+    return {
+        "out": torch.empty_like(query),
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": table,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "scale": 0.1,
+        "max_seq_len": max(seq_lens),
+    }
 
 
 def _v1(a):

@@ -69,10 +69,16 @@ inline float hsum(const Vec& v) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Prefetch into L2 (not L1): a block of K+V can be larger than L1 and would evict
+// the block being processed.
+constexpr int kPrefetchLocality = 2;
+// Decode prefetches this many blocks ahead.
+constexpr int64_t kPrefetchBlocks = 1;
+
 inline void prefetch_rows(const char* base, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes) {
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = base + r * row_stride_bytes;
-    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, kPrefetchLocality);
   }
 }
 
@@ -247,11 +253,17 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
   const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = first_block; b < std::min(end_block, first_block + kPrefetchBlocks); ++b) {
+    const int64_t offset = static_cast<int64_t>(table[b]) * bs * row_stride;
+    prefetch_rows(reinterpret_cast<const char*>(key_cache + offset), bs, stride_bytes, w.num_kv_heads * row_bytes);
+    prefetch_rows(reinterpret_cast<const char*>(value_cache + offset), bs, stride_bytes, w.num_kv_heads * row_bytes);
+  }
   for (int64_t b = first_block; b < end_block; ++b) {
     const int64_t block_offset = static_cast<int64_t>(table[b]) * bs * row_stride;
     // Blocks are scattered, so the hardware prefetcher loses the stream at every
-    // block: fetch the next block's rows of a head while this block's are used.
-    const int64_t next_offset = b + 1 < end_block ? static_cast<int64_t>(table[b + 1]) * bs * row_stride : -1;
+    // block: fetch a later block's rows of a head while this block's are used.
+    const int64_t ahead = b + kPrefetchBlocks;
+    const int64_t next_offset = ahead < end_block ? static_cast<int64_t>(table[ahead]) * bs * row_stride : -1;
     const int64_t token0 = b * bs;
     const int n = static_cast<int>(std::min(bs, w.end - token0));
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
