@@ -162,6 +162,18 @@ def test_decode_long_context(dtype, head_size, block_size):
     assert_close(case.run_v2(1024), expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_large_batch(dtype):
+    """Many sequences: each task then covers several (or all) kv heads of a sequence."""
+    gen = make_generator("batch", dtype)
+    seq_lens = torch.randint(0, 300, (33,), generator=gen).tolist()
+    case = DecodeCase(gen, dtype, num_heads=16, num_kv_heads=8, head_size=64, block_size=16, seq_lens=seq_lens,
+                      alibi=True)
+    expected = case.reference()
+    assert_close(case.run_v1(), expected, dtype)
+    assert_close(case.run_v2(256), expected, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_non_contiguous_query_and_out(dtype):
     gen = make_generator("strided", dtype)

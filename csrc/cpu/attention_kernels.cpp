@@ -99,21 +99,27 @@ void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const F& f) {
 // Decode
 // =====================================================================================
 
+// Per-thread state of one decode task; "heads" = the query heads of the task's kv heads.
 struct DecodeScratch {
-  std::vector<float> q;       // [G, D], pre-scaled
-  std::vector<float> acc;     // [G, D], unnormalized output
-  std::vector<float> logits;  // [G, kMaxBlockSize], probabilities after the update
-  std::vector<float> m, l;    // [G]
+  std::vector<float> q;       // [heads, D], pre-scaled
+  std::vector<float> acc;     // [heads, D], unnormalized output
+  std::vector<float> logits;  // [G, kMaxBlockSize] of the kv head in progress; probabilities after the update
+  std::vector<float> m, l;    // [heads] running max and sum of exp
 };
 
 // logits[j * kMaxBlockSize + t] = q_j . k_t for NT tokens and NG heads: each K
 // row is loaded once for all NG heads, NT*NG independent FMA chains.
+// pf (may be null): the same rows of a later block, prefetched one cache line per
+// row per 64 bytes consumed, so prefetches are spread evenly over the compute.
 template <typename T, int D, int NT, int NG>
-inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits) {
+inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits, const T* pf) {
   Vec acc[NG][NT];
   for (int j = 0; j < NG; ++j)
     for (int t = 0; t < NT; ++t) acc[j][t] = Vec(0.f);
   for (int c = 0; c < D; c += kW) {
+    if (pf && (c * sizeof(T)) % 64 == 0) {
+      for (int t = 0; t < NT; ++t) __builtin_prefetch(pf + t * k_stride + c, 0, kPrefetchLocality);
+    }
     Vec kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = load_f32(k + t * k_stride + c);
     for (int j = 0; j < NG; ++j) {
@@ -126,26 +132,31 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits)
 }
 
 template <typename T, int D, int NG>
-inline void qk_block_heads(const float* q, const T* k, int64_t k_stride, int n, float* logits) {
+inline void qk_block_heads(const float* q, const T* k, int64_t k_stride, int n, float* logits, const T* pf) {
   constexpr int NT = NG <= 2 ? 4 : 2;
   // Rows up to round_up(n, NT) <= block_size exist in the block; extra logits are masked later.
-  for (int t = 0; t < n; t += NT) qk_tile<T, D, NT, NG>(q, k + t * k_stride, k_stride, logits + t);
+  for (int t = 0; t < n; t += NT) {
+    qk_tile<T, D, NT, NG>(q, k + t * k_stride, k_stride, logits + t, pf ? pf + t * k_stride : nullptr);
+  }
 }
 
 // logits for G heads x n tokens of one block (rows k, k + k_stride, ...).
 template <typename T, int D>
-inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits) {
+inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits, const T* pf) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) qk_block_heads<T, D, 4>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+  for (; g + 4 <= G; g += 4) {
+    qk_block_heads<T, D, 4>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, g == 0 ? pf : nullptr);
+  }
+  if (g > 0) pf = nullptr;
   switch (G - g) {
     case 3:
-      qk_block_heads<T, D, 3>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+      qk_block_heads<T, D, 3>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, pf);
       break;
     case 2:
-      qk_block_heads<T, D, 2>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+      qk_block_heads<T, D, 2>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, pf);
       break;
     case 1:
-      qk_block_heads<T, D, 1>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize);
+      qk_block_heads<T, D, 1>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, pf);
       break;
     default:
       break;
@@ -155,9 +166,12 @@ inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, in
 // acc[j] += sum_t p[j][t] * v_t for NG heads; accumulators stay in registers
 // across the block's tokens, NC vectors of head_size at a time.
 template <typename T, int D, int NG>
-inline void pv_block_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc) {
+inline void pv_block_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc, const T* pf) {
   constexpr int NC = (D / kW) % 2 == 0 ? 2 : 1;
   for (int c = 0; c < D; c += NC * kW) {
+    if (pf && (c * sizeof(T)) % 64 == 0) {
+      for (int t = 0; t < n; ++t) __builtin_prefetch(pf + t * v_stride + c, 0, kPrefetchLocality);
+    }
     Vec a[NG][NC];
     for (int j = 0; j < NG; ++j)
       for (int i = 0; i < NC; ++i) a[j][i] = Vec::loadu(acc + j * D + c + i * kW);
@@ -175,18 +189,21 @@ inline void pv_block_heads(const float* p, const T* v, int64_t v_stride, int n, 
 }
 
 template <typename T, int D>
-inline void pv_block(const float* p, int64_t G, const T* v, int64_t v_stride, int n, float* acc) {
+inline void pv_block(const float* p, int64_t G, const T* v, int64_t v_stride, int n, float* acc, const T* pf) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) pv_block_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+  for (; g + 4 <= G; g += 4) {
+    pv_block_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, g == 0 ? pf : nullptr);
+  }
+  if (g > 0) pf = nullptr;
   switch (G - g) {
     case 3:
-      pv_block_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      pv_block_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, pf);
       break;
     case 2:
-      pv_block_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      pv_block_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, pf);
       break;
     case 1:
-      pv_block_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      pv_block_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, pf);
       break;
     default:
       break;
@@ -267,15 +284,15 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
     const int64_t token0 = b * bs;
     const int n = static_cast<int>(std::min(bs, w.end - token0));
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-      if (next_offset >= 0) {
-        prefetch_rows(reinterpret_cast<const char*>(key_cache + next_offset + h * D), bs, stride_bytes, row_bytes);
-        prefetch_rows(reinterpret_cast<const char*>(value_cache + next_offset + h * D), bs, stride_bytes, row_bytes);
-      }
+      // Rows of the next block are fetched inside the loops, interleaved with the math:
+      // issued all at once they overflow the core's outstanding-miss queue and stall.
+      const T* pf_k = next_offset >= 0 ? key_cache + next_offset + h * D : nullptr;
+      const T* pf_v = next_offset >= 0 ? value_cache + next_offset + h * D : nullptr;
       const T* k = key_cache + block_offset + h * D;
       const T* v = value_cache + block_offset + h * D;
       const float* q = s.q.data() + h * G * D;
       float* acc = s.acc.data() + h * G * D;
-      qk_block<T, D>(q, G, k, row_stride, n, s.logits.data());
+      qk_block<T, D>(q, G, k, row_stride, n, s.logits.data(), pf_k);
       for (int64_t g = 0; g < G; ++g) {
         float* logits = s.logits.data() + g * kMaxBlockSize;
         const int64_t head = h * G + g;
@@ -285,7 +302,7 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
         }
         softmax_update<D>(logits, n, s.m[head], s.l[head], acc + g * D);
       }
-      pv_block<T, D>(s.logits.data(), G, v, row_stride, n, acc);
+      pv_block<T, D>(s.logits.data(), G, v, row_stride, n, acc, pf_v);
     }
   }
 }
