@@ -158,40 +158,66 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 # ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
 
 
+def _check_meta_consistent(op: str, data: dict[str, torch.Tensor | None], index: Sequence[torch.Tensor | None] = ()):
+    """Refuse a call that mixes meta and real tensors.
+
+    Such a call dispatches to the fake kernel below, which would silently write
+    nothing into a real cache (or return an uninitialized real tensor), and the
+    real kernels' device checks never run. All-meta data is shape propagation
+    and fine; index tensors (block tables, mappings) may stay real then.
+    """
+    tensors = [*data.values(), *index]
+    if not any(t is not None and t.device.type == "meta" for t in tensors):
+        return
+    for name, t in data.items():
+        if t is not None and t.device.type != "meta":
+            raise RuntimeError(f"{op}: {name} is on {t.device} but other arguments are on meta; meta tensors hold "
+                               "no data, so pass every tensor on one real device")
+
+
 @torch.library.register_fake("pagedkv::paged_attention")
 def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
                           alibi_slopes=None):
+    data = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
+    _check_meta_consistent("paged_attention", data, (block_tables, seq_lens, alibi_slopes))
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("pagedkv::paged_attention_v1")
 def _paged_attention_v1_fake(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
                              alibi_slopes=None):
-    return None
+    data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache}
+    _check_meta_consistent("paged_attention_v1", data, (block_tables, seq_lens, alibi_slopes))
 
 
 @torch.library.register_fake("pagedkv::paged_attention_v2")
 def _paged_attention_v2_fake(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
                              seq_lens, scale, max_seq_len, alibi_slopes=None, partition_size=512):
-    return None
+    data = {"out": out, "exp_sums": exp_sums, "max_logits": max_logits, "tmp_out": tmp_out, "query": query,
+            "key_cache": key_cache, "value_cache": value_cache}
+    _check_meta_consistent("paged_attention_v2", data, (block_tables, seq_lens, alibi_slopes))
 
 
 @torch.library.register_fake("pagedkv::paged_prefill_attention")
 def _paged_prefill_attention_fake(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len):
-    return None
+    data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache}
+    _check_meta_consistent("paged_prefill_attention", data, (block_tables, query_start_loc, seq_lens))
 
 
 @torch.library.register_fake("pagedkv::reshape_and_cache")
 def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
-    return None
+    data = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache}
+    _check_meta_consistent("reshape_and_cache", data, (slot_mapping,))
 
 
 @torch.library.register_fake("pagedkv::copy_blocks")
 def _copy_blocks_fake(key_caches, value_caches, block_mapping):
-    return None
+    data = {f"key_caches[{i}]": t for i, t in enumerate(key_caches)}
+    data |= {f"value_caches[{i}]": t for i, t in enumerate(value_caches)}
+    _check_meta_consistent("copy_blocks", data, (block_mapping,))
 
 
 @torch.library.register_fake("pagedkv::swap_blocks")
 def _swap_blocks_fake(src, dst, block_mapping):
-    return None
+    _check_meta_consistent("swap_blocks", {"src": src, "dst": dst}, (block_mapping,))
