@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/cpu_capability.h"
 #include "ops.h"
 
 TORCH_LIBRARY(pagedkv, m) {
@@ -25,6 +26,8 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  // Which CPU kernel variant runs here: "default", "avx2" or "avx512" (no tensors, no dispatch).
+  m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {

@@ -243,6 +243,19 @@ void check_query_start_loc_values(const char* op, const PrefillDims& p, const at
   }
 }
 
+void check_kv_tokens(const char* op, const char* name, const at::Tensor& t, const CacheDims& c,
+                     const at::Tensor& key_cache) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is required");
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == c.num_kv_heads && t.size(2) == c.head_size, op, ": ", name,
+              " must be [num_tokens, num_kv_heads=", c.num_kv_heads, ", head_size=", c.head_size, "], got shape ",
+              t.sizes());
+  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), op, ": ", name, " dtype ", t.scalar_type(),
+              " differs from the cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK(t.device() == key_cache.device(), op, ": ", name, " is on ", t.device(), " but the cache is on ",
+              key_cache.device());
+  TORCH_CHECK(t.stride(2) == 1, op, ": ", name, " must have a contiguous last dim, got strides ", t.strides());
+}
+
 void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t num_tokens, const CacheDims& c) {
   check_int_tensor(op, "slot_mapping", slot_mapping, at::kLong, 1);
   TORCH_CHECK(slot_mapping.size(0) == num_tokens, op, ": slot_mapping has ", slot_mapping.size(0),

@@ -64,6 +64,11 @@ void check_block_table_values(const char* op, const AttentionDims& dims, const a
 void check_query_start_loc_values(const char* op, const PrefillDims& dims, const at::Tensor& query_start_loc,
                                   const at::Tensor& seq_lens, int64_t max_query_len);
 
+// key/value of new tokens: [num_tokens, num_kv_heads, head_size], the cache's
+// dtype and device, last dim dense (dims 0/1 may be strided, e.g. a fused QKV slice).
+void check_kv_tokens(const char* op, const char* name, const at::Tensor& t, const CacheDims& cache,
+                     const at::Tensor& key_cache);
+
 // slot_mapping: every slot < num_blocks * block_size (negative = skip).
 void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t num_tokens,
                         const CacheDims& cache);

@@ -24,25 +24,13 @@ void copy_token(const at::Tensor& src, int64_t token, char* dst_row) {
   }
 }
 
-void check_token_tensor(const char* name, const at::Tensor& t, const CacheDims& c, const at::Tensor& cache) {
-  TORCH_CHECK(t.dim() == 3 && t.size(1) == c.num_kv_heads && t.size(2) == c.head_size,
-              "reshape_and_cache: ", name, " must be [num_tokens, num_kv_heads=", c.num_kv_heads,
-              ", head_size=", c.head_size, "], got shape ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == cache.scalar_type(), "reshape_and_cache: ", name, " dtype ", t.scalar_type(),
-              " differs from the cache dtype ", cache.scalar_type());
-  TORCH_CHECK(t.device() == cache.device(), "reshape_and_cache: ", name, " is on ", t.device(),
-              " but the cache is on ", cache.device());
-  TORCH_CHECK(t.stride(2) == 1, "reshape_and_cache: ", name, " must have a contiguous last dim, got strides ",
-              t.strides());
-}
-
 }  // namespace
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const CacheDims c = check_kv_cache(key_cache, value_cache, "reshape_and_cache");
-  check_token_tensor("key", key, c, key_cache);
-  check_token_tensor("value", value, c, key_cache);
+  check_kv_tokens("reshape_and_cache", "key", key, c, key_cache);
+  check_kv_tokens("reshape_and_cache", "value", value, c, key_cache);
   TORCH_CHECK(value.size(0) == key.size(0), "reshape_and_cache: key has ", key.size(0), " tokens, value has ",
               value.size(0));
   const int64_t num_tokens = key.size(0);

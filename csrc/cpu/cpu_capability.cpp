@@ -1,7 +1,6 @@
 #include "cpu/cpu_capability.h"
 
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include <cstdlib>
 #include <string>
@@ -40,8 +39,6 @@ CpuCapability from_env(const std::string& requested, CpuCapability best) {
   return wanted;
 }
 
-std::string capability_op() { return cpu_capability_name(selected_cpu_capability()); }
-
 }  // namespace
 
 const char* cpu_capability_name(CpuCapability capability) {
@@ -65,9 +62,6 @@ CpuCapability selected_cpu_capability() {
   return selected;
 }
 
-}  // namespace pagedkv::cpu
+std::string cpu_capability_op() { return cpu_capability_name(selected_cpu_capability()); }
 
-// A query op, so Python can see which variant runs without a pybind11 module.
-TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
-  m.def("cpu_capability() -> str", &pagedkv::cpu::capability_op);
-}
+}  // namespace pagedkv::cpu

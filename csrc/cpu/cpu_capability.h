@@ -8,6 +8,8 @@
 // `torch.ops.pagedkv.cpu_capability()` returns the name of the variant in use.
 #pragma once
 
+#include <string>
+
 namespace pagedkv::cpu {
 
 enum class CpuCapability { kDefault, kAvx2, kAvx512 };
@@ -16,5 +18,8 @@ enum class CpuCapability { kDefault, kAvx2, kAvx512 };
 CpuCapability selected_cpu_capability();
 
 const char* cpu_capability_name(CpuCapability capability);
+
+// Backs the `cpu_capability() -> str` op (schema in torch_bindings.cpp).
+std::string cpu_capability_op();
 
 }  // namespace pagedkv::cpu

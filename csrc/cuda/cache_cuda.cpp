@@ -21,18 +21,6 @@ void check_cuda_call(const char* op, const char* what, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, op, ": ", what, " failed: ", cudaGetErrorString(err));
 }
 
-void check_token_tensor(const char* name, const at::Tensor& t, const CacheDims& c, const at::Tensor& cache) {
-  TORCH_CHECK(t.defined(), "reshape_and_cache: ", name, " is required");
-  TORCH_CHECK(t.dim() == 3 && t.size(1) == c.num_kv_heads && t.size(2) == c.head_size, "reshape_and_cache: ", name,
-              " must be [num_tokens, num_kv_heads=", c.num_kv_heads, ", head_size=", c.head_size, "], got shape ",
-              t.sizes());
-  TORCH_CHECK(t.scalar_type() == cache.scalar_type(), "reshape_and_cache: ", name, " dtype ", t.scalar_type(),
-              " differs from the cache dtype ", cache.scalar_type());
-  TORCH_CHECK(t.device() == cache.device(), "reshape_and_cache: ", name, " is on ", t.device(),
-              " but the cache is on ", cache.device());
-  TORCH_CHECK(t.stride(2) == 1, "reshape_and_cache: ", name, " must have a contiguous last dim, got strides ",
-              t.strides());
-}
 
 // One cudaMemcpyAsync per run of pairs (s, d), (s+1, d+1), ... of the mapping.
 void copy_block_runs(const char* op, const char* src, char* dst, const int64_t* pairs, int64_t num_pairs,
@@ -55,8 +43,8 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
                             at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   constexpr const char* op = "reshape_and_cache";
   const CacheDims c = check_kv_cache(key_cache, value_cache, op);
-  check_token_tensor("key", key, c, key_cache);
-  check_token_tensor("value", value, c, key_cache);
+  check_kv_tokens("reshape_and_cache", "key", key, c, key_cache);
+  check_kv_tokens("reshape_and_cache", "value", value, c, key_cache);
   TORCH_CHECK(value.size(0) == key.size(0), op, ": key has ", key.size(0), " tokens, value has ", value.size(0));
   TORCH_CHECK(key_cache.is_cuda(), op, ": the CUDA kernel needs CUDA caches, got ", key_cache.device());
   TORCH_CHECK(slot_mapping.defined() && slot_mapping.device() == key_cache.device(), op,
