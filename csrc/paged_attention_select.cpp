@@ -9,23 +9,27 @@
 
 namespace pagedkv {
 
-// The rule, measured by bench/bench_kernels.py --v1-vs-v2 (results in
-// bench/results/): v2 pays when there is too little (sequence, head) work to
-// fill the machine and each sequence is long enough to split.
-//  - CUDA: v1 launches one CTA per (sequence, kv head); an H200 has 132 SMs,
-//    so below ~4 CTAs per SM v2's extra parallelism wins once a sequence spans
+// The rule, measured by bench/bench_kernels.py --v1-vs-v2 (bench/results/): v2
+// pays when there is too little (sequence, kv head) work to fill the machine
+// and each sequence is long enough to split.
+//  - CUDA: v1 launches a CTA per (sequence, kv head); an H200 has 132 SMs, so
+//    below ~4 CTAs per SM v2's extra parallelism wins once a sequence spans
 //    more than one partition (the same shape of rule vLLM uses).
-//  - CPU: v1 parallelizes over (sequence, kv head); with fewer of those than
-//    threads, v2 splits each long sequence across threads.
+//  - CPU (2-core AVX2 box, partition 512): v1 hands out (sequence, kv head)
+//    work items to threads. With fewer items than 2 per thread, v2 wins from
+//    3 partitions on (at 2 partitions the extra reduce costs more than it
+//    gains); with up to 8 items per thread it still wins 9-18% once a
+//    sequence spans 8+ partitions; with more items v1 is 2-7% faster.
 bool should_use_v2(bool is_cuda, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_seq_len,
                    int64_t partition_size) {
   const int64_t num_partitions = (max_seq_len + partition_size - 1) / partition_size;
   if (num_partitions <= 1) return false;
+  const int64_t work_items = num_seqs * num_kv_heads;
   if (is_cuda) {
-    return max_seq_len > 8192 || num_seqs * num_kv_heads < 4 * 132;
+    return max_seq_len > 8192 || work_items < 4 * 132;
   }
   const int64_t threads = at::get_num_threads();
-  return num_seqs * num_kv_heads < 2 * threads;
+  return (work_items < 2 * threads && num_partitions >= 3) || (work_items <= 8 * threads && num_partitions >= 8);
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
