@@ -88,9 +88,11 @@ class CMakeBuild(build_ext):
         import pybind11
         import torch
 
-        build_dir = Path(self.build_temp).resolve()
-        build_dir.mkdir(parents=True, exist_ok=True)
+        # A fixed build folder inside the checkout (editable installs would use a
+        # fresh temporary one each time) keeps rebuilds incremental.
         cuda_home = _find_cuda_home()
+        build_dir = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{'cuda' if cuda_home else 'cpu'}"
+        build_dir.mkdir(parents=True, exist_ok=True)
         build_type = os.environ.get("PAGEDKV_BUILD_TYPE", "Release")
         args = [
             f"-S{ROOT}",

@@ -12,40 +12,31 @@ namespace {
 
 using cpu::CpuCapability;
 
-void run_decode(const cpu::DecodeParams& params) {
+// Calls the kernel of the instruction-set variant this CPU runs.
+template <typename Params>
+void run_variant(void (*avx512)(const Params&), void (*avx2)(const Params&), void (*fallback)(const Params&),
+                 const Params& params) {
   switch (cpu::selected_cpu_capability()) {
     case CpuCapability::kAvx512:
-      return cpu::AVX512::decode_attention(params);
+      return avx512(params);
     case CpuCapability::kAvx2:
-      return cpu::AVX2::decode_attention(params);
+      return avx2(params);
     case CpuCapability::kDefault:
       break;
   }
-  cpu::DEFAULT::decode_attention(params);
+  fallback(params);
 }
 
-void run_reduce(const cpu::DecodeParams& params) {
-  switch (cpu::selected_cpu_capability()) {
-    case CpuCapability::kAvx512:
-      return cpu::AVX512::reduce_partitions(params);
-    case CpuCapability::kAvx2:
-      return cpu::AVX2::reduce_partitions(params);
-    case CpuCapability::kDefault:
-      break;
-  }
-  cpu::DEFAULT::reduce_partitions(params);
+void run_decode(const cpu::DecodeParams& p) {
+  run_variant(cpu::AVX512::decode_attention, cpu::AVX2::decode_attention, cpu::DEFAULT::decode_attention, p);
 }
 
-void run_prefill(const cpu::PrefillParams& params) {
-  switch (cpu::selected_cpu_capability()) {
-    case CpuCapability::kAvx512:
-      return cpu::AVX512::prefill_attention(params);
-    case CpuCapability::kAvx2:
-      return cpu::AVX2::prefill_attention(params);
-    case CpuCapability::kDefault:
-      break;
-  }
-  cpu::DEFAULT::prefill_attention(params);
+void run_reduce(const cpu::DecodeParams& p) {
+  run_variant(cpu::AVX512::reduce_partitions, cpu::AVX2::reduce_partitions, cpu::DEFAULT::reduce_partitions, p);
+}
+
+void run_prefill(const cpu::PrefillParams& p) {
+  run_variant(cpu::AVX512::prefill_attention, cpu::AVX2::prefill_attention, cpu::DEFAULT::prefill_attention, p);
 }
 
 cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

@@ -140,27 +140,31 @@ inline void qk_block_heads(const float* q, const T* k, int64_t k_stride, int n, 
   }
 }
 
-// logits for G heads x n tokens of one block (rows k, k + k_stride, ...).
-template <typename T, int D>
-inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits, const T* pf) {
+// Runs f.template operator()<NG>(g, pf) over the G heads in groups of 4, then
+// the 1-3 left; only the first group issues the prefetches `pf`.
+template <typename T, typename F>
+inline void for_head_groups(int64_t G, const T* pf, F&& f) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) {
-    qk_block_heads<T, D, 4>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, g == 0 ? pf : nullptr);
-  }
+  for (; g + 4 <= G; g += 4) f.template operator()<4>(g, g == 0 ? pf : nullptr);
   if (g > 0) pf = nullptr;
   switch (G - g) {
     case 3:
-      qk_block_heads<T, D, 3>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, pf);
-      break;
+      return f.template operator()<3>(g, pf);
     case 2:
-      qk_block_heads<T, D, 2>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, pf);
-      break;
+      return f.template operator()<2>(g, pf);
     case 1:
-      qk_block_heads<T, D, 1>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, pf);
-      break;
+      return f.template operator()<1>(g, pf);
     default:
-      break;
+      return;
   }
+}
+
+// logits for G heads x n tokens of one block (rows k, k + k_stride, ...).
+template <typename T, int D>
+inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits, const T* pf) {
+  for_head_groups(G, pf, [&]<int NG>(int64_t g, const T* prefetch) {
+    qk_block_heads<T, D, NG>(q + g * D, k, k_stride, n, logits + g * kMaxBlockSize, prefetch);
+  });
 }
 
 // acc[j] += sum_t p[j][t] * v_t for NG heads; accumulators stay in registers
@@ -190,24 +194,9 @@ inline void pv_block_heads(const float* p, const T* v, int64_t v_stride, int n, 
 
 template <typename T, int D>
 inline void pv_block(const float* p, int64_t G, const T* v, int64_t v_stride, int n, float* acc, const T* pf) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) {
-    pv_block_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, g == 0 ? pf : nullptr);
-  }
-  if (g > 0) pf = nullptr;
-  switch (G - g) {
-    case 3:
-      pv_block_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, pf);
-      break;
-    case 2:
-      pv_block_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, pf);
-      break;
-    case 1:
-      pv_block_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, pf);
-      break;
-    default:
-      break;
-  }
+  for_head_groups(G, pf, [&]<int NG>(int64_t g, const T* prefetch) {
+    pv_block_heads<T, D, NG>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, prefetch);
+  });
 }
 
 // Online-softmax update of one head with n new logits (row of kMaxBlockSize):
