@@ -15,4 +15,4 @@ test: install
 	$(PYTHON) -m pytest -q tests
 
 lint:
-	$(PYTHON) -m ruff check python tests bench
+	$(PYTHON) -m ruff check python tests bench scripts

@@ -333,7 +333,8 @@ def run_v1_vs_v2(args: argparse.Namespace) -> list[dict]:
           f"{torch.get_num_threads()} threads.\n")
     print_table(rows, [
         ("dtype", "dtype", "{}"), ("heads", "heads", "{}"), ("batch", "batch", "{}"), ("ctx", "context", "{}"),
-        ("seqs x kv heads", "work_items", "{}"), ("v1 us", "v1_us", "{:.0f}"), ("v2 us", "v2_us", "{:.0f}"), ("v1/v2", "v1_over_v2", "{:.2f}"),
+        ("seqs x kv heads", "work_items", "{}"), ("v1 us", "v1_us", "{:.0f}"), ("v2 us", "v2_us", "{:.0f}"),
+        ("v1/v2", "v1_over_v2", "{:.2f}"),
         ("faster", "faster", "{}"), ("op picks", "rule_picks", "{}"), ("rule ok", "rule_ok", "{}"),
     ])
     wrong = [r for r in rows if r["rule_ok"] == "NO"]

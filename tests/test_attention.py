@@ -255,7 +255,7 @@ PREFILL_MIX = [(37, 37), (1, 1), (5, 29), (0, 12), (64, 100), (17, 17), (1, 40)]
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_every_dtype_head_size_block_size(dtype, head_size, block_size):
     gen = make_generator("prefill", dtype, head_size, block_size)
-    q_lens, seq_lens = zip(*PREFILL_MIX)
+    q_lens, seq_lens = zip(*PREFILL_MIX, strict=True)
     case = PrefillCase(gen, dtype, num_heads=6, num_kv_heads=2, head_size=head_size, block_size=block_size,
                        q_lens=q_lens, seq_lens=seq_lens)
     assert_close(case.run(), case.reference(), dtype)

@@ -138,7 +138,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             bt, sm, sl = np.full((6, 24), -1, np.int32), np.full(300, -1, np.int64), np.zeros(6, np.int32)
             outs.append((bm.fill_metadata(seqs, bt, sm, sl, query_lens=query_lens), bt, sm, sl))
         assert outs[0][0] == outs[1][0]
-        for a, b in zip(outs[0][1:], outs[1][1:]):
+        for a, b in zip(outs[0][1:], outs[1][1:], strict=True):
             np.testing.assert_array_equal(a, b)
 
     # --- invariants ----------------------------------------------------------------

@@ -308,7 +308,7 @@ def prefill_case(
     q_lens, ctx_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0
 ):
     gen = _seeded(seed)
-    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
     block_tables, num_blocks = make_tables(seq_lens, block_size, gen)
     key_cache, value_cache = make_cache(
         num_blocks, block_size, num_kv_heads, head_size, dtype, gen
@@ -475,7 +475,7 @@ def test_copy_blocks_all_layers(dtype, mapping_device):
     ev = [v.clone() for v in value_caches]
     reference.copy_blocks(ek, ev, mapping)
     ops.copy_blocks(key_caches, value_caches, mapping.to(mapping_device))
-    for a, b in zip(key_caches + value_caches, ek + ev):
+    for a, b in zip(key_caches + value_caches, ek + ev, strict=True):
         assert torch.equal(a, b)
 
 

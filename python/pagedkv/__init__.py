@@ -7,8 +7,11 @@
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 
-from pagedkv import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
-from pagedkv import ops, reference  # noqa: F401
+from pagedkv import (  # noqa: F401
+    _C,  # noqa: F401  (registers torch.ops.pagedkv.*)
+    ops,
+    reference,
+)
 
 __version__ = "0.1.0"
 built_with_cuda: bool = bool(_C.built_with_cuda)

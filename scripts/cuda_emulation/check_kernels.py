@@ -315,7 +315,7 @@ class Checker:
         seed=0,
     ):
         gen = torch.Generator().manual_seed(seed)
-        seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+        seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
         tables, num_blocks = make_tables(seq_lens, block_size, gen)
         shape = (num_blocks, block_size, num_kv_heads, head_size)
         kc, vc = (
@@ -422,7 +422,7 @@ class Checker:
             ptr(ptrs), 2, ptr(mapping), 3, kc.stride(0) * kc.element_size(), num_blocks
         )
         assert rc == 0
-        for (k, v), k_exp, v_exp in zip(layers, ek, ev):
+        for (k, v), k_exp, v_exp in zip(layers, ek, ev, strict=True):
             assert torch.equal(k, k_exp) and torch.equal(v, v_exp), "copy_blocks"
         self.cases += 2
 

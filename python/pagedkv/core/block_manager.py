@@ -98,7 +98,8 @@ class BlockManager:
         self.prefix_cache: PrefixCache | None = PrefixCache(block_size, hash_algo) if enable_caching else None
 
     # --- admission ----------------------------------------------------------
-    def _prompt(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey]) -> tuple[int, list[bytes], list[int]]:
+    def _prompt(self, prompt: Sequence[int] | int,
+                extra_keys: Sequence[ExtraKey]) -> tuple[int, list[bytes], list[int]]:
         """(num_tokens, block hashes, cached blocks) of a prompt."""
         if isinstance(prompt, int):
             if self.prefix_cache is not None:
@@ -182,7 +183,7 @@ class BlockManager:
                 self._check_tokens(toks, num_new_tokens)
         cows = self.core.append_slots_batch(list(seq_ids), num_new_tokens)
         if self.prefix_cache is not None:
-            for seq_id, toks in zip(seq_ids, token_ids):
+            for seq_id, toks in zip(seq_ids, token_ids, strict=True):
                 self.prefix_cache.on_append(self.core, seq_id, toks)
         return cows
 

@@ -196,7 +196,8 @@ class PyBlockManager:
         if seq_id in self._seqs:
             raise SequenceExistsError(f"allocate: sequence {seq_id} already has blocks")
         if len(cached_prefix) * self.block_size > num_tokens - 1:
-            raise ValueError(f"allocate: {len(cached_prefix)} cached blocks cover too much of a {num_tokens}-token prompt")
+            raise ValueError(f"allocate: {len(cached_prefix)} cached blocks cover too much of a "
+                             f"{num_tokens}-token prompt")
         needed = self._blocks_for(num_tokens) - len(cached_prefix)
         for b in cached_prefix:
             if not self.gpu.is_cached(b):
