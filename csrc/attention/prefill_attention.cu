@@ -44,10 +44,15 @@ struct PrefillShape {
   static constexpr int kDimThreads = kPrefillThreads / kRowGroups;  // threads sharing 4 rows in O += P V
   static constexpr int kColsPerThread = (kCols + kDimThreads - 1) / kDimThreads;
   static constexpr int kRowThreads = kPrefillThreads / kRows;  // threads per row in the softmax update
+  // S = Q K^T: a thread owns 4 rows x kKeysPerThread keys (keys strided by kKeyGroups), so
+  // that every thread has scores to compute with 16 row groups (D <= 128) or 8 (D = 256).
+  static constexpr int kKeyGroups = kPrefillThreads / kRowGroups;
+  static constexpr int kKeysPerThread = kKvTile / kKeyGroups;
   static constexpr int kSmemFloats = kRows * kLd + 2 * kKvTile * kLd + kRows * kSLd + 3 * kRows;
   static constexpr size_t kSmemBytes = sizeof(float) * kSmemFloats + sizeof(int) * kKvTile;
   static_assert(kRows * kRowThreads == kPrefillThreads, "softmax rows split");
   static_assert(D % 4 == 0, "float4 columns");
+  static_assert(kKeyGroups * kKeysPerThread == kKvTile, "score keys split");
 };
 
 template <typename T, int D>
@@ -57,6 +62,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
   constexpr int kRG = Shape::kRowGroups;
   constexpr int kLd = Shape::kLd;
   constexpr int kSLd = Shape::kSLd;
+  constexpr int kKG = Shape::kKeyGroups;
+  constexpr int kKT = Shape::kKeysPerThread;
   constexpr int VEC = Vec16<T>::kElems;
   constexpr int VPR = D / VEC;
 
@@ -158,22 +165,22 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     }
     __syncthreads();
 
-    // 2. Scores: each work item is 4 rows x 4 keys (rows strided by kRG, keys by 8).
-    for (int item = tid; item < kRG * 8; item += kPrefillThreads) {
-      const int irg = item / 8;
-      const int itg = item % 8;
-      float s[4][4] = {};
+    // 2. Scores: each work item is 4 rows x kKT keys (rows strided by kRG, keys by kKG).
+    for (int item = tid; item < kRG * kKG; item += kPrefillThreads) {
+      const int irg = item / kKG;
+      const int itg = item % kKG;
+      float s[4][kKT] = {};
       for (int c = 0; c < D / 4; ++c) {
         float4 qv[4];
-        float4 kv[4];
+        float4 kv[kKT];
 #pragma unroll
         for (int i = 0; i < 4; ++i) qv[i] = *reinterpret_cast<const float4*>(s_q + (irg + i * kRG) * kLd + 4 * c);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) kv[j] = *reinterpret_cast<const float4*>(s_k + (itg + 8 * j) * kLd + 4 * c);
+        for (int j = 0; j < kKT; ++j) kv[j] = *reinterpret_cast<const float4*>(s_k + (itg + kKG * j) * kLd + 4 * c);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < kKT; ++j) {
             s[i][j] = fmaf(qv[i].x, kv[j].x, s[i][j]);
             s[i][j] = fmaf(qv[i].y, kv[j].y, s[i][j]);
             s[i][j] = fmaf(qv[i].z, kv[j].z, s[i][j]);
@@ -186,8 +193,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
         const int r = irg + i * kRG;
         const int qpos = row_pos(r);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int t = itg + 8 * j;
+        for (int j = 0; j < kKT; ++j) {
+          const int t = itg + kKG * j;
           const bool visible = qpos >= 0 && kv0 + t <= qpos && s_ok[t];
           s_p[r * kSLd + t] = visible ? s[i][j] : -INFINITY;
         }

@@ -478,6 +478,12 @@ def run(checker: Checker, quick: bool) -> None:
     checker.prefill(
         [130, 3], [0, 200], 96, 1, 64, 16, torch.float16
     )  # G > rows per CTA: head chunks
+    checker.prefill(
+        [33, 2], [40, 31], 6, 2, 256, 16, torch.bfloat16, seed=2
+    )  # head_size 256 (2 keys per thread in S = Q K^T), G = 3: unused rows in every tile
+    checker.decode(
+        2, [512, 0, 257], 6, 2, 256, 16, torch.float16, partition_size=256, seed=3
+    )  # a partition-multiple length, an empty sequence and a 1-token last partition
     checker.decode_bad_block()
     for dtype, head_size, strided in itertools.product(
         DTYPE_CODE, (64, 80, 256), (False, True)
