@@ -504,6 +504,17 @@ def test_swap_blocks(direction, pinned):
     assert torch.equal(dst.cpu(), expected)
 
 
+def test_swap_blocks_within_one_gpu_tensor_is_sequential():
+    # src is dst: the run 0,1,2 -> 1,2,3 must not become one overlapping copy.
+    cache = torch.randn((6, 16, 2, 64), generator=_seeded(6)).half().to(DEVICE)
+    mapping = torch.tensor([[0, 1], [1, 2], [2, 3], [5, 4]], dtype=torch.int64)
+    expected = cache.cpu().clone()
+    reference.swap_blocks(expected, expected, mapping)
+    ops.swap_blocks(cache, cache, mapping)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.cpu(), expected)
+
+
 # ---- bad input ---------------------------------------------------------------------
 
 

@@ -2,6 +2,16 @@
 // csrc/cache/cache_kernels.cu; swap_blocks moves whole blocks with
 // cudaMemcpyAsync (GPU<->CPU, GPU->GPU), coalescing runs of consecutive blocks.
 #include <ATen/ATen.h>
+// The caching host allocator's header trips GCC's -Winterference-size (a note about its
+// own alignas values, not about this file).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winterference-size"
+#endif
+#include <ATen/core/CachingHostAllocator.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -21,8 +31,17 @@ void check_cuda_call(const char* op, const char* what, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, op, ": ", what, " failed: ", cudaGetErrorString(err));
 }
 
+// Whether [a, a + bytes) and [b, b + bytes) share a byte (UVA: host and device addresses never collide).
+bool ranges_overlap(const char* a, const char* b, int64_t bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bytes && y < x + bytes;
+}
 
-// One cudaMemcpyAsync per run of pairs (s, d), (s+1, d+1), ... of the mapping.
+// One cudaMemcpyAsync per run of pairs (s, d), (s+1, d+1), ... of the mapping. A run stops
+// before its source and destination ranges would overlap (src and dst may be one GPU tensor):
+// an overlapping cudaMemcpy is undefined, while one copy per block, in stream order, gives the
+// sequential dst[d] = src[s] of the reference.
 void copy_block_runs(const char* op, const char* src, char* dst, const int64_t* pairs, int64_t num_pairs,
                      int64_t block_bytes, cudaMemcpyKind kind, cudaStream_t stream) {
   int64_t i = 0;
@@ -30,7 +49,10 @@ void copy_block_runs(const char* op, const char* src, char* dst, const int64_t* 
     const int64_t s0 = pairs[2 * i];
     const int64_t d0 = pairs[2 * i + 1];
     int64_t run = 1;
-    while (i + run < num_pairs && pairs[2 * (i + run)] == s0 + run && pairs[2 * (i + run) + 1] == d0 + run) ++run;
+    while (i + run < num_pairs && pairs[2 * (i + run)] == s0 + run && pairs[2 * (i + run) + 1] == d0 + run &&
+           !ranges_overlap(src + s0 * block_bytes, dst + d0 * block_bytes, (run + 1) * block_bytes)) {
+      ++run;
+    }
     check_cuda_call(op, "cudaMemcpyAsync",
                     cudaMemcpyAsync(dst + d0 * block_bytes, src + s0 * block_bytes, run * block_bytes, kind, stream));
     i += run;
@@ -142,9 +164,17 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
                                             : cudaMemcpyHostToDevice;
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
   const int64_t block_bytes = src.stride(0) * src.element_size();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
   copy_block_runs(op, static_cast<const char*>(src.data_ptr()), static_cast<char*>(dst.data_ptr()),
-                  mapping.data_ptr<int64_t>(), mapping.size(0), block_bytes, kind,
-                  c10::cuda::getCurrentCUDAStream());
+                  mapping.data_ptr<int64_t>(), mapping.size(0), block_bytes, kind, stream);
+  // With pinned host memory the copies are still pending when this returns. Tell the caching
+  // host allocator, as a non_blocking Tensor.to() does, so that a host tensor the caller drops
+  // now is not handed out again before they have run (pageable or foreign memory: a no-op).
+  const at::Tensor& host = src.is_cuda() ? dst : src;
+  if (host.is_cpu()) {
+    const c10::DataPtr& data = host.storage().data_ptr();
+    at::getHostAllocator(at::kCUDA)->record_event(data.get(), data.get_context(), stream);
+  }
 }
 
 }  // namespace pagedkv
