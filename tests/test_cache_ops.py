@@ -265,8 +265,10 @@ def _two_layers(num_blocks=8, dtype=torch.float32):
         (torch.tensor([[0, 1], [8, 2]]), r"block_mapping\[1\] source block 8 is outside the source cache \(8 blocks\)"),
         (torch.tensor([[-1, 2]]), r"block_mapping\[0\] source block -1 is outside the source cache"),
         (torch.tensor([[3, 99]]), r"block_mapping\[0\] destination block 99 is outside the destination cache"),
+        (torch.tensor([[0, 5], [1, 5]]), r"block_mapping writes block 5 twice"),
+        (torch.tensor([[0, 5], [5, 6]]), r"block_mapping\[0\] writes block 5, which another pair reads"),
     ],
-    ids=["int32", "1-D", "3-cols", "src-too-big", "src-negative", "dst-too-big"],
+    ids=["int32", "1-D", "3-cols", "src-too-big", "src-negative", "dst-too-big", "dst-twice", "dst-is-a-src"],
 )
 def test_copy_blocks_rejects_bad_mapping(mapping, message):
     key_caches, value_caches = _two_layers()

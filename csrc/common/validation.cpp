@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <unordered_set>
 
 #include "common/supported.h"
 
@@ -277,7 +278,7 @@ void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t 
 }
 
 void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_t num_src_blocks,
-                         int64_t num_dst_blocks) {
+                         int64_t num_dst_blocks, bool disjoint_pairs) {
   TORCH_CHECK(block_mapping.defined(), op, ": block_mapping is required");
   TORCH_CHECK(block_mapping.scalar_type() == at::kLong, op, ": block_mapping must be int64, got ",
               block_mapping.scalar_type());
@@ -292,6 +293,16 @@ void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_
     TORCH_CHECK(pairs[2 * i + 1] >= 0 && pairs[2 * i + 1] < num_dst_blocks, op, ": block_mapping[", i,
                 "] destination block ", pairs[2 * i + 1], " is outside the destination cache (", num_dst_blocks,
                 " blocks)");
+  }
+  if (!disjoint_pairs) return;
+  std::unordered_set<int64_t> sources, destinations;
+  for (int64_t i = 0; i < m.size(0); ++i) sources.insert(pairs[2 * i]);
+  for (int64_t i = 0; i < m.size(0); ++i) {
+    const int64_t dst = pairs[2 * i + 1];
+    TORCH_CHECK(destinations.insert(dst).second, op, ": block_mapping writes block ", dst,
+                " twice; each destination block may appear once");
+    TORCH_CHECK(!sources.count(dst), op, ": block_mapping[", i, "] writes block ", dst,
+                ", which another pair reads; the pairs are copied concurrently, so a destination must not be a source");
   }
 }
 

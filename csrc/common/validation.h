@@ -74,8 +74,10 @@ void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t 
                         const CacheDims& cache);
 
 // block_mapping int64 [n, 2] of (src, dst) block ids, src < num_src_blocks, dst < num_dst_blocks.
+// disjoint_pairs: the pairs run concurrently within one cache (copy_blocks), so every
+// destination must be unique and no destination may also be a source.
 void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_t num_src_blocks,
-                         int64_t num_dst_blocks);
+                         int64_t num_dst_blocks, bool disjoint_pairs = false);
 
 // Value checks that need a device->host copy on CUDA are on by default; set
 // PAGEDKV_SKIP_INDEX_CHECKS=1 to drop them in production (CUDA kernels still never

@@ -62,7 +62,7 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, con
                 key_caches[0].scalar_type());
   }
   TORCH_CHECK(block_mapping.defined() && block_mapping.is_cpu(), "copy_blocks: CPU caches need a CPU block_mapping");
-  check_block_mapping("copy_blocks", block_mapping, c0.num_blocks, c0.num_blocks);
+  check_block_mapping("copy_blocks", block_mapping, c0.num_blocks, c0.num_blocks, /*disjoint_pairs=*/true);
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.data_ptr<int64_t>();
   const int64_t num_pairs = mapping.size(0);

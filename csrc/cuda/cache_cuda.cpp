@@ -115,7 +115,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
                   " cache must be 16-byte aligned");
     }
   }
-  check_block_mapping(op, block_mapping, c0.num_blocks, c0.num_blocks);
+  check_block_mapping(op, block_mapping, c0.num_blocks, c0.num_blocks, /*disjoint_pairs=*/true);
   TORCH_CHECK(block_mapping.is_cpu() || block_mapping.device() == device, op, ": block_mapping is on ",
               block_mapping.device(), " but the caches are on ", device);
   const int64_t num_pairs = block_mapping.size(0);

@@ -123,7 +123,11 @@ def reshape_and_cache(
 def copy_blocks(
     key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor
 ) -> None:
-    """For each (src, dst) row of block_mapping, copy block src to block dst in every layer."""
+    """For each (src, dst) row of block_mapping, copy block src to block dst in every layer.
+
+    Destinations are unique and never also sources (the kernels copy the pairs concurrently
+    and refuse such mappings), so the order of the rows does not matter.
+    """
     for src, dst in block_mapping.tolist():
         for cache in (*key_caches, *value_caches):
             cache[dst] = cache[src]
