@@ -39,11 +39,10 @@ void run_prefill(const cpu::PrefillParams& p) {
   run_variant(cpu::AVX512::prefill_attention, cpu::AVX2::prefill_attention, cpu::DEFAULT::prefill_attention, p);
 }
 
-cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                                const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, double scale,
-                                const std::optional<at::Tensor>& alibi_slopes, const AttentionDims& d) {
-  cpu::DecodeParams p{};
+// The fields every kernel shares, from validated tensors.
+void fill_common(cpu::PagedAttentionParams& p, at::Tensor& out, const at::Tensor& query,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, double scale, const AttentionDims& d) {
   p.dtype = query.scalar_type();
   p.out = out.data_ptr();
   p.out_stride = out.stride(0);
@@ -54,14 +53,22 @@ cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const 
   p.block_tables = block_tables.const_data_ptr<int32_t>();
   p.max_blocks_per_seq = d.max_blocks_per_seq;
   p.seq_lens = seq_lens.const_data_ptr<int32_t>();
-  p.alibi_slopes =
-      alibi_slopes.has_value() && alibi_slopes->defined() ? alibi_slopes->const_data_ptr<float>() : nullptr;
   p.scale = static_cast<float>(scale);
   p.num_seqs = d.num_seqs;
   p.num_heads = d.num_heads;
   p.num_kv_heads = d.num_kv_heads;
   p.head_size = d.head_size;
   p.block_size = d.block_size;
+}
+
+cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale,
+                                const std::optional<at::Tensor>& alibi_slopes, const AttentionDims& d) {
+  cpu::DecodeParams p{};
+  fill_common(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale, d);
+  p.alibi_slopes =
+      alibi_slopes.has_value() && alibi_slopes->defined() ? alibi_slopes->const_data_ptr<float>() : nullptr;
   return p;
 }
 
@@ -113,23 +120,8 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const
   const AttentionDims& d = pd.attn;
   if (pd.num_tokens == 0 || d.num_seqs == 0) return;
   cpu::PrefillParams p{};
-  p.dtype = query.scalar_type();
-  p.out = out.data_ptr();
-  p.out_stride = out.stride(0);
-  p.query = query.const_data_ptr();
-  p.query_stride = query.stride(0);
-  p.key_cache = key_cache.const_data_ptr();
-  p.value_cache = value_cache.const_data_ptr();
-  p.block_tables = block_tables.const_data_ptr<int32_t>();
-  p.max_blocks_per_seq = d.max_blocks_per_seq;
-  p.seq_lens = seq_lens.const_data_ptr<int32_t>();
+  fill_common(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale, d);
   p.query_start_loc = query_start_loc.const_data_ptr<int32_t>();
-  p.scale = static_cast<float>(scale);
-  p.num_seqs = d.num_seqs;
-  p.num_heads = d.num_heads;
-  p.num_kv_heads = d.num_kv_heads;
-  p.head_size = d.head_size;
-  p.block_size = d.block_size;
   run_prefill(p);
 }
 

@@ -14,25 +14,30 @@
 
 namespace pagedkv::cpu {
 
-// Decode (v1 and v2). Element strides; query/out rows are [num_heads, head_size] dense.
-struct DecodeParams {
+// What every attention kernel reads: the query/out rows and the paged cache.
+// Element strides; query/out rows are [num_heads, head_size] dense.
+struct PagedAttentionParams {
   c10::ScalarType dtype;
   void* out;
-  int64_t out_stride;  // elements between consecutive sequences of out
+  int64_t out_stride;  // elements between consecutive rows (sequences or tokens) of out
   const void* query;
   int64_t query_stride;
   const void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_size]
   const void* value_cache;
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
   int64_t max_blocks_per_seq;
-  const int32_t* seq_lens;      // [num_seqs]
-  const float* alibi_slopes;    // [num_heads] or nullptr
+  const int32_t* seq_lens;      // [num_seqs]; prefill: new tokens included
   float scale;
   int64_t num_seqs;
   int64_t num_heads;
   int64_t num_kv_heads;
   int64_t head_size;
   int64_t block_size;
+};
+
+// Decode (v1 and v2): one query row per sequence.
+struct DecodeParams : PagedAttentionParams {
+  const float* alibi_slopes = nullptr;  // [num_heads] or nullptr
   // v2 only: partition_size == 0 means v1 (one pass over each sequence, result in out).
   int64_t partition_size = 0;
   int64_t max_partitions = 0;  // size(2) of exp_sums / max_logits / tmp_out
@@ -42,24 +47,8 @@ struct DecodeParams {
 };
 
 // Prefill / chunked prefill: several new tokens per sequence, causal.
-struct PrefillParams {
-  c10::ScalarType dtype;
-  void* out;
-  int64_t out_stride;  // elements between consecutive tokens of out
-  const void* query;
-  int64_t query_stride;
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;
-  int64_t max_blocks_per_seq;
-  const int32_t* seq_lens;         // [num_seqs], new tokens included
-  const int32_t* query_start_loc;  // [num_seqs + 1]
-  float scale;
-  int64_t num_seqs;
-  int64_t num_heads;
-  int64_t num_kv_heads;
-  int64_t head_size;
-  int64_t block_size;
+struct PrefillParams : PagedAttentionParams {
+  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
 };
 
 // One set of entry points per capability. decode_attention runs v1 (partition_size
