@@ -18,23 +18,6 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
-def _attention_kernels_built() -> bool:
-    """False while the CPU attention entry points are placeholders that raise."""
-    q, kc, vc, bt, lens, scale = _decode_inputs()
-    try:
-        ops.paged_attention(q, kc, vc, bt, lens, scale)
-    except RuntimeError as err:
-        if "CPU kernel not built yet" in str(err):
-            return False
-        raise
-    return True
-
-
-needs_attention_kernels = pytest.mark.skipif(
-    "not _attention_kernels_built()", reason="the CPU attention kernels are not built into pagedkv._C"
-)
-
-
 def _decode_inputs(device="cpu", dtype=torch.float32):
     """Two sequences (lengths 5 and 20), 2 query heads over 1 KV head, head size 64, block size 16."""
     gen = torch.Generator().manual_seed(0)
@@ -105,7 +88,6 @@ def test_swap_blocks_refuses_meta_destination():
 # ---- mixed dtypes (CPU) ---------------------------------------------------------------------------
 
 
-@needs_attention_kernels
 @pytest.mark.parametrize(
     "index,dtype,message",
     [
@@ -122,7 +104,6 @@ def test_paged_attention_rejects_mixed_dtypes(index, dtype, message):
         ops.paged_attention(*args, max_seq_len=20)
 
 
-@needs_attention_kernels
 def test_paged_attention_rejects_alibi_slopes_dtype():
     q, kc, vc, bt, lens, scale = _decode_inputs()
     slopes = torch.ones(2, dtype=torch.float16)
@@ -130,7 +111,6 @@ def test_paged_attention_rejects_alibi_slopes_dtype():
         ops.paged_attention(q, kc, vc, bt, lens, scale, 20, slopes)
 
 
-@needs_attention_kernels
 def test_paged_attention_v1_rejects_out_dtype():
     q, kc, vc, bt, lens, scale = _decode_inputs()
     out = torch.empty(q.shape, dtype=torch.float16)

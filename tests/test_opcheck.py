@@ -26,23 +26,6 @@ TOLERANCES = {
 }
 
 
-def _attention_kernels_built() -> bool:
-    """False while the CPU attention entry points are placeholders that raise."""
-    inputs = _decode_inputs(num_seqs=1, seq_lens=[1])
-    try:
-        torch.ops.pagedkv.paged_attention(*inputs[:5], inputs[5])
-    except RuntimeError as err:
-        if "CPU kernel not built yet" in str(err):
-            return False
-        raise
-    return True
-
-
-needs_attention_kernels = pytest.mark.skipif(
-    "not _attention_kernels_built()", reason="the CPU attention kernels are not built into pagedkv._C"
-)
-
-
 def _decode_inputs(num_seqs=3, seq_lens=(5, 33, 17), num_heads=4, num_kv_heads=2, head_size=64, num_blocks=12,
                    dtype=torch.float32, seed=0):
     """(query, key_cache, value_cache, block_tables, seq_lens, scale) with non-contiguous block ids."""
@@ -63,28 +46,24 @@ def _decode_inputs(num_seqs=3, seq_lens=(5, 33, 17), num_heads=4, num_kv_heads=2
 # ---- opcheck --------------------------------------------------------------------------------------
 
 
-@needs_attention_kernels
 @pytest.mark.parametrize("max_seq_len", [None, 40])
 def test_opcheck_paged_attention(max_seq_len):
     q, kc, vc, bt, lens, scale = _decode_inputs()
     torch.library.opcheck(torch.ops.pagedkv.paged_attention.default, (q, kc, vc, bt, lens, scale, max_seq_len))
 
 
-@needs_attention_kernels
 def test_opcheck_paged_attention_with_alibi():
     q, kc, vc, bt, lens, scale = _decode_inputs()
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     torch.library.opcheck(torch.ops.pagedkv.paged_attention.default, (q, kc, vc, bt, lens, scale, 33, slopes))
 
 
-@needs_attention_kernels
 def test_opcheck_paged_attention_v1():
     q, kc, vc, bt, lens, scale = _decode_inputs()
     out = torch.empty_like(q)
     torch.library.opcheck(torch.ops.pagedkv.paged_attention_v1.default, (out, q, kc, vc, bt, lens, scale, 33, None))
 
 
-@needs_attention_kernels
 def test_opcheck_paged_attention_v2():
     q, kc, vc, bt, lens, scale = _decode_inputs(seq_lens=(300, 120, 513), num_blocks=80)
     partition_size, max_seq_len = 256, 513
@@ -100,7 +79,6 @@ def test_opcheck_paged_attention_v2():
     )
 
 
-@needs_attention_kernels
 def test_opcheck_paged_prefill_attention():
     gen = torch.Generator().manual_seed(1)
     _, kc, vc, bt, lens, scale = _decode_inputs(seq_lens=(5, 33, 17))
@@ -149,7 +127,6 @@ def _decode_step(key, value, key_cache, value_cache, slot_mapping, query, block_
     return out * 2.0  # some surrounding compute for the compiler to fuse
 
 
-@needs_attention_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_inside_torch_compile(dtype):
     torch._dynamo.reset()
