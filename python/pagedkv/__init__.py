@@ -2,7 +2,8 @@
 
 `import pagedkv` loads the compiled core, which registers the kernels as
 `torch.ops.pagedkv.*`; `pagedkv.ops` holds typed wrappers and
-`pagedkv.reference` pure-PyTorch versions of every op.
+`pagedkv.reference` pure-PyTorch versions of every op. `LLM` and
+`SamplingParams` are the offline inference API (vLLM's names).
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
@@ -16,4 +17,10 @@ from pagedkv import (  # noqa: F401
 __version__ = "0.1.0"
 built_with_cuda: bool = bool(_C.built_with_cuda)
 
-__all__ = ["ops", "reference", "built_with_cuda", "__version__"]
+from pagedkv.engine import EngineArgs, LLMEngine  # noqa: E402
+from pagedkv.llm import LLM  # noqa: E402
+from pagedkv.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedkv.sampling_params import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "ops",
+           "reference", "built_with_cuda", "__version__"]

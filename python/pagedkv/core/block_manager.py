@@ -127,17 +127,28 @@ class BlockManager:
         """Whether `prompt` (token ids, or a token count without caching) fits now, watermark kept."""
         return self.allocate_status(prompt, extra_keys) == AllocStatus.OK
 
-    def allocate(self, seq_id: int, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> int:
+    def allocate(self, seq_id: int, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = (),
+                 num_tokens: int | None = None) -> int:
         """Gives `seq_id` the blocks of its prompt; returns how many prompt tokens are cached.
 
         With caching, the longest chain of cached full blocks is shared (never
         copied); the cached tokens need no prefill. `extra_keys`: e.g.
         (cache_salt, lora_id); prompts with different keys share nothing.
+        num_tokens: give slots to the first `num_tokens` prompt tokens only (a
+        chunked prefill's first chunk, cached tokens included); the rest come
+        later through `append_slots` with their token ids. Blocks are indexed in
+        the prefix cache as they get slots, i.e. in the step that computes them,
+        so no other request is handed a block whose KV a later step would write.
         """
-        n, hashes, hits = self._prompt(prompt, extra_keys)
+        total, hashes, hits = self._prompt(prompt, extra_keys)
+        n = total if num_tokens is None else num_tokens
+        if not len(hits) * self.block_size < n <= total:
+            raise ValueError(f"allocate: num_tokens must be in ({len(hits) * self.block_size}, {total}] "
+                             f"(after the cached prefix, within the prompt), got {num_tokens}")
         self.core.allocate(seq_id, n, hits)
         if self.prefix_cache is not None:
-            self.prefix_cache.on_allocate(self.core, seq_id, prompt, hashes, len(hits), extra_keys)
+            self.prefix_cache.on_allocate(self.core, seq_id, prompt[:n], hashes[:n // self.block_size], len(hits),
+                                          extra_keys, num_queried=total)
         return len(hits) * self.block_size
 
     # --- growth -------------------------------------------------------------

@@ -188,12 +188,16 @@ class PrefixCache:
         return index.lookup_prefix(hashes, (num_tokens - 1) // self.block_size)
 
     def on_allocate(self, index: PrefixIndex, seq_id: int, token_ids: Sequence[int], hashes: list[bytes],
-                    num_hits: int, extra_keys: Sequence[ExtraKey]) -> None:
-        """After allocate: register the prompt's new full blocks, count the lookup."""
+                    num_hits: int, extra_keys: Sequence[ExtraKey], num_queried: int | None = None) -> None:
+        """After allocate: register the new full blocks of `token_ids` (the tokens given slots), count the lookup.
+
+        num_queried: prompt tokens looked up (default len(token_ids); more when
+        only a first chunk of the prompt got slots).
+        """
         index.cache_blocks(seq_id, num_hits, hashes[num_hits:])
         tail = list(token_ids[len(hashes) * self.block_size:])
         self._seqs[seq_id] = _SeqHashes(list(hashes), tail, tuple(extra_keys))
-        self.stats.record(len(token_ids), num_hits * self.block_size)
+        self.stats.record(len(token_ids) if num_queried is None else num_queried, num_hits * self.block_size)
 
     def on_append(self, index: PrefixIndex, seq_id: int, token_ids: Sequence[int]) -> None:
         """After append_slots: hash and register every block the new tokens filled."""

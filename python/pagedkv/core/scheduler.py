@@ -1,0 +1,214 @@
+"""Continuous batching over the paged KV cache: which sequences run this step, and how many tokens each.
+
+Every step has a token budget (`max_num_batched_tokens`) and a cap on
+running sequences (`max_num_seqs`). Running sequences come first, in arrival
+order: a decoding one takes one token, one still in its prompt takes the next
+chunk of it (chunked prefill), so a long prompt runs beside the decodes
+instead of stalling them. When the KV blocks for that do not suffice, the
+latest-arrived running sequence is preempted, by recompute (its blocks are
+freed and it prefills again later) or by swap (its blocks move to the CPU
+pool and come back when there is room). Only then, if nothing was preempted,
+swapped-out sequences return and waiting ones are admitted, first come first
+served, with only their uncached prompt tokens to compute.
+
+The result is one plain `SchedulerOutput`: the decode sequences, the prefill
+sequences with their chunk lengths, and the block copies (swap out, swap in,
+copy-on-write) to apply before the forward pass. All block bookkeeping goes
+through the C++ manager: one `append_slots_batch` for the decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedkv._block_manager import NoFreeBlocksError
+from pagedkv.config import CacheConfig, SchedulerConfig
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+BlockPair = tuple[int, int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch: decodes first (one token each), then prefill chunks.
+
+    prefill_lens[i]: tokens of prefill_seqs[i] computed this step, starting at
+    its num_computed_tokens. blocks_to_*: (src, dst) block pairs to apply, in
+    the order swap out, swap in, copy, before the forward pass.
+    """
+
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    prefill_seqs: list[Sequence] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)
+    blocks_to_swap_out: list[BlockPair] = field(default_factory=list)
+    blocks_to_swap_in: list[BlockPair] = field(default_factory=list)
+    blocks_to_copy: list[BlockPair] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decode_seqs) + sum(self.prefill_lens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode_seqs and not self.prefill_seqs
+
+    def sampled(self, i: int) -> bool:
+        """Whether prefill_seqs[i] reaches its last token this step (its next token is sampled)."""
+        s = self.prefill_seqs[i]
+        return s.num_computed_tokens + self.prefill_lens[i] == len(s.token_ids)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, preemption and prefix caching."""
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_size = cache_config.block_size
+        self.bm = block_manager
+        self.caching = cache_config.enable_prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    # --- queues -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Frees a sequence's blocks; it leaves `running` at the next schedule (no O(n) removal here)."""
+        if seq.seq_id in self.bm:
+            self.bm.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.finish(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.swapped) + sum(1 for s in self.running if not s.is_finished)
+
+    # --- one step ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        budget = self.config.max_num_batched_tokens
+        budget, decodes, pending = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget, pending = self._schedule_swapped(out, budget, decodes, pending)
+            self._schedule_waiting(out, budget, pending)
+        self._append_decodes(out, decodes)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence], int]:
+        decodes: list[Sequence] = []
+        pending = 0  # blocks the decodes will take in the batched append at the end
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            need = self.bm.blocks_to_append(seq.seq_id, n)
+            while need > self.bm.num_free_gpu_blocks - pending:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                need = self.bm.blocks_to_append(seq.seq_id, n)  # a freed sharer can spare a copy
+            if seq.status is not SequenceStatus.RUNNING:  # preempted itself: nothing after it is left
+                break
+            if n == 1 and seq.num_uncomputed_tokens == 1:
+                decodes.append(seq)
+                pending += need
+            else:
+                self._append_chunk(out, seq, n)
+            budget -= n
+            i += 1
+        return budget, decodes, pending
+
+    def _append_chunk(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        cow = self.bm.append_slots(seq.seq_id, n, seq.token_ids[start:start + n] if self.caching else None)
+        if cow is not None:
+            out.blocks_to_copy.append(cow)
+        out.prefill_seqs.append(seq)
+        out.prefill_lens.append(n)
+
+    def _append_decodes(self, out: SchedulerOutput, decodes: list[Sequence]) -> None:
+        if not decodes:
+            return
+        ids = [s.seq_id for s in decodes]
+        tokens = [[s.token_ids[-1]] for s in decodes] if self.caching else None
+        out.blocks_to_copy.extend(self.bm.append_slots_batch(ids, 1, tokens))
+        out.decode_seqs = decodes
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, decodes: list[Sequence],
+                          pending: int) -> tuple[int, int]:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.bm.can_swap_in(seq.seq_id):
+                break
+            # Room for its blocks and for the token it decodes this step.
+            blocks = len(self.bm.get_block_table(seq.seq_id)) + 1
+            if blocks > self.bm.num_free_gpu_blocks - pending:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.bm.swap_in(seq.seq_id))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            pending += self.bm.blocks_to_append(seq.seq_id, 1)
+            decodes.append(seq)
+            budget -= 1
+        return budget, pending
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, pending: int) -> None:
+        bs = self.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            extra = seq.request.extra_keys
+            cached = self.bm.num_cached_tokens(seq.token_ids, extra) if self.caching else 0
+            n = min(len(seq.token_ids) - cached, budget)
+            need = -(-(cached + n) // bs) - cached // bs
+            if self.bm.num_free_gpu_blocks - pending - need < self.bm.core.watermark_blocks:
+                break
+            try:
+                prompt = seq.token_ids if self.caching else len(seq.token_ids)
+                cached = self.bm.allocate(seq.seq_id, prompt, extra, num_tokens=cached + n)
+            except NoFreeBlocksError:  # reviving evictable hits took blocks the estimate did not count
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = cached
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.num_cached_tokens = cached
+            self.running.append(seq)
+            out.prefill_seqs.append(seq)
+            out.prefill_lens.append(n)
+            budget -= n
+
+    # --- preemption -------------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Frees a running sequence's GPU blocks: swap (if asked and possible) or recompute."""
+        self.num_preemptions += 1
+        seq.request.metrics.num_preemptions += 1
+        out.preempted.append(seq)
+        mid_prefill = seq.num_computed_tokens < seq.num_prompt_tokens
+        if self.config.preemption_mode == "swap" and not mid_prefill and self.bm.can_swap_out(seq.seq_id):
+            out.blocks_to_swap_out.extend(self.bm.swap_out(seq.seq_id))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)  # victims come latest-first: the earliest ends up in front
+            return
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,102 @@
+"""Sequences and requests: the state the scheduler and the engine share.
+
+A request (one prompt, one SamplingParams) owns `n` sequences. Until its
+prompt is computed only the first one runs; when the prompt's last position
+is sampled, the other samples are forked from it (`BlockManager.fork`) and
+share its blocks copy-on-write.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.outputs import Logprob, RequestMetrics
+from pagedkv.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # needs a (re)prefill: new, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted to the CPU swap pool
+    FORK_PENDING = "fork_pending"  # sample i > 0 of a request whose prompt is still being computed
+    FINISHED = "finished"
+
+
+class OutputKind(enum.Enum):
+    """What a step reports for a request (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, every step
+    DELTA = "delta"  # only the new tokens/text, every step
+    FINAL_ONLY = "final"  # once, when it finishes
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample: its tokens, how many have KV in the cache, how it ended.
+
+    num_computed_tokens equals the block manager's token count for this
+    sequence between steps: the tokens whose K/V the cache holds.
+    """
+
+    seq_id: int
+    request: Request
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""  # detokenized output, kept up to date only when stop strings or streaming need it
+    prefix_offset: int = 0  # incremental detokenizer state (see engine.detokenizer)
+    read_offset: int = 0
+    num_emitted_tokens: int = 0  # DELTA outputs: tokens already reported
+    num_emitted_chars: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A prompt and its samples. extra_keys: prefix-cache keys (cache_salt) that must match to share blocks."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    extra_keys: tuple = ()
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,364 @@
+"""LLMEngine: requests in, tokens out, one step at a time.
+
+    step = schedule -> run -> postprocess
+
+`add_request` tokenizes and queues a prompt; `step` asks the scheduler for
+a batch, runs it on the model, appends the sampled tokens, stops the
+sequences that are done and frees their blocks, and returns the outputs of
+the requests that moved. vLLM's LLMEngine has the same surface.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedkv.config import CacheConfig, GiB, ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.scheduler import Scheduler, SchedulerOutput
+from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
+from pagedkv.engine.detokenizer import find_stop_string, update_text
+from pagedkv.engine.memory_pool import check_fits, cpu_kv_budget, cuda_kv_budget, kv_cache_spec
+from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.model.loader import load_model, load_tokenizer, resolve_model
+from pagedkv.model.sampler import SamplerOutput
+from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything `LLM(...)` and `pagedkv serve` accept (vLLM's names and defaults)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    swap_space: float = 4.0
+    preemption_mode: str = "recompute"
+    max_model_len: int | None = None
+    seed: int = 0
+    hash_algo: str = "sha256"
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                           kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
+                           enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for logs and metrics (vLLM's names where it has them)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_gpu_blocks: int
+    num_used_gpu_blocks: int
+    kv_cache_usage: float  # fraction of blocks held by sequences
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of them, served from the cache
+    num_preemptions: int
+    prompt_tokens: int  # computed by the model (cache hits excluded)
+    generation_tokens: int
+    peak_used_gpu_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class _Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    peak_used_blocks: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+
+def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
+    limit = cfg.max_position_embeddings
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
+    length = asked or limit
+    if cfg.sliding_window and length > cfg.sliding_window:
+        # The kernels attend to the whole context; within the window that is exactly the model.
+        logger.warning("capping max_model_len %d to the model's sliding window %d", length, cfg.sliding_window)
+        length = cfg.sliding_window
+    return length
+
+
+def _eos_token_ids(source_path, cfg: ModelConfig, tokenizer) -> set[int]:
+    ids = set(cfg.eos_token_id)
+    gen = source_path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLMEngine:
+    """The paged-KV inference engine: a model, its KV-cache pool, a block manager, a scheduler."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        source = resolve_model(args.model)
+        self.model_name = args.model or source.name
+        start = time.perf_counter()
+        checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
+        self.dtype = resolve_dtype(args.dtype, checkpoint_dtype, self.device)
+        torch.manual_seed(args.seed)
+        self.model = load_model(source, self.dtype, self.device)
+        self.model_config = self.model.config
+        self.tokenizer = load_tokenizer(source, args.tokenizer)
+        self.eos_token_ids = _eos_token_ids(source.path, self.model_config, self.tokenizer)
+        self.cache_config = args.cache_config()
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=_max_model_len(self.model_config, args.max_model_len),
+            preemption_mode=args.preemption_mode)
+        logger.info("loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype, self.device,
+                    time.perf_counter() - start)
+        self._init_cache()
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+        self.counters = _Counters()
+
+    # --- set-up -----------------------------------------------------------------
+    def _init_cache(self) -> None:
+        cc, sc = self.cache_config, self.scheduler_config
+        spec = kv_cache_spec(self.model_config, self.dtype, cc.block_size)
+        self.kv_spec = spec
+        self.block_manager = BlockManager(cc.block_size, 1, 0, cc.watermark, cc.enable_prefix_caching,
+                                          cc.hash_algo)  # replaced below once the pool is sized
+        if self.device.type == "cuda" and cc.kv_cache_memory is None:
+            probe = ModelRunner(self.model, self.block_manager, cc, sc, 1, 0, self.dtype, self.device, self.args.seed)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            probe.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+            del probe
+            torch.cuda.empty_cache()
+            budget, setting = cuda_kv_budget(cc.gpu_memory_utilization, peak, self.device), "gpu_memory_utilization"
+        else:
+            budget, setting = cpu_kv_budget(cc.kv_cache_memory), "kv_cache_memory"
+        num_blocks = spec.num_blocks(budget)
+        watermark = int(cc.watermark * num_blocks)
+        check_fits(spec, num_blocks, watermark, sc.max_model_len, setting)
+        num_cpu_blocks = spec.num_blocks(int(cc.swap_space * GiB)) if sc.preemption_mode == "swap" else 0
+        self.block_manager = BlockManager(cc.block_size, num_blocks, num_cpu_blocks, cc.watermark,
+                                          cc.enable_prefix_caching, cc.hash_algo)
+        self.runner = ModelRunner(self.model, self.block_manager, cc, sc, num_blocks, num_cpu_blocks, self.dtype,
+                                  self.device, self.args.seed)
+        self.scheduler = Scheduler(sc, cc, self.block_manager)
+        tokens = num_blocks * cc.block_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); max concurrency at "
+                    "max_model_len=%d: %.1fx; swap: %d CPU blocks; prefix caching %s", num_blocks, cc.block_size,
+                    tokens, spec.bytes_per_token, num_blocks * spec.bytes_per_block / GiB, sc.max_model_len,
+                    tokens / sc.max_model_len, num_cpu_blocks, "on" if cc.enable_prefix_caching else "off")
+
+    # --- requests -----------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self.scheduler_config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {limit}: it must be at "
+                             f"most {limit - 1} to leave room for one output token")
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> Request:
+        """Queues a prompt. Raises ValueError (and queues nothing) for a request that can never run."""
+        params = params or SamplingParams()
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        text, token_ids = self.tokenize(prompt)
+        self._validate(request_id, token_ids, params)
+        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()),
+                      output_kind, (cache_salt,) if cache_salt else ())
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seq = Sequence(next(self._seq_ids), req, i, list(token_ids), gen)
+            if i:
+                seq.status = SequenceStatus.FORK_PENDING
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        return req
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stops requests now (finish reason "abort") and frees their blocks; unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+                    seq.finish_reason = "abort"
+            req.metrics.finished_time = time.time()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns the outputs of the requests that produced tokens (per their output kind)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        t0 = time.perf_counter()
+        rows, sampled = self.runner.execute(out)
+        self.counters.step_times.append(time.perf_counter() - t0)
+        return self._postprocess(out, rows, sampled)
+
+    def _postprocess(self, out: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        now = time.time()
+        for seq in out.decode_seqs:
+            seq.num_computed_tokens += 1
+        for seq, n in zip(out.prefill_seqs, out.prefill_lens, strict=True):
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+            seq.num_computed_tokens += n
+            self.counters.prompt_tokens += n
+        self.counters.generation_tokens += len(rows)
+        self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, self.block_manager.num_used_gpu_blocks)
+        touched: dict[str, Request] = {}
+        for seq, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+            if seq.status is SequenceStatus.FORK_PENDING:
+                self._fork(seq)
+            seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs = (seq.logprobs or []) + [logprobs]
+                seq.cumulative_logprob += logprobs[token].logprob
+            req = seq.request
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._check_stop(seq, token)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                self.requests.pop(req.request_id, None)
+            output = self._make_output(req)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fork(self, child: Sequence) -> None:
+        """Sample i > 0 of a prompt just computed: share sample 0's blocks (copy-on-write from here on)."""
+        parent = child.request.seqs[0]
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.token_ids = list(parent.token_ids[:parent.num_computed_tokens])
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(child)
+
+    def _needs_text(self, req: Request) -> bool:
+        return bool(req.params.stop_strings) or req.output_kind is not OutputKind.FINAL_ONLY
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.request.params
+        reason, stop_reason = None, None
+        if seq.num_output_tokens > p.min_tokens or p.min_tokens == 0:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+        if reason is None and self._needs_text(seq.request):
+            new = update_text(self.tokenizer, seq, p.skip_special_tokens)
+            stop = find_stop_string(seq, len(new), p.stop_strings, p.include_stop_str_in_output)
+            if stop is not None:
+                reason, stop_reason = "stop", stop
+        if reason is None and (seq.num_output_tokens >= (p.max_tokens or 1 << 62)
+                               or len(seq.token_ids) >= self.scheduler_config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            if not self._needs_text(seq.request):
+                ids = seq.output_token_ids
+                if stop_reason is not None or (reason == "stop" and not p.ignore_eos):
+                    ids = ids[:-1]  # the stop token is not part of the text
+                seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            self.scheduler.finish(seq)
+
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        kind = req.output_kind
+        if kind is OutputKind.FINAL_ONLY and not req.finished:
+            return None
+        completions = []
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.FORK_PENDING:
+                continue
+            ids, text, logprobs = seq.output_token_ids, seq.text, seq.logprobs
+            if kind is OutputKind.DELTA:
+                ids, logprobs = ids[seq.num_emitted_tokens:], logprobs[seq.num_emitted_tokens:] if logprobs else None
+                text = text[seq.num_emitted_chars:]
+                seq.num_emitted_tokens, seq.num_emitted_chars = seq.num_output_tokens, len(seq.text)
+            completions.append(CompletionOutput(
+                seq.index, text, list(ids), seq.cumulative_logprob if seq.logprobs is not None else None,
+                list(logprobs) if logprobs is not None else None, seq.finish_reason, seq.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
+                             req.metrics, req.metrics.num_cached_tokens, req.error)
+
+    # --- stats ---------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        pc = bm.prefix_cache_stats
+        return EngineStats(
+            num_running=sum(1 for s in sched.running if s.status is SequenceStatus.RUNNING),
+            num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_gpu_blocks=bm.num_total_gpu_blocks, num_used_gpu_blocks=bm.num_used_gpu_blocks,
+            kv_cache_usage=bm.gpu_usage, prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+            num_preemptions=sched.num_preemptions, prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens, peak_used_gpu_blocks=self.counters.peak_used_blocks)

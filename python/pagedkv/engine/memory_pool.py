@@ -1,0 +1,91 @@
+"""Sizing the KV-cache memory pool: bytes per token and per block, and how many blocks fit.
+
+KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes
+(per device: a tensor-parallel rank holds its share of the KV heads). A
+7B Llama (32 layers, 32 KV heads, head_dim 128, fp16) takes 524,288 bytes a
+token, 536,870,912 for a 1024-token sequence.
+
+The budget: on CUDA, gpu_memory_utilization x total device memory, minus the
+weights, minus the activation peak of a profiling forward at
+max_num_batched_tokens; on the CPU, `kv_cache_memory` bytes (default 4 GiB,
+at most half the available RAM). `kv_cache_memory` overrides both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.config import GiB, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * GiB
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    """Per-device footprint of the paged KV cache of one model."""
+
+    bytes_per_token: int
+    block_size: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks(self, budget_bytes: int) -> int:
+        return max(0, budget_bytes // self.bytes_per_block)
+
+    def bytes_for(self, num_tokens: int) -> int:
+        """Bytes that `num_tokens` tokens of one sequence occupy, whole blocks counted."""
+        return -(-num_tokens // self.block_size) * self.bytes_per_block
+
+
+def kv_cache_spec(cfg: ModelConfig, dtype: torch.dtype, block_size: int, tensor_parallel_size: int = 1) -> KVCacheSpec:
+    """The one place bytes per token / per block are computed (the engine and sizing tools share it)."""
+    return KVCacheSpec(cfg.kv_bytes_per_token(dtype, tensor_parallel_size), block_size)
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo (bytes), or total physical memory where that is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_kv_budget(kv_cache_memory: int | None) -> int:
+    """Bytes for the KV cache on the CPU: the request, else 4 GiB, capped at half the available RAM."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    return min(DEFAULT_CPU_KV_CACHE_MEMORY, available_ram() // 2)
+
+
+def cuda_kv_budget(gpu_memory_utilization: float, activation_peak: int, device: torch.device) -> int:
+    """utilization x total device memory - what torch holds now (weights) - the profiled activation peak."""
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    weights = torch.cuda.memory_allocated(device)
+    budget = int(total * gpu_memory_utilization) - used_by_others - weights - activation_peak
+    logger.info("CUDA memory: total %.2f GiB x %.2f, weights %.2f GiB, activation peak %.2f GiB, other %.2f GiB "
+                "-> KV cache %.2f GiB", total / GiB, gpu_memory_utilization, weights / GiB, activation_peak / GiB,
+                used_by_others / GiB, budget / GiB)
+    return budget
+
+
+def check_fits(spec: KVCacheSpec, num_blocks: int, watermark_blocks: int, max_model_len: int, setting: str) -> None:
+    """Refuses a pool that cannot hold even one max_model_len sequence, naming what to change."""
+    usable = (num_blocks - watermark_blocks) * spec.block_size
+    if usable < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {max(usable, 0)} tokens ({num_blocks} blocks of {spec.block_size}, "
+            f"{spec.bytes_per_token} bytes a token), fewer than max_model_len={max_model_len}: raise {setting} "
+            f"or lower max_model_len")

@@ -1,0 +1,218 @@
+"""Runs one scheduled step on the model: block copies, inputs, forward, logits, sampling.
+
+The batch is flat (no padding): decode tokens first, then prefill chunks.
+Its metadata (block tables, slot mapping, sequence lengths) is written by
+the C++ block manager straight into preallocated CPU buffers, one call per
+step; on CUDA it then goes to the device in one copy each. Logits are
+computed only for the rows whose next token is sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv import ops
+from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.scheduler import SchedulerOutput
+from pagedkv.core.sequence import Sequence
+from pagedkv.model.attention import AttentionMetadata
+from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.sampler import Sampler, SamplerOutput, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """A step's flat batch, ready for the model."""
+
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampled]: rows of the batch whose next token is sampled
+    sampled_seqs: list[Sequence]  # one per logits row
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device, pin: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    CPU memory is left untouched (torch.empty) until blocks are written: the
+    kernels never read a slot before it is written.
+    """
+    shape = (num_blocks, block_size, num_kv_heads, cfg.head_dim)
+    make = torch.zeros if device.type == "cuda" else torch.empty
+    kwargs = {"pin_memory": True} if pin else {}
+    return [(make(shape, dtype=dtype, device=device, **kwargs), make(shape, dtype=dtype, device=device, **kwargs))
+            for _ in range(cfg.num_hidden_layers)]
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache (and CPU swap cache), and the per-step input buffers."""
+
+    def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
+                 device: torch.device, seed: int = 0) -> None:
+        self.model, self.bm, self.dtype, self.device = model, block_manager, dtype, device
+        cfg = model.config
+        self.block_size = cache_config.block_size
+        self.kv_caches = allocate_kv_cache(cfg, model.num_kv_heads, num_gpu_blocks, self.block_size, dtype, device)
+        self.cpu_caches = (allocate_kv_cache(cfg, model.num_kv_heads, num_cpu_blocks, self.block_size, dtype,
+                                             torch.device("cpu"), pin=device.type == "cuda")
+                           if num_cpu_blocks else [])
+        self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
+        max_seqs, max_tokens = scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
+        self._block_tables = np.zeros(max_seqs * self.max_blocks_per_seq, dtype=np.int32)
+        self._slot_mapping = np.zeros(max_tokens, dtype=np.int64)
+        self._seq_lens = np.zeros(max_seqs, dtype=np.int32)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.sampler = Sampler(self.generator)
+
+    # --- block copies --------------------------------------------------------
+    def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write: the order the scheduler decided them in."""
+        for pairs, gpu_to_cpu in ((out.blocks_to_swap_out, True), (out.blocks_to_swap_in, False)):
+            if not pairs:
+                continue
+            mapping = torch.tensor(pairs, dtype=torch.int64)
+            for (gk, gv), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
+                src_k, dst_k, src_v, dst_v = (gk, ck, gv, cv) if gpu_to_cpu else (ck, gk, cv, gv)
+                ops.swap_blocks(src_k, dst_k, mapping)
+                ops.swap_blocks(src_v, dst_v, mapping)
+        if out.blocks_to_copy:
+            mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
+            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+
+    # --- inputs --------------------------------------------------------------
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        decodes, prefills, lens = out.decode_seqs, out.prefill_seqs, out.prefill_lens
+        nd, npf = len(decodes), len(prefills)
+        ids: list[int] = [s.token_ids[-1] for s in decodes]
+        pos: list[int] = [s.num_computed_tokens for s in decodes]
+        sampled_seqs: list[Sequence] = list(decodes)
+        logits_rows: list[int] = list(range(nd))
+        row = nd
+        for s, n in zip(prefills, lens, strict=True):
+            start = s.num_computed_tokens
+            ids.extend(s.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            row += n
+            if start + n == len(s.token_ids):
+                sampled_seqs.append(s)
+                logits_rows.append(row - 1)
+        seq_lens_py = [s.num_computed_tokens + 1 for s in decodes] + [
+            s.num_computed_tokens + n for s, n in zip(prefills, lens, strict=True)]
+        num_seqs = nd + npf
+        width = -(-max(seq_lens_py) // self.block_size)
+        block_tables = self._block_tables[:num_seqs * width].reshape(num_seqs, width)
+        seq_ids = np.fromiter((s.seq_id for s in decodes), np.int64, nd)
+        if npf:
+            seq_ids = np.concatenate([seq_ids, np.fromiter((s.seq_id for s in prefills), np.int64, npf)])
+        query_lens = np.concatenate([np.ones(nd, np.int64), np.asarray(lens, np.int64)]) if npf else None
+        num_tokens = self.bm.fill_metadata(seq_ids, block_tables, self._slot_mapping, self._seq_lens, query_lens)
+        dev = self.device
+        to_dev = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (
+            lambda a: torch.from_numpy(a).to(dev, non_blocking=True))
+        bt, sl = to_dev(block_tables), to_dev(self._seq_lens[:num_seqs])
+        qsl = np.zeros(npf + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        meta = AttentionMetadata(
+            num_decode_tokens=nd,
+            slot_mapping=to_dev(self._slot_mapping[:num_tokens]),
+            decode_block_tables=bt[:nd], decode_seq_lens=sl[:nd],
+            decode_max_seq_len=max(seq_lens_py[:nd], default=0),
+            num_prefills=npf,
+            prefill_block_tables=bt[nd:], prefill_seq_lens=sl[nd:],
+            prefill_query_start_loc=to_dev(qsl),
+            prefill_max_query_len=max(lens, default=0),
+            prefill_max_seq_len=max(seq_lens_py[nd:], default=0),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            sampled_seqs=sampled_seqs,
+        )
+
+    def sampling_batch(self, rows: list[Sequence]) -> SamplingBatch:
+        params = [s.request.params for s in rows]
+        all_greedy = all(p.temperature == 0.0 for p in params)
+        simple = all_greedy and all(p.repetition_penalty == 1.0 and p.logprobs is None for p in params)
+        n = len(rows)
+        if simple:  # the common greedy case: no per-row tensors to build
+            empty = torch.empty(0)
+            return SamplingBatch(True, empty, empty, empty, empty, [None] * n, [None] * n, [None] * n)
+        f32 = {"dtype": torch.float32, "device": self.device}
+        return SamplingBatch(
+            all_greedy=all_greedy,
+            temperatures=torch.tensor([p.temperature for p in params], **f32),
+            top_ps=torch.tensor([p.top_p for p in params], **f32),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device),
+            min_ps=torch.tensor([p.min_p for p in params], **f32),
+            generators=[s.generator for s in rows],
+            penalties=[(p.repetition_penalty, s.token_ids) if p.repetition_penalty != 1.0 else None
+                       for p, s in zip(params, rows, strict=True)],
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+    # --- one step --------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
+        """Runs the step; returns the sequences whose next token was sampled, and those tokens (same order)."""
+        self.apply_block_ops(out)
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        rows = inputs.sampled_seqs
+        if any(s.index == 0 and s.num_output_tokens == 0 and len(s.request.seqs) > 1 for s in rows):
+            rows, repeats = self._expand_forks(rows)
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
+        return rows, self.sampler(logits, self.sampling_batch(rows))
+
+    @staticmethod
+    def _expand_forks(rows: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """A prompt sampled for the first time with n > 1: one row per sample, all from its logits."""
+        expanded: list[Sequence] = []
+        repeats: list[int] = []
+        for s in rows:
+            if s.index == 0 and s.num_output_tokens == 0 and len(s.request.seqs) > 1:
+                expanded.extend(s.request.seqs)
+                repeats.append(len(s.request.seqs))
+            else:
+                expanded.append(s)
+                repeats.append(1)
+        return expanded, repeats
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_sampled: int) -> None:
+        """A forward at the step's largest size on scratch blocks: measures the activation peak (and warms up).
+
+        Uses sequences of up to max_model_len tokens, all prefill, writing only
+        to blocks the caller can spare (slot_mapping -1: skipped).
+        """
+        cfg = self.model.config
+        seq_len = min(num_tokens, self.max_blocks_per_seq * self.block_size)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        dev = self.device
+        n = len(lens)
+        width = -(-seq_len // self.block_size)
+        qsl = torch.zeros(n + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(lens).cumsum(0)
+        meta = AttentionMetadata(
+            num_decode_tokens=0, slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            decode_block_tables=torch.zeros(0, width, dtype=torch.int32, device=dev),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev), decode_max_seq_len=0,
+            num_prefills=n, prefill_block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
+            prefill_seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            prefill_query_start_loc=qsl.to(dev), prefill_max_query_len=max(lens), prefill_max_seq_len=max(lens))
+        ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
+        pos = torch.cat([torch.arange(x, device=dev) for x in lens])
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        rows = torch.arange(min(num_sampled, num_tokens), device=dev)
+        self.model.compute_logits(hidden.index_select(0, rows))

@@ -1,0 +1,122 @@
+"""LLM: offline generation with vLLM's interface (`from pagedkv import LLM, SamplingParams`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedkv.core.sequence import OutputKind
+from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LLMEngine, PromptType
+from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """A model with a paged KV cache, for batched offline generation.
+
+    model=None runs the built-in default model (SmolLM2-135M-Instruct). The
+    other arguments are vLLM's: the cache gets `kv_cache_memory` bytes (CPU
+    default 4 GiB) or, on CUDA, `gpu_memory_utilization` of the device minus
+    weights and activations; a step batches up to `max_num_seqs` sequences and
+    `max_num_batched_tokens` tokens (longer prompts are prefilled in chunks);
+    `enable_prefix_caching` reuses the KV blocks of identical prompt
+    prefixes; `preemption_mode` ("recompute" or "swap", with `swap_space` GiB
+    of CPU memory) says how sequences give up blocks when the cache is full.
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 enable_prefix_caching: bool = False, swap_space: float = 4, preemption_mode: str = "recompute",
+                 max_model_len: int | None = None, seed: int = 0, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
+                          gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                          swap_space=swap_space, preemption_mode=preemption_mode, max_model_len=max_model_len,
+                          seed=seed, **kwargs)
+        self.llm_engine = LLMEngine(args)
+        self._ids = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in prompt order.
+
+        A prompt the engine refuses (too long, empty, bad token ids) gets a
+        finished output with finish_reason "abort" and the reason in `.error`;
+        the others run.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"gen-{self._ids}"
+            self._ids += 1
+            order.append(rid)
+            try:
+                self.llm_engine.add_request(rid, prompt, p, cache_salt=cache_salt, output_kind=OutputKind.FINAL_ONLY)
+            except ValueError as e:
+                logger.warning("request %s refused: %s", rid, e)
+                results[rid] = _refused(rid, prompt, p, str(e))
+        self._run(results, len(order) - len(results), use_tqdm)
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the checkpoint's chat template to one conversation (or a list of them) and generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.llm_engine.tokenizer
+        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                                    tokenize=True, return_dict=False)),
+                    "prompt": tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        engine = self.llm_engine
+        bar = None
+        if use_tqdm and total:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        if bar is not None:
+            bar.close()
+
+
+def _refused(rid: str, prompt: PromptType, params: SamplingParams, error: str) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+    ids = list(prompt) if isinstance(prompt, list) else list(prompt.get("prompt_token_ids", [])) if isinstance(
+        prompt, dict) else []
+    outputs = [CompletionOutput(i, "", [], finish_reason="abort") for i in range(params.n)]
+    now = time.time()
+    return RequestOutput(rid, text, ids, outputs, True, RequestMetrics(now, finished_time=now), error=error)

@@ -1,0 +1,123 @@
+"""Finding a checkpoint, building the model and copying its weights in.
+
+A model is named by a folder with `config.json` and safetensors files
+(sharded through `model.safetensors.index.json` or not), by a `.gguf` file
+(dequantized through transformers + gguf), or by None: the built-in default
+model (pagedkv.model.default_model). The tokenizer comes from the same
+place unless another is named.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.config import ModelConfig
+from pagedkv.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelSource:
+    """Where a checkpoint lives: a folder, and the GGUF file inside it if it is one."""
+
+    path: Path
+    gguf_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.gguf_file or self.path.name
+
+
+def resolve_model(model: str | Path | None) -> ModelSource:
+    """A model argument (None, a folder, or a .gguf file) -> its ModelSource; raises ValueError if unusable."""
+    if model is None:
+        from pagedkv.model.default_model import ensure_default_model
+        return ModelSource(ensure_default_model())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.parent, path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path)
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0])
+        raise ValueError(f"model folder {path} has no config.json (and {len(ggufs)} .gguf files, need exactly 1)")
+    raise ValueError(f"model {str(model)!r} is not a checkpoint folder or a .gguf file (pagedkv loads local "
+                     "checkpoints only; model=None is the built-in default model)")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"checkpoint folder {path} has no .safetensors files")
+    return files
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a (possibly sharded) safetensors checkpoint, one shard open at a time."""
+    from safetensors import safe_open
+
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+def load_gguf(source: ModelSource) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
+    """(HF config dict, weights) of a GGUF checkpoint, dequantized to float32 by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(source.path), gguf_file=source.gguf_file, dtype=torch.float32)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    return cfg, iter(hf.state_dict().items())
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Builds the model for `source` in `dtype` on `device` and loads every weight."""
+    if source.gguf_file:
+        hf_config, weights = load_gguf(source)
+    else:
+        hf_config, weights = json.loads((source.path / "config.json").read_text()), iter_safetensors(source.path)
+    cfg = ModelConfig.from_hf(hf_config)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    loaded = model.load_weights(weights)
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint {source.path} lacks weights for {sorted(missing)[:5]} "
+                         f"({len(missing)} parameters)")
+    # The rotary table stays float32 whatever the model dtype (positions up to 128K need it).
+    model.rotary_emb.cos_sin = model.rotary_emb.cos_sin.float()
+    if device.type == "cpu":
+        for module in model.modules():
+            if hasattr(module, "pack_for_cpu"):
+                module.pack_for_cpu()
+    return model.eval()
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None):
+    """The HF tokenizer (with its chat template) of the checkpoint, or of the folder `tokenizer`."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    if source.gguf_file:
+        return AutoTokenizer.from_pretrained(str(source.path), gguf_file=source.gguf_file)
+    return AutoTokenizer.from_pretrained(str(source.path))

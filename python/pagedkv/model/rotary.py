@@ -1,0 +1,69 @@
+"""Rotary position embedding (RoPE), with the Llama-3 and linear scaling rules.
+
+The rotation is the "rotate half" (GPT-NeoX) form that HF's Llama, Mistral
+and Qwen2 use: dims [0, d/2) pair with [d/2, d). cos/sin are tabulated once
+for every position up to max_position, in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's rule: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """float32 [head_dim / 2] inverse frequencies, scaled by `scaling` (HF's `rope_scaling` dict)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    raise ValueError(f"unsupported rope scaling {kind!r}; pagedkv supports default, llama3 and linear")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates query and key heads by their positions."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # [max_position, head_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.half = head_dim // 2
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim / 2], in `dtype`."""
+        cs = self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cs[..., :self.half], cs[..., self.half:]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, heads, head_dim] (q and k heads together) -> rotated, a new contiguous tensor."""
+        x1, x2 = x[..., :self.half], x[..., self.half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o1, o2 = out[..., :self.half], out[..., self.half:]
+        torch.mul(x1, cos, out=o1)
+        o1.sub_(x2 * sin)
+        torch.mul(x2, cos, out=o2)
+        o2.add_(x1 * sin)
+        return out

@@ -1,0 +1,139 @@
+"""Picking the next token of every sampled row at once.
+
+Rows are sequences whose next token is due this step. Greedy batches take
+one argmax. Otherwise, per row: repetition penalty, temperature, then the
+top-k / top-p / min-p filters, then a draw. The draw is the exponential race
+(argmax of p / E with E ~ Exp(1)), which samples from p exactly; a row with
+its own seed draws its E from its own generator, so its tokens do not depend
+on what else is in the batch. Log-probabilities are of the model's raw
+distribution (before penalties, temperature and filters), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.outputs import Logprob
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step, built by the model runner.
+
+    temperatures, top_ps, min_ps: float32 [n]; top_ks: int64 [n] (0 = off);
+    generators[i]: a row's own generator or None (the engine's);
+    penalties[i]: (repetition_penalty, token ids seen so far) or None;
+    num_logprobs[i]: top logprobs wanted (None: none).
+    """
+
+    all_greedy: bool
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    generators: list[torch.Generator | None]
+    penalties: list[tuple[float, list[int]] | None]
+    num_logprobs: list[int | None]
+
+    @property
+    def needs_filters(self) -> tuple[bool, bool, bool]:
+        return (bool((self.top_ks > 0).any()), bool((self.top_ps < 1.0).any()), bool((self.min_ps > 0.0).any()))
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """token_ids[i]: row i's token. logprobs[i]: {token: Logprob} with the sampled token and the top ones, or None."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, penalties: list[tuple[float, list[int]] | None]) -> None:
+    """In place: a seen token's logit is divided by the penalty if positive, multiplied if negative (HF's rule)."""
+    for row, item in enumerate(penalties):
+        if item is None or item[0] == 1.0:
+            continue
+        penalty, seen = item
+        idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
+        vals = logits[row, idx]
+        logits[row, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+                  use_top_k: bool = True, use_top_p: bool = True, use_min_p: bool = True) -> torch.Tensor:
+    """Masks (-inf) every token outside each row's top-k, top-p nucleus and min-p floor. logits: [n, vocab]."""
+    if use_min_p:
+        probs = logits.softmax(-1)
+        floor = probs.amax(-1, keepdim=True) * min_ps.unsqueeze(1)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if not (use_top_k or use_top_p):
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    vocab = logits.shape[-1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_top_k:
+        k = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab).unsqueeze(1)
+        drop |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= k
+    if use_top_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token: keep while it is under top_p
+        drop |= before >= top_ps.unsqueeze(1)
+        drop[:, 0] = False  # the most likely token always stays
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _logprob_dicts(raw_logprobs: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]):
+    out: list[dict[int, Logprob] | None] = []
+    for row, k in enumerate(wanted):
+        if k is None:
+            out.append(None)
+            continue
+        lp = raw_logprobs[row]
+        tok = int(tokens[row])
+        tok_lp = float(lp[tok])
+        entry = {tok: Logprob(tok_lp, int((lp > tok_lp).sum()) + 1)}
+        if k:
+            top_vals, top_ids = lp.topk(k)
+            for rank, (t, v) in enumerate(zip(top_ids.tolist(), top_vals.tolist(), strict=True), start=1):
+                entry.setdefault(t, Logprob(v, rank))
+        out.append(entry)
+    return out
+
+
+class Sampler:
+    """Turns float32 logits [n, vocab] and a SamplingBatch into one token per row."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        want_logprobs = any(k is not None for k in batch.num_logprobs)
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        if any(p is not None for p in batch.penalties):
+            logits = logits.clone()
+            apply_repetition_penalty(logits, batch.penalties)
+        if batch.all_greedy:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._sample(logits, batch)
+        logprobs = (_logprob_dicts(raw_logprobs, tokens, batch.num_logprobs) if want_logprobs
+                    else [None] * len(batch.num_logprobs))
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = batch.temperatures == 0.0
+        temps = torch.where(greedy, 1.0, batch.temperatures).unsqueeze(1)
+        scaled = logits / temps
+        use_k, use_p, use_min = batch.needs_filters
+        if use_k or use_p or use_min:
+            scaled = filter_logits(scaled, batch.top_ks, batch.top_ps, batch.min_ps, use_k, use_p, use_min)
+        probs = scaled.softmax(-1)
+        race = torch.empty_like(probs)
+        race.exponential_(generator=self.generator)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:  # a seeded request: its own stream of draws
+                race[row].exponential_(generator=gen)
+        sampled = (probs / race).argmax(-1)
+        return torch.where(greedy, logits.argmax(-1), sampled)

@@ -1,0 +1,64 @@
+"""What `LLM.generate` and `LLMEngine.step` return (vLLM's RequestOutput shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-probability of a token, its rank in the distribution (1 = most likely), and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request. logprobs[i]: token id -> Logprob at output position i (if asked)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's life, and prompt tokens served from the prefix cache."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step: its prompt, its samples so far, whether it is done.
+
+    error: why the engine refused or aborted it (None otherwise).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt_logprobs: None = field(default=None)
