@@ -133,5 +133,6 @@ setup(
     # against torch 2.11, which GPU machines may carry.
     install_requires=["torch>=2.11", "numpy"],
     extras_require={"test": ["pytest", "hypothesis", "xxhash"]},
+    entry_points={"console_scripts": ["pagedkv = pagedkv.cli:main"]},
     zip_safe=False,
 )

@@ -96,7 +96,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in self.SUPPORTED:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; pagedkv runs {', '.join(self.SUPPORTED)}")
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"pagedkv runs {', '.join(self.SUPPORTED)}")
         _positive("ModelConfig", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                   num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
                   num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim)
@@ -192,8 +193,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: str = "recompute"
+    # Most prompt tokens one sequence may take in a step (0: up to the whole budget). Lets
+    # several long prompts advance side by side instead of one after the other.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
         _positive("SchedulerConfig", max_num_seqs=self.max_num_seqs,
                   max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len)
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.core.sequence import OutputKind
-from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LLMEngine, PromptType
+from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LLMEngine, LoadedModel, PromptType
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -26,20 +26,22 @@ class LLM:
     `enable_prefix_caching` reuses the KV blocks of identical prompt
     prefixes; `preemption_mode` ("recompute" or "swap", with `swap_space` GiB
     of CPU memory) says how sequences give up blocks when the cache is full.
+    `loaded_model` reuses a model already in memory (`LoadedModel.load`).
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  enable_prefix_caching: bool = False, swap_space: float = 4, preemption_mode: str = "recompute",
-                 max_model_len: int | None = None, seed: int = 0, **kwargs: Any) -> None:
+                 max_model_len: int | None = None, seed: int = 0, loaded_model: LoadedModel | None = None,
+                 **kwargs: Any) -> None:
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                           swap_space=swap_space, preemption_mode=preemption_mode, max_model_len=max_model_len,
                           seed=seed, **kwargs)
-        self.llm_engine = LLMEngine(args)
+        self.llm_engine = LLMEngine(args, loaded_model)
         self._ids = 0
 
     def get_tokenizer(self):

@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_swapped_out = 0
 
     # --- queues -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -117,7 +118,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq.num_uncomputed_tokens, budget)
             need = self.bm.blocks_to_append(seq.seq_id, n)
             while need > self.bm.num_free_gpu_blocks - pending:
                 victim = self.running.pop()
@@ -135,6 +136,11 @@ class Scheduler:
             budget -= n
             i += 1
         return budget, decodes, pending
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Prompt tokens a sequence computes this step: what is left, within the budget and the per-sequence cap."""
+        cap = self.config.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap else min(remaining, budget)
 
     def _append_chunk(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
@@ -177,7 +183,7 @@ class Scheduler:
             seq = self.waiting[0]
             extra = seq.request.extra_keys
             cached = self.bm.num_cached_tokens(seq.token_ids, extra) if self.caching else 0
-            n = min(len(seq.token_ids) - cached, budget)
+            n = self._chunk(len(seq.token_ids) - cached, budget)
             need = -(-(cached + n) // bs) - cached // bs
             if self.bm.num_free_gpu_blocks - pending - need < self.bm.core.watermark_blocks:
                 break
@@ -205,6 +211,7 @@ class Scheduler:
         mid_prefill = seq.num_computed_tokens < seq.num_prompt_tokens
         if self.config.preemption_mode == "swap" and not mid_prefill and self.bm.can_swap_out(seq.seq_id):
             out.blocks_to_swap_out.extend(self.bm.swap_out(seq.seq_id))
+            self.num_swapped_out += 1
             seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)  # victims come latest-first: the earliest ends up in front
             return

@@ -56,6 +56,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     hash_algo: str = "sha256"
+    long_prefill_token_threshold: int = 0
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -116,29 +117,46 @@ def _eos_token_ids(source_path, cfg: ModelConfig, tokenizer) -> set[int]:
     return ids
 
 
+@dataclass(slots=True)
+class LoadedModel:
+    """A model and its tokenizer, loaded once; several engines (e.g. tests of different cache settings) can share it."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: set[int]
+
+    @classmethod
+    def load(cls, args: EngineArgs) -> LoadedModel:
+        device = resolve_device(args.device)
+        source = resolve_model(args.model)
+        start = time.perf_counter()
+        checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
+        dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
+        torch.manual_seed(args.seed)
+        model = load_model(source, dtype, device)
+        tokenizer = load_tokenizer(source, args.tokenizer)
+        name = str(args.model) if args.model else source.name
+        logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)
+        return cls(model, tokenizer, name, dtype, device, _eos_token_ids(source.path, model.config, tokenizer))
+
+
 class LLMEngine:
     """The paged-KV inference engine: a model, its KV-cache pool, a block manager, a scheduler."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.args = args
-        self.device = resolve_device(args.device)
-        source = resolve_model(args.model)
-        self.model_name = args.model or source.name
-        start = time.perf_counter()
-        checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
-        self.dtype = resolve_dtype(args.dtype, checkpoint_dtype, self.device)
-        torch.manual_seed(args.seed)
-        self.model = load_model(source, self.dtype, self.device)
+        loaded = loaded or LoadedModel.load(args)
+        self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        self.dtype, self.device, self.eos_token_ids = loaded.dtype, loaded.device, loaded.eos_token_ids
         self.model_config = self.model.config
-        self.tokenizer = load_tokenizer(source, args.tokenizer)
-        self.eos_token_ids = _eos_token_ids(source.path, self.model_config, self.tokenizer)
         self.cache_config = args.cache_config()
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=_max_model_len(self.model_config, args.max_model_len),
-            preemption_mode=args.preemption_mode)
-        logger.info("loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype, self.device,
-                    time.perf_counter() - start)
+            preemption_mode=args.preemption_mode, long_prefill_token_threshold=args.long_prefill_token_threshold)
         self._init_cache()
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()

@@ -107,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: int64 [num_tokens] -> hidden states [num_tokens, hidden_size] (before the final norm)."""
+        """input_ids, positions: int64 [num_tokens] -> hidden states [num_tokens, hidden_size] (pre-final-norm)."""
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.lookup(positions, hidden.dtype)
         residual = None
@@ -127,12 +127,11 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            for fused, part, shard in self.STACKED_PARAMS:
+            target, shard = name, None
+            for fused, part, part_shard in self.STACKED_PARAMS:
                 if f".{part}." in name:
-                    target = name.replace(f".{part}.", f".{fused}.")
+                    target, shard = name.replace(f".{part}.", f".{fused}."), part_shard
                     break
-            else:
-                target, shard = name, None
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {self.config.architecture}")

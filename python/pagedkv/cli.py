@@ -1,0 +1,116 @@
+"""The `pagedkv` command line: `pagedkv generate` runs the engine on a few prompts."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about paged memory.",
+    "Explain in one sentence why a KV cache speeds up text generation.",
+    "List three prime numbers:",
+]
+SYSTEM_PROMPT = ("You are a concise assistant for engineers who run language models in production. "
+                 "Answer in at most two sentences, and prefer concrete numbers to adjectives.")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags, under vLLM's names."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct")
+    p.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 4 GiB)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one sequence takes in a step (0: no cap)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped-out blocks")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    return {"model": ns.model_opt or ns.model, "tokenizer": ns.tokenizer, "dtype": ns.dtype, "device": ns.device,
+            "gpu_memory_utilization": ns.gpu_memory_utilization, "kv_cache_memory": ns.kv_cache_memory,
+            "max_num_batched_tokens": ns.max_num_batched_tokens, "max_num_seqs": ns.max_num_seqs,
+            "max_model_len": ns.max_model_len, "block_size": ns.block_size,
+            "enable_prefix_caching": ns.enable_prefix_caching, "swap_space": ns.swap_space,
+            "preemption_mode": ns.preemption_mode, "seed": ns.seed,
+            "long_prefill_token_threshold": ns.long_prefill_token_threshold}
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(ns))
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed)
+    if ns.prompt:
+        prompts = ns.prompt
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:  # chat prompts that share a system prompt, so prefix caching has something to reuse
+        tok = llm.get_tokenizer()
+        prompts = DEFAULT_PROMPTS
+        chats = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in prompts]
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt=True,
+                                                                               tokenize=True, return_dict=False)}
+                                for c in chats], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(f"\n>>> {prompt}")
+        for c in out.outputs:
+            print(f"{c.text.strip()}  [{len(c.token_ids)} tokens, {c.finish_reason}]")
+        if out.error:
+            print(f"error: {out.error}")
+    print_stats(llm, outputs, elapsed)
+    return 0
+
+
+def print_stats(llm, outputs, elapsed: float) -> None:
+    s = llm.get_stats()
+    engine = llm.llm_engine
+    bs = engine.cache_config.block_size
+    gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    print("\nKV cache")
+    print(f"  blocks: {s.num_gpu_blocks} x {bs} tokens, {engine.kv_spec.bytes_per_token} bytes a token; "
+          f"peak in use {s.peak_used_gpu_blocks} ({100 * s.peak_used_gpu_blocks / s.num_gpu_blocks:.1f}%)")
+    print(f"  prefix cache: {'on' if engine.cache_config.enable_prefix_caching else 'off'}, hit rate "
+          f"{100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits} of {s.prefix_cache_queries} prompt tokens; "
+          f"{cached} served from cache)")
+    print(f"  prompt tokens computed {s.prompt_tokens}, generated {gen}, preemptions {s.num_preemptions}; "
+          f"{gen / elapsed:.1f} output tok/s over {elapsed:.2f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for a few prompts and print KV-cache statistics")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few chat prompts")
+    gen.add_argument("--max-tokens", type=int, default=48)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.set_defaults(func=cmd_generate)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as e:  # bad settings: one clear line, no traceback
+        print(f"pagedkv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

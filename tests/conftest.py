@@ -1,0 +1,29 @@
+"""Session fixtures shared by the engine tests: the default model is loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from pagedkv.model.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def loaded_model(default_model_dir):
+    """The default model + tokenizer in float32 on the CPU, shared by every LLM a test builds."""
+    from pagedkv.engine.llm_engine import EngineArgs, LoadedModel
+
+    return LoadedModel.load(EngineArgs(model=str(default_model_dir), device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir):
+    """HF transformers' LlamaForCausalLM on the same weights: the reference the engine must match."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
