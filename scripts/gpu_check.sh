@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh            # logs go to $OUT if set, else ./gpu_check_out
 #
 # Knobs: PYTHON (python3), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS (16),
-# BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT in seconds (300 / 300 / 180).
+# BUILD_TIMEOUT / TEST_TIMEOUT / ENGINE_TIMEOUT / BENCH_TIMEOUT in seconds (300 / 300 / 300 / 180).
 # Every stage runs even if an earlier one failed; the exit status is that of
 # the first failed stage (0 when all pass).
 set -u
@@ -51,6 +51,8 @@ stage env 60 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version);
 stage build "${BUILD_TIMEOUT:-300}" "$PY" setup.py build_ext --inplace --build-temp build/gpu_check
 stage import 60 "$PY" -c "import pagedkv, torch; assert pagedkv.built_with_cuda, 'built without CUDA'; print('cuda ops:', torch._C._dispatch_dump('pagedkv::paged_attention_v1').count('CUDA'))"
 stage tests "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -rs --maxfail=30 tests/test_cuda.py --junitxml="$LOG_DIR/test_cuda.xml"
+# The engine on CUDA against HF transformers on the same device (a tiny random Llama: no model package needed).
+stage engine "${ENGINE_TIMEOUT:-300}" "$PY" -m pytest -q -rs tests/test_engine_cuda.py
 if [ -f bench/bench_kernels.py ]; then
   touch "$LOG_DIR/.bench_start"
   stage bench "${BENCH_TIMEOUT:-180}" "$PY" bench/bench_kernels.py --device cuda

@@ -57,6 +57,7 @@ class EngineArgs:
     seed: int = 0
     hash_algo: str = "sha256"
     long_prefill_token_threshold: int = 0
+    skip_tokenizer_init: bool = False  # token-id prompts only, no output text (checkpoints without a tokenizer)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -137,7 +138,7 @@ class LoadedModel:
         dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
         torch.manual_seed(args.seed)
         model = load_model(source, dtype, device)
-        tokenizer = load_tokenizer(source, args.tokenizer)
+        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
         name = str(args.model) if args.model else source.name
         logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)
         return cls(model, tokenizer, name, dtype, device, _eos_token_ids(source.path, model.config, tokenizer))
@@ -208,6 +209,8 @@ class LLMEngine:
             else:
                 raise ValueError(f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True): pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
@@ -323,6 +326,8 @@ class LLMEngine:
         self.scheduler.running.append(child)
 
     def _needs_text(self, req: Request) -> bool:
+        if self.tokenizer is None:
+            return False
         return bool(req.params.stop_strings) or req.output_kind is not OutputKind.FINAL_ONLY
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -343,7 +348,7 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
-            if not self._needs_text(seq.request):
+            if not self._needs_text(seq.request) and self.tokenizer is not None:
                 ids = seq.output_token_ids
                 if stop_reason is not None or (reason == "stop" and not p.ignore_eos):
                     ids = ids[:-1]  # the stop token is not part of the text
