@@ -52,6 +52,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _check_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    """A checkpoint tensor must have the full (unsharded) size the config implies, or the config is wrong."""
+    if loaded.dim() <= dim or loaded.shape[dim] != expected:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {what}: expected "
+                         f"{expected} along dim {dim} (does config.json match the weights?)")
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
@@ -72,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
                                  self.weight_loader) if bias else None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_dim(loaded, 0, self.out_per_rank * self.tp_size, "a column-parallel linear")
         rows = loaded.narrow(0, self.tp_rank * self.out_per_rank, self.out_per_rank)
         default_weight_loader(param, rows)
 
@@ -95,6 +103,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:
             raise ValueError("a merged projection loads one part at a time (shard_id)")
+        _check_dim(loaded, 0, self.output_sizes[shard_id], f"part {shard_id} of a merged projection")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         rows = loaded.narrow(0, self.tp_rank * size, size)
@@ -131,6 +140,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, index = kv_size, self.tp_rank // self.kv_replicas
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        full = size * (self.tp_size if shard_id == "q" else self.tp_size // self.kv_replicas)
+        _check_dim(loaded, 0, full, f"the {shard_id} projection ({full // self.head_size} heads of {self.head_size})")
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, index * size, size))
 
 
@@ -148,6 +159,7 @@ class RowParallelLinear(nn.Module):
                                  default_weight_loader) if bias else None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_dim(loaded, 1, self.in_per_rank * self.tp_size, "a row-parallel linear")
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +198,7 @@ class VocabParallelEmbedding(nn.Module):
                                   self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_dim(loaded, 0, self.vocab_size, "the vocabulary (vocab_size)")
         rows = loaded[self.start:self.start + self.per_rank]
         if rows.shape[1:] != param.shape[1:]:
             raise ValueError(f"embedding of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")

@@ -1,0 +1,406 @@
+"""The sampler: filters against a reference, the repetition penalty against HF, draws, seeds, logprobs.
+
+* `filter_logits` (top-k / top-p / min-p) equals a plain per-row reference on
+  fixed logits with ties and per-row parameters. The order is vLLM's (v1):
+  min-p on the row's distribution, then top-k, then top-p on the distribution
+  renormalised over what is left (HF applies min-p last; the two differ only
+  when top-p and min-p are both on).
+* `apply_repetition_penalty` equals HF's RepetitionPenaltyLogitsProcessor.
+* All-greedy (and greedy rows of a mixed batch) pick the argmax.
+* Draws follow the filtered, temperature-scaled distribution (chi-square on 20k
+  draws with a fixed seed and a bound far in the tail, so it never flakes).
+* A row with its own generator draws the same tokens whatever else is in the batch.
+* Logprobs: the sampled token with its raw logprob and rank, plus the top-k.
+* End to end with the default model: a request seed reproduces its output
+  across calls and batches; n=2 gives two samples; SamplingParams validates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pagedkv.model.sampler import Sampler, SamplingBatch, apply_repetition_penalty, filter_logits
+from pagedkv.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on a small shared CPU, OpenMP barriers of 2+ threads stall for whole time slices
+    (measured: 2 s a decode step of the default model with 2 threads under load, 0.16 s with 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- the reference filter ------------------------------------------------------------------------
+
+def reference_keep(row: list[float], top_k: int, top_p: float, min_p: float) -> tuple[set[int], float]:
+    """(token ids a row keeps, margin), computed in float64 Python, one filter after the other.
+
+    min-p: drop tokens with prob < min_p * max prob. top-k (0: off): keep the k most likely of the rest.
+    top-p: keep the smallest set of the most likely survivors whose renormalised cumulative probability
+    reaches top_p (the token that crosses the threshold is kept). Ties are ordered by token id.
+    margin: how far the closest min-p / top-p decision is from its threshold (relative to the threshold); a
+    case closer than float32 rounding is not a fair test.
+    """
+    m = max(row)
+    exps = [math.exp(x - m) for x in row]
+    z = sum(exps)
+    probs = [e / z for e in exps]
+    order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+    pmax = max(probs)
+    margin = math.inf
+    if min_p > 0:
+        floor = min_p * pmax
+        margin = min([margin] + [abs(probs[i] - floor) / floor for i in order if row[i] != m])
+    kept = [i for i in order if probs[i] >= min_p * pmax]
+    if top_k > 0:
+        kept = kept[:top_k]
+    if top_p < 1.0:
+        mass = sum(probs[i] for i in kept)
+        out, cum = [], 0.0
+        for i in kept:
+            out.append(i)
+            cum += probs[i] / mass
+            margin = min(margin, abs(cum - top_p) / top_p)
+            if cum >= top_p:
+                break
+        kept = out
+    return set(kept), margin
+
+
+def _check_filtered(logits: torch.Tensor, out: torch.Tensor, params: list[tuple[int, float, float]],
+                    skip_close: bool = False) -> int:
+    """out kept exactly the reference's tokens, up to the choice among tied logits, and left them unchanged.
+
+    Returns the number of rows compared. A row whose reference decision is within 1e-4 (relative) of a
+    threshold fails the test data (skip_close: is skipped instead).
+    """
+    assert out.shape == logits.shape
+    checked = 0
+    for r, (k, p, mp) in enumerate(params):
+        kept = torch.isfinite(out[r])
+        assert torch.equal(out[r][kept], logits[r][kept]), f"row {r}: kept logits were changed"
+        assert torch.all(out[r][~kept] == NEG_INF), f"row {r}: dropped logits are not -inf"
+        ref, margin = reference_keep(logits[r].tolist(), k, p, mp)
+        if margin < 1e-4:
+            assert skip_close, f"test data: row {r} (k={k}, p={p}, min_p={mp}) is at a threshold ({margin:.2g})"
+            continue
+        checked += 1
+        ours_vals = sorted(logits[r][kept].tolist())
+        ref_vals = sorted(logits[r][sorted(ref)].tolist())
+        # Equal multisets of kept values: the same tokens, or another choice among equal logits at the boundary.
+        assert ours_vals == ref_vals, f"row {r} (k={k}, p={p}, min_p={mp}): kept {kept.nonzero().flatten().tolist()}" \
+                                      f", reference {sorted(ref)}"
+    return checked
+
+
+# Fixed logits: a peaked row, a flat row, rows with ties (at the top-k and top-p boundaries), a row where
+# min-p and top-p interact, negative values. 8 tokens.
+FIXED = torch.tensor([
+    [4.0, 3.0, 2.5, 1.0, 0.0, -1.0, -2.0, -5.0],
+    [0.1, 0.0, 0.2, -0.1, 0.05, 0.15, -0.05, 0.12],
+    [2.0, 2.0, 2.0, 1.0, 1.0, 0.0, 0.0, -1.0],
+    [1.0, 3.0, 3.0, 3.0, 0.5, 0.5, 2.0, -3.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    [-1.0, -2.0, -0.5, -3.0, -0.5, -4.0, -0.7, -2.5],
+    [10.0, 0.0, -10.0, 9.0, 8.5, 1.0, 2.0, 3.0],
+    [math.log(0.42), math.log(0.31), math.log(0.19), math.log(0.08), -30.0, -30.0, -31.0, -40.0],
+])
+
+# (top_k, top_p, min_p) combinations: each alone, together, and off.
+COMBOS = [
+    (0, 1.0, 0.0), (1, 1.0, 0.0), (3, 1.0, 0.0), (5, 1.0, 0.0), (8, 1.0, 0.0), (20, 1.0, 0.0),
+    (0, 0.55, 0.0), (0, 0.7, 0.0), (0, 0.9, 0.0), (0, 0.999, 0.0), (0, 0.01, 0.0),
+    (0, 1.0, 0.1), (0, 1.0, 0.5), (0, 1.0, 0.95), (0, 1.0, 1.0),
+    (3, 0.8, 0.0), (4, 0.9, 0.05), (0, 0.7, 0.3), (2, 0.6, 0.5), (6, 0.95, 0.2), (0, 0.45, 0.15),
+]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"k{c[0]}-p{c[1]}-minp{c[2]}")
+def test_filter_logits_same_params_every_row(combo):
+    k, p, mp = combo
+    n = FIXED.shape[0]
+    out = filter_logits(FIXED, torch.full((n,), k, dtype=torch.int64), torch.full((n,), p),
+                        torch.full((n,), mp))
+    _check_filtered(FIXED, out, [combo] * n)
+
+
+def test_filter_logits_per_row_params():
+    """Every row its own parameters, in one call; rows with a filter off are untouched by the others' filters."""
+    rows, params = [], []
+    for i, combo in enumerate(COMBOS):
+        rows.append(FIXED[i % FIXED.shape[0]])
+        params.append(combo)
+    logits = torch.stack(rows)
+    out = filter_logits(logits, torch.tensor([c[0] for c in params]), torch.tensor([c[1] for c in params]),
+                        torch.tensor([c[2] for c in params]))
+    _check_filtered(logits, out, params)
+    assert torch.equal(out[0], logits[0])  # (0, 1.0, 0.0): nothing filtered
+
+
+def test_filter_logits_flags_skip_filters():
+    """use_top_k / use_top_p / use_min_p False: that filter is not applied, whatever the tensors say."""
+    n = FIXED.shape[0]
+    ks, ps, mps = torch.full((n,), 2), torch.full((n,), 0.55), torch.full((n,), 0.4)
+    assert torch.equal(filter_logits(FIXED, ks, ps, mps, False, False, False), FIXED)
+    _check_filtered(FIXED, filter_logits(FIXED, ks, ps, mps, True, False, False), [(2, 1.0, 0.0)] * n)
+    _check_filtered(FIXED, filter_logits(FIXED, ks, ps, mps, False, True, False), [(0, 0.55, 0.0)] * n)
+    _check_filtered(FIXED, filter_logits(FIXED, ks, ps, mps, False, False, True), [(0, 1.0, 0.4)] * n)
+
+
+def test_filter_logits_random_rows_large_vocab():
+    """Random logits over a 1000-token vocabulary, random parameters per row (top_p 1.0 rows among them)."""
+    g = torch.Generator().manual_seed(3)
+    n, vocab = 32, 1000
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[:4] = logits[:4].round()  # many ties
+    ks = torch.randint(0, 50, (n,), generator=g) * (torch.rand(n, generator=g) < 0.6)
+    ps = torch.where(torch.rand(n, generator=g) < 0.7, torch.rand(n, generator=g) * 0.98 + 0.01, 1.0)
+    mps = torch.where(torch.rand(n, generator=g) < 0.5, torch.rand(n, generator=g) * 0.3, 0.0)
+    out = filter_logits(logits, ks, ps, mps)
+    checked = _check_filtered(logits, out, list(zip(ks.tolist(), ps.tolist(), mps.tolist(), strict=True)),
+                              skip_close=True)
+    assert checked >= n - 2
+
+
+def test_top_p_one_keeps_the_whole_vocabulary():
+    """top_p = 1.0 on a row of a batch where another row uses top-p: the row keeps every token, even ones of
+    tiny probability (a float32 cumulative sum reaching 1.0 early must not cut the tail)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 50000, generator=g) * 4
+    out = filter_logits(logits, torch.zeros(2, dtype=torch.int64), torch.tensor([1.0, 0.9]), torch.zeros(2))
+    assert torch.isfinite(out[0]).all(), f"{int((~torch.isfinite(out[0])).sum())} tokens dropped with top_p=1"
+
+
+# --- repetition penalty ----------------------------------------------------------------------------
+
+def test_repetition_penalty_matches_hf():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 30, generator=g) * 2
+    logits[0, 5] = 0.0  # a zero logit stays zero
+    seen = [[5, 1, 1, 7, 20, 3], [2, 9, 9, 9], [], [0, 29, 14]]
+    penalties = [1.3, 1.8, 1.5, 0.7]  # < 1 rewards repetition
+    ours = logits.clone()
+    apply_repetition_penalty(ours, [(p, s) for p, s in zip(penalties, seen, strict=True)])
+    for r, (p, s) in enumerate(zip(penalties, seen, strict=True)):
+        if not s:
+            assert torch.equal(ours[r], logits[r])
+            continue
+        ref = RepetitionPenaltyLogitsProcessor(p)(torch.tensor([s]), logits[r:r + 1].clone())[0]
+        torch.testing.assert_close(ours[r], ref, rtol=0, atol=0)
+    # None and 1.0: untouched.
+    other = logits.clone()
+    apply_repetition_penalty(other, [None, (1.0, [1, 2, 3]), None, None])
+    assert torch.equal(other, logits)
+
+
+# --- greedy --------------------------------------------------------------------------------------------
+
+def _batch(n: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None, penalties=None,
+           num_logprobs=None, all_greedy=False) -> SamplingBatch:
+    def col(v, dtype):
+        return torch.tensor(v if isinstance(v, list) else [v] * n, dtype=dtype)
+
+    return SamplingBatch(all_greedy=all_greedy, temperatures=col(temperature, torch.float32),
+                         top_ps=col(top_p, torch.float32), top_ks=col(top_k, torch.int64),
+                         min_ps=col(min_p, torch.float32), generators=generators or [None] * n,
+                         penalties=penalties or [None] * n, num_logprobs=num_logprobs or [None] * n)
+
+
+def test_all_greedy_is_argmax():
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(1))
+    empty = torch.empty(0)
+    batch = SamplingBatch(True, empty, empty, empty, empty, [None] * 16, [None] * 16, [None] * 16)
+    out = Sampler(torch.Generator().manual_seed(0))(logits, batch)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 16
+
+
+def test_greedy_rows_in_a_sampled_batch_are_argmax():
+    """temperature 0 rows among sampled ones: argmax (of the penalised logits), whatever the draws."""
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(2))
+    temps = [0.0, 1.0, 0.0, 2.0, 0.0, 0.7]
+    penalties = [None, None, (2.0, [int(logits[2].argmax())]), None, None, None]
+    expected = logits.clone()
+    apply_repetition_penalty(expected, penalties)
+    for seed in range(3):
+        out = Sampler(torch.Generator().manual_seed(seed))(logits, _batch(6, temperature=temps, top_k=5,
+                                                                           penalties=penalties))
+        for r in (0, 2, 4):
+            assert out.token_ids[r] == int(expected[r].argmax())
+    assert int(expected[2].argmax()) != int(logits[2].argmax())  # the penalty changed the greedy pick
+
+
+# --- the draw follows the distribution -----------------------------------------------------------------
+
+LOGITS5 = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+DRAWS = 20000
+# chi-square with <= 4 degrees of freedom exceeds 35 with probability < 1e-6; the seed is fixed anyway.
+CHI2_BOUND = 35.0
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.7, top_k=3), dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.0, min_p=0.2), dict(temperature=1.3, top_k=4, top_p=0.9, min_p=0.05),
+], ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
+def test_draws_follow_the_filtered_distribution(params):
+    t = params["temperature"]
+    k, p, mp = params.get("top_k", 0), params.get("top_p", 1.0), params.get("min_p", 0.0)
+    scaled = (LOGITS5 / t).tolist()
+    keep, margin = reference_keep(scaled, k, p, mp)
+    assert margin > 1e-3 and len(keep) >= 2
+    weights = torch.tensor([math.exp(x) if i in keep else 0.0 for i, x in enumerate(scaled)], dtype=torch.float64)
+    expected = weights / weights.sum() * DRAWS
+    logits = LOGITS5.expand(DRAWS, 5).contiguous()
+    out = Sampler(torch.Generator().manual_seed(1234))(logits, _batch(DRAWS, **params))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=5).double()
+    assert counts[expected == 0].sum() == 0, f"filtered tokens were drawn: {counts.tolist()}"
+    inside = expected > 0
+    assert expected.sum().item() == pytest.approx(DRAWS) and counts.sum().item() == DRAWS
+    chi2 = (((counts - expected) ** 2)[inside] / expected[inside]).sum().item()
+    assert chi2 < CHI2_BOUND, f"chi2 {chi2:.1f}: counts {counts.tolist()}, expected {expected.tolist()}"
+
+
+def test_draws_depend_on_the_generator():
+    """Sanity for the tests above: another engine seed gives other draws, the same seed the same ones."""
+    logits = LOGITS5.expand(200, 5).contiguous()
+    a = Sampler(torch.Generator().manual_seed(1))(logits, _batch(200)).token_ids
+    b = Sampler(torch.Generator().manual_seed(1))(logits, _batch(200)).token_ids
+    c = Sampler(torch.Generator().manual_seed(2))(logits, _batch(200)).token_ids
+    assert a == b and a != c
+
+
+# --- seeded rows ---------------------------------------------------------------------------------------
+
+def test_seeded_row_independent_of_the_batch():
+    """A row with its own generator draws the same tokens over many steps, alone or among other rows
+    (at another index, with other sizes and parameters), whatever the engine generator."""
+    vocab = 64
+    g = torch.Generator().manual_seed(9)
+    steps = [torch.randn(vocab, generator=g) for _ in range(25)]  # the seeded row's logits at each step
+
+    def run(position: int, others: int, engine_seed: int, row_seed: int = 77) -> list[int]:
+        gen = torch.Generator().manual_seed(row_seed)
+        sampler = Sampler(torch.Generator().manual_seed(engine_seed))
+        tokens = []
+        n = others + 1
+        for i, row_logits in enumerate(steps):
+            logits = torch.randn(n, vocab, generator=g)
+            logits[position] = row_logits
+            gens = [None] * n
+            gens[position] = gen
+            temps = [0.5 + (j % 3) * 0.5 for j in range(n)]
+            temps[position] = 1.0
+            out = sampler(logits, _batch(n, temperature=temps, top_k=[0] * n, generators=gens,
+                                         top_p=[0.95 if i % 2 else 1.0] * n))
+            tokens.append(out.token_ids[position])
+        return tokens
+
+    alone = run(0, 0, engine_seed=0)
+    assert run(3, 7, engine_seed=1) == alone
+    assert run(0, 2, engine_seed=2) == alone
+    assert run(1, 1, engine_seed=0, row_seed=78) != alone  # the row's seed, not chance, fixes the tokens
+    assert len(set(alone)) > 5  # it really samples
+
+
+# --- logprobs ------------------------------------------------------------------------------------------
+
+def test_logprobs_sampled_token_rank_and_top():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 40, generator=g) * 2
+    raw = logits.log_softmax(-1)
+    top = int(logits[1].argmax())
+    # Row 1: greedy with a penalty on its top token, so the sampled token is not the most likely one (rank 2).
+    penalties = [None, (100.0, [top]) if logits[1, top] > 0 else (0.01, [top]), None, None]
+    batch = _batch(4, temperature=[1.0, 0.0, 0.7, 1.0], penalties=penalties, num_logprobs=[3, 1, 0, None])
+    out = Sampler(torch.Generator().manual_seed(0))(logits, batch)
+    assert out.logprobs[3] is None
+    for r, k in enumerate([3, 1, 0]):
+        tok = out.token_ids[r]
+        d = out.logprobs[r]
+        rank = int((raw[r] > raw[r, tok]).sum()) + 1
+        assert d[tok].rank == rank
+        assert d[tok].logprob == pytest.approx(raw[r, tok].item(), abs=1e-6)
+        vals, ids = raw[r].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        for i, (t, v) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True), start=1):
+            assert d[t].rank == i and d[t].logprob == pytest.approx(v, abs=1e-6)
+        assert set(d) == set(ids.tolist()) | {tok}
+    assert out.token_ids[1] != top and out.logprobs[1][out.token_ids[1]].rank == 2
+    assert len(out.logprobs[1]) == 2  # the top-1 token and the sampled one
+
+
+# --- end to end with the default model -------------------------------------------------------------------
+
+PROMPT = "The capital of France is"
+OTHERS = ["Once upon a time", "def fibonacci(n):", "List three colours: red,"]
+
+
+@pytest.fixture(scope="session")
+def sampler_llm():
+    from pagedkv import LLM
+
+    return LLM(kv_cache_memory=256 << 20, max_model_len=512)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_seed_reproducible_across_calls_and_batches(sampler_llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
+    first = sampler_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    again = sampler_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(first) == 8 and first == again
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    batched = sampler_llm.generate([OTHERS[0], PROMPT, OTHERS[1], OTHERS[2]], [unseeded, params, unseeded, unseeded],
+                                   use_tqdm=False)
+    assert batched[1].outputs[0].token_ids == first
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=8, ignore_eos=True)
+    assert sampler_llm.generate(PROMPT, other_seed, use_tqdm=False)[0].outputs[0].token_ids != first
+
+
+def test_n2_gives_two_samples(sampler_llm):
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = sampler_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids  # seeds 7 and 8: different samples
+    assert _tokens(sampler_llm.generate(PROMPT, params, use_tqdm=False)) == _tokens([out])
+    greedy = sampler_llm.generate(PROMPT, SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_logprobs_end_to_end(sampler_llm):
+    out = sampler_llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2),
+                               use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, d in zip(out.token_ids, out.logprobs, strict=True):
+        assert d[tok].rank == 1 and d[tok].logprob <= 0.0  # greedy: the sampled token is the most likely
+        assert sorted(lp.rank for lp in d.values()) == [1, 2]
+    assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(out.token_ids, out.logprobs,
+                                                                                     strict=True)))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(top_k=-2), dict(min_p=1.5),
+    dict(min_p=-0.1), dict(max_tokens=0), dict(logprobs=-1), dict(repetition_penalty=0.0), dict(seed=1.5),
+    dict(min_tokens=5, max_tokens=2), dict(stop=[""]),
+], ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_sampling_params_validation(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_valid_edges():
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(temperature=0.0).greedy
+    SamplingParams(top_p=1.0, min_p=1.0, top_k=5, n=3, max_tokens=None, logprobs=0, seed=0)  # all valid
