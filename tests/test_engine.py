@@ -276,3 +276,17 @@ def test_chat_and_text_prompts(loaded_model):
     assert "Paris" in text_out.outputs[0].text
     m = text_out.metrics
     assert m.arrival_time <= m.first_token_time <= m.finished_time
+
+
+def test_gguf_checkpoint_loads_like_the_prepared_folder(loaded_model, prompts):
+    """model=<file>.gguf dequantizes through transformers: same weights, same tokenizer, same tokens."""
+    from pagedkv.model.default_model import _gguf_path
+
+    gguf = _gguf_path()
+    llm = LLM(model=str(gguf), device="cpu", kv_cache_memory=32 << 20, max_model_len=256)
+    ref = make_llm(loaded_model)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts[:4]]
+    assert ([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in ref.generate(batch, params, use_tqdm=False)])
+    assert llm.get_tokenizer().encode(TEXTS[4]) == loaded_model.tokenizer.encode(TEXTS[4])
