@@ -166,6 +166,16 @@ def test_parallel_samples_share_prompt_blocks(loaded_model, prompts, hf_referenc
     assert_no_leak(llm)
 
 
+def test_parallel_samples_that_stop_at_once(loaded_model, prompts, hf_reference):
+    """n samples whose first token ends them: the fork happens before sample 0 frees its blocks."""
+    llm = make_llm(loaded_model)
+    params = SamplingParams(temperature=0.0, max_tokens=1, n=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params, use_tqdm=False)
+    for out, (ref, _) in zip(outs, hf_reference[:3], strict=True):
+        assert [c.token_ids for c in out.outputs] == [ref[:1]] * 3
+    assert_no_leak(llm)
+
+
 def test_cached_block_is_shared_only_once_computed(loaded_model, hf_model):
     """A second request with the same long prefix arrives while the first is still mid-prefill.
 
@@ -241,6 +251,12 @@ def test_stop_conditions(loaded_model, prompts, hf_reference):
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == full[:full.index(stop)]
+    # min_tokens: the stop token cannot be sampled before it
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                               stop_token_ids=[ref[0]], min_tokens=2),
+                       use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.token_ids[0] != ref[0] and len(c.token_ids) >= 2
     assert_no_leak(llm)
 
 

@@ -1,4 +1,4 @@
-"""The `pagedkv` command line: `pagedkv generate` runs the engine on a few prompts."""
+"""The `pagedkv` command line: `pagedkv generate` runs the engine on a few prompts, `pagedkv serve` serves it."""
 
 from __future__ import annotations
 
@@ -93,6 +93,57 @@ def print_stats(llm, outputs, elapsed: float) -> None:
           f"{gen / elapsed:.1f} output tok/s over {elapsed:.2f} s")
 
 
+def cmd_kv_calc(ns: argparse.Namespace) -> int:
+    """Sizes the KV cache from a model's config.json (no weights loaded): see pagedkv.kv_calc."""
+    from pagedkv.kv_calc import format_report, kv_calc, parse_bytes
+
+    result = kv_calc(ns.model, ns.dtype, ns.block_size, ns.context,
+                     None if ns.kv_cache_memory is None else parse_bytes(ns.kv_cache_memory),
+                     None if ns.gpu_memory is None else parse_bytes(ns.gpu_memory), ns.gpu_memory_utilization,
+                     ns.tensor_parallel_size, parse_bytes(ns.activation_memory))
+    print(result.to_json() if ns.json else format_report(result))
+    return 0
+
+
+def add_kv_calc_parser(sub) -> None:
+    p = sub.add_parser("kv-calc", help="KV-cache bytes per token/block, blocks in a budget, max concurrency")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF config.json or checkpoint folder (only the config is read); default: SmolLM2-135M")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="KV dtype; auto: the checkpoint's (float16 when the config names none)")
+    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's max)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes (e.g. 8GiB); overrides --gpu-memory")
+    p.add_argument("--gpu-memory", default=None, help="device memory in bytes (e.g. 80GiB); weights are subtracted")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--activation-memory", default="0", help="bytes of activations to subtract too (default 0)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices; figures are per device")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    p.set_defaults(func=cmd_kv_calc)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """`pagedkv serve`: the OpenAI-compatible server (pagedkv.server)."""
+    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.server import run_server
+
+    return run_server(EngineArgs(**engine_kwargs(ns)), ns)
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus /metrics")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first labels the metrics (default: MODEL as given)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=cmd_serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.set_defaults(func=cmd_generate)
+    add_serve_parser(sub)
+    add_kv_calc_parser(sub)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

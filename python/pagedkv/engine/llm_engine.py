@@ -22,6 +22,7 @@ import torch
 
 from pagedkv.config import CacheConfig, GiB, ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
 from pagedkv.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
 from pagedkv.engine.detokenizer import find_stop_string, update_text
@@ -81,6 +82,7 @@ class EngineStats:
     prompt_tokens: int  # computed by the model (cache hits excluded)
     generation_tokens: int
     peak_used_gpu_blocks: int = 0
+    prefix_divergence_warnings: int = 0  # prompts whose shared prefix a dynamic field breaks early
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -163,6 +165,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.counters = _Counters()
+        self.prefix_diagnostics = (PrefixDivergenceDetector(self.cache_config.block_size)
+                                   if self.cache_config.enable_prefix_caching else None)
 
     # --- set-up -----------------------------------------------------------------
     def _init_cache(self) -> None:
@@ -191,6 +195,7 @@ class LLMEngine:
                                           cc.enable_prefix_caching, cc.hash_algo)
         self.runner = ModelRunner(self.model, self.block_manager, cc, sc, num_blocks, num_cpu_blocks, self.dtype,
                                   self.device, self.args.seed)
+        self.runner.eos_token_ids = self.eos_token_ids
         self.scheduler = Scheduler(sc, cc, self.block_manager)
         tokens = num_blocks * cc.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); max concurrency at "
@@ -238,6 +243,8 @@ class LLMEngine:
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, token_ids = self.tokenize(prompt)
         self._validate(request_id, token_ids, params)
+        if self.prefix_diagnostics is not None:
+            self.prefix_diagnostics.observe(token_ids, (cache_salt,) if cache_salt else ())
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()),
                       output_kind, (cache_salt,) if cache_salt else ())
         for i in range(params.n):
@@ -293,10 +300,12 @@ class LLMEngine:
             self.counters.prompt_tokens += n
         self.counters.generation_tokens += len(rows)
         self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, self.block_manager.num_used_gpu_blocks)
-        touched: dict[str, Request] = {}
-        for seq, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+        # Fork first: sample 0 may finish on its first token and free its blocks below.
+        for seq in rows:
             if seq.status is SequenceStatus.FORK_PENDING:
                 self._fork(seq)
+        touched: dict[str, Request] = {}
+        for seq, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
             seq.token_ids.append(token)
             if logprobs is not None:
                 seq.logprobs = (seq.logprobs or []) + [logprobs]
@@ -333,7 +342,7 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.request.params
         reason, stop_reason = None, None
-        if seq.num_output_tokens > p.min_tokens or p.min_tokens == 0:
+        if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
             elif token in p.stop_token_ids:
@@ -384,4 +393,5 @@ class LLMEngine:
             num_gpu_blocks=bm.num_total_gpu_blocks, num_used_gpu_blocks=bm.num_used_gpu_blocks,
             kv_cache_usage=bm.gpu_usage, prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
             num_preemptions=sched.num_preemptions, prompt_tokens=self.counters.prompt_tokens,
-            generation_tokens=self.counters.generation_tokens, peak_used_gpu_blocks=self.counters.peak_used_blocks)
+            generation_tokens=self.counters.generation_tokens, peak_used_gpu_blocks=self.counters.peak_used_blocks,
+            prefix_divergence_warnings=self.prefix_diagnostics.num_warnings if self.prefix_diagnostics else 0)

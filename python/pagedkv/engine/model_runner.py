@@ -71,6 +71,7 @@ class ModelRunner:
         self._slot_mapping = np.zeros(max_tokens, dtype=np.int64)
         self._seq_lens = np.zeros(max_seqs, dtype=np.int32)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids: set[int] = set()  # set by the engine; banned before a request's min_tokens
         self.sampler = Sampler(self.generator)
 
     # --- block copies --------------------------------------------------------
@@ -143,7 +144,8 @@ class ModelRunner:
     def sampling_batch(self, rows: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in rows]
         all_greedy = all(p.temperature == 0.0 for p in params)
-        simple = all_greedy and all(p.repetition_penalty == 1.0 and p.logprobs is None for p in params)
+        simple = all_greedy and all(p.repetition_penalty == 1.0 and p.logprobs is None and p.min_tokens == 0
+                                    for p in params)
         n = len(rows)
         if simple:  # the common greedy case: no per-row tensors to build
             empty = torch.empty(0)
@@ -159,7 +161,14 @@ class ModelRunner:
             penalties=[(p.repetition_penalty, s.token_ids) if p.repetition_penalty != 1.0 else None
                        for p, s in zip(params, rows, strict=True)],
             num_logprobs=[p.logprobs for p in params],
+            banned=[self._banned(p, s) for p, s in zip(params, rows, strict=True)],
         )
+
+    def _banned(self, p, seq: Sequence) -> list[int] | None:
+        """Before min_tokens, the tokens that would end the sequence may not be sampled (as in vLLM)."""
+        if seq.num_output_tokens >= p.min_tokens:
+            return None
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
 
     # --- one step --------------------------------------------------------------
     @torch.inference_mode()

@@ -25,7 +25,8 @@ class SamplingBatch:
     temperatures, top_ps, min_ps: float32 [n]; top_ks: int64 [n] (0 = off);
     generators[i]: a row's own generator or None (the engine's);
     penalties[i]: (repetition_penalty, token ids seen so far) or None;
-    num_logprobs[i]: top logprobs wanted (None: none).
+    num_logprobs[i]: top logprobs wanted (None: none);
+    banned[i]: token ids row i may not sample now (EOS and stop tokens before min_tokens), or None.
     """
 
     all_greedy: bool
@@ -36,6 +37,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     penalties: list[tuple[float, list[int]] | None]
     num_logprobs: list[int | None]
+    banned: list[list[int] | None] | None = None
 
     @property
     def needs_filters(self) -> tuple[bool, bool, bool]:
@@ -115,6 +117,11 @@ class Sampler:
         if any(p is not None for p in batch.penalties):
             logits = logits.clone()
             apply_repetition_penalty(logits, batch.penalties)
+        if batch.banned and any(b for b in batch.banned):
+            logits = logits.clone()
+            for row, ids in enumerate(batch.banned):
+                if ids:
+                    logits[row, ids] = float("-inf")
         if batch.all_greedy:
             tokens = logits.argmax(-1)
         else:

@@ -1,0 +1,151 @@
+"""POST /v1/chat/completions: messages through the checkpoint's chat template, one assistant reply per choice."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedkv.core.sequence import OutputKind
+from pagedkv.outputs import Logprob
+from pagedkv.server.async_engine import EngineDeadError, EngineStepError, RequestRefused
+from pagedkv.server.protocol import (
+    APIError,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from pagedkv.server.serving import (
+    ChoiceState,
+    OpenAIServing,
+    chain_first,
+    engine_error,
+    prime,
+    random_id,
+    sse_stream,
+    unless_disconnected,
+)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: role and plain-text content (text parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            content = m.content or ""
+        else:
+            bad = next((p.type for p in m.content if p.type != "text"), None)
+            if bad is not None:
+                raise APIError(f"content parts of type {bad!r} are not supported (text only).",
+                               param=f"messages.{i}.content")
+            content = "\n".join(p.text or "" for p in m.content)
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+class OpenAIServingChat(OpenAIServing):
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Token ids of the conversation under the chat template (400 if the template refuses it)."""
+        if self.tokenizer is None:
+            raise APIError("chat needs a tokenizer; this server runs without one.")
+        try:
+            ids = self.tokenizer.apply_chat_template(message_dicts(messages), tokenize=True, return_dict=False,
+                                                     add_generation_prompt=add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:  # jinja errors, e.g. roles the template does not accept
+            raise APIError(f"the chat template failed on these messages: {e}", param="messages") from e
+        return list(ids)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        arrival = time.time()
+        self.check_common(req)
+        if req.tools:
+            raise APIError("tools are not supported.", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError("only response_format {'type': 'text'} is supported.", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true.", param="top_logprobs")
+        ids = self.chat_prompt(req.messages, req.add_generation_prompt)
+        max_tokens = self.check_prompt(ids, req.max_completion_tokens or req.max_tokens, param="messages")
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        request_id = random_id("chatcmpl")
+        requests = self.engine_requests(request_id, [(None, ids)], [params], req.cache_salt, arrival)
+        cumulative = requests[0].output_kind is OutputKind.CUMULATIVE
+        states = [ChoiceState(self.holdback(params)) for _ in range(req.n)]
+        if req.stream:
+            try:
+                first, rest = await prime(self.async_engine.generate(requests))
+            except (RequestRefused, EngineStepError, EngineDeadError) as e:
+                raise engine_error(e) from e
+            chunks = self._chunks(req, request_id, chain_first(first, rest), states, cumulative, len(ids))
+            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
+
+        async def run() -> ChatCompletionResponse:
+            cached = 0
+            try:
+                async with contextlib.aclosing(self.async_engine.generate(requests)) as outputs:
+                    async for _, out in outputs:
+                        for c in out.outputs:
+                            states[c.index].update(c, cumulative)
+                        cached += out.num_cached_tokens if out.finished else 0
+            except (RequestRefused, EngineStepError, EngineDeadError) as e:
+                raise engine_error(e) from e
+            choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text),
+                                  logprobs=self._logprobs(s.token_ids, s.logprobs, req) if req.logprobs else None,
+                                  finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                       for i, s in enumerate(states)]
+            return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                          usage=self.usage([len(ids)], states, cached))
+
+        response = await unless_disconnected(raw, run)
+        return JSONResponse(response.model_dump())
+
+    async def _chunks(self, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
+                      states: list[ChoiceState], cumulative: bool,
+                      prompt_len: int) -> AsyncIterator[ChatCompletionChunk]:
+        created, cached = int(time.time()), 0
+
+        def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice])
+
+        for i in range(req.n):  # OpenAI opens every choice with the role
+            yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        async for _, out in outputs:
+            for c in out.outputs:
+                delta = states[c.index].update(c, cumulative)
+                if delta is None:
+                    continue
+                logprobs = self._logprobs(delta.token_ids, delta.logprobs, req) if req.logprobs else None
+                yield chunk(ChatStreamChoice(index=c.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
+                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+            cached += out.num_cached_tokens if out.finished else 0
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
+                                      usage=self.usage([prompt_len], states, cached))
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+                  req: ChatCompletionRequest) -> ChatLogprobs:
+        top = req.top_logprobs or 0
+        content = []
+        for token, entry in zip(token_ids, logprobs or [], strict=True):
+            ranked = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top),
+                            key=lambda kv: kv[1].rank)
+            text = self.token_text(token)
+            lp = entry[token].logprob if token in entry else float("-inf")
+            content.append(ChatTokenLogprob(
+                token=text, logprob=self.logprob_value(lp), bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=self.logprob_value(v.logprob),
+                                         bytes=list(self.token_text(t).encode())) for t, v in ranked]))
+        return ChatLogprobs(content=content)

@@ -1,0 +1,136 @@
+"""POST /v1/completions: prompts in, text out (whole, or streamed as server-sent events).
+
+Several prompts (a list of strings or of token-id lists) run as separate
+engine requests side by side; with `n` samples each, prompt i's sample j is
+choice i * n + j, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedkv.core.sequence import OutputKind
+from pagedkv.outputs import Logprob
+from pagedkv.server.async_engine import EngineDeadError, EngineStepError, RequestRefused
+from pagedkv.server.protocol import (
+    APIError,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from pagedkv.server.serving import (
+    ChoiceDelta,
+    ChoiceState,
+    OpenAIServing,
+    chain_first,
+    engine_error,
+    prime,
+    random_id,
+    sse_stream,
+    unless_disconnected,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        arrival = time.time()
+        self.check_common(req)
+        if req.echo:
+            raise APIError("echo is not supported.", param="echo")
+        if req.suffix:
+            raise APIError("suffix is not supported.", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of must equal n (no beam search or best-of selection).", param="best_of")
+        prompts = self._prompts(req.prompt)
+        params = [self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs)
+                  for _, ids in prompts]
+        request_id = random_id("cmpl")
+        requests = self.engine_requests(request_id, prompts, params, req.cache_salt, arrival)
+        states = [ChoiceState(self.holdback(p)) for p in params for _ in range(req.n)]
+        cumulative = [r.output_kind is OutputKind.CUMULATIVE for r in requests]
+        prompt_lens = [len(ids) for _, ids in prompts]
+        if req.stream:
+            try:
+                first, rest = await prime(self.async_engine.generate(requests))
+            except (RequestRefused, EngineStepError, EngineDeadError) as e:
+                raise engine_error(e) from e
+            chunks = self._chunks(req, request_id, chain_first(first, rest), states, cumulative, prompt_lens)
+            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
+
+        async def run() -> CompletionResponse:
+            cached = 0
+            try:
+                async with contextlib.aclosing(self.async_engine.generate(requests)) as outputs:
+                    async for tag, out in outputs:
+                        for c in out.outputs:
+                            states[tag * req.n + c.index].update(c, cumulative[tag])
+                        cached += out.num_cached_tokens if out.finished else 0
+            except (RequestRefused, EngineStepError, EngineDeadError) as e:
+                raise engine_error(e) from e
+            choices = [CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason,
+                                        stop_reason=s.stop_reason,
+                                        logprobs=self._logprobs(s.token_ids, s.logprobs, 0)[0]
+                                        if req.logprobs is not None else None)
+                       for i, s in enumerate(states)]
+            return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=self.usage(prompt_lens, states, cached))
+
+        response = await unless_disconnected(raw, run)
+        return JSONResponse(response.model_dump())
+
+    def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of every prompt in the request."""
+        if isinstance(prompt, str):
+            return [(prompt, self.tokenize(prompt))]
+        if not prompt:
+            raise APIError("prompt must not be empty.", param="prompt")
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        if isinstance(prompt[0], str):
+            return [(p, self.tokenize(p)) for p in prompt]
+        return [(None, list(p)) for p in prompt]
+
+    async def _chunks(self, req: CompletionRequest, request_id: str, outputs: AsyncIterator, states: list[ChoiceState],
+                      cumulative: list[bool], prompt_lens: list[int]) -> AsyncIterator[CompletionResponse]:
+        created, cached = int(time.time()), 0
+        async for tag, out in outputs:
+            for c in out.outputs:
+                index = tag * req.n + c.index
+                state = states[index]
+                offset = state.text_offset
+                delta = state.update(c, cumulative[tag])
+                if delta is not None:
+                    yield CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                             choices=[self._choice(index, delta, state, offset, req.logprobs)])
+            cached += out.num_cached_tokens if out.finished else 0
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                     usage=self.usage(prompt_lens, states, cached))
+
+    def _choice(self, index: int, delta: ChoiceDelta, state: ChoiceState, offset: int,
+                logprobs: int | None) -> CompletionChoice:
+        lp = None
+        if logprobs is not None and delta.logprobs is not None:
+            lp, state.text_offset = self._logprobs(delta.token_ids, delta.logprobs, offset)
+        return CompletionChoice(index=index, text=delta.text, logprobs=lp, finish_reason=delta.finish_reason,
+                                stop_reason=delta.stop_reason)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                  offset: int) -> tuple[CompletionLogprobs, int]:
+        """The legacy logprobs object for these tokens; returns it and the text offset after them."""
+        out = CompletionLogprobs()
+        for token, entry in zip(token_ids, logprobs, strict=True):
+            text = self.token_text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(self.logprob_value(entry[token].logprob) if token in entry else None)
+            out.top_logprobs.append({self.token_text(t): self.logprob_value(v.logprob) for t, v in
+                                     sorted(entry.items(), key=lambda kv: kv[1].rank or 1 << 30)})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out, offset
