@@ -10,6 +10,12 @@ reset on both backends. After every step it checks that both agree exactly
     prefix cache holds no reference: a cached block with count 0 is free and
     evictable, and reusing it takes it off the free list);
   - copy-on-write never leaves a sequence writing into a shared block;
+  - blocks hold what the sequences put in them: sequences sharing a block
+    agree on its tokens and their salt, and a prefix-cache hit (also on a
+    cached block nobody holds any more) hands out a block holding exactly the
+    new prompt's tokens under the same salt. Prompts that continue an earlier
+    sequence's tokens (multi-turn), with its salt or another, make such hits
+    common, also on blocks filled by appends and by forked children;
   - after all sequences are freed every block is free (cached ones evictable),
     and with caching off no block is even evictable: the pool is full again.
 """
@@ -18,12 +24,13 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from pagedkv.core import BlockManager, BlockManagerError
+from pagedkv.core import BlockManager, BlockManagerError, block_hashes
 
 BS = 4
 NUM_GPU = 24
 NUM_CPU = 16
 PREFIXES = [list(range(1000, 1013)), list(range(2000, 2009)), list(range(1000, 1006)) + [7] * 6]
+SALTS = [(), ("tenant-b",)]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -35,6 +42,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.cpp = BlockManager(BS, NUM_GPU, NUM_CPU, backend="cpp", **kw)
         self.model = BlockManager(BS, NUM_GPU, NUM_CPU, backend="python", **kw)
         self.next_id = 0
+        # What the sequences hold: tokens and salt per live sequence, the last
+        # few freed ones (prompts may continue them), and per physical GPU block
+        # the (salt, tokens up to the block's end) it holds while full.
+        self.tokens_of: dict[int, list[int]] = {}
+        self.salt_of: dict[int, tuple] = {}
+        self.history: list[tuple[tuple, list[int]]] = []
+        self.content: dict[int, tuple] = {}
 
     # --- helpers ---------------------------------------------------------------
     def both(self, method: str, *args, **kwargs):
@@ -61,6 +75,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def tokens(self, n: int, data) -> list[int]:
         return data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
 
+    def block_key(self, seq_id: int, i: int) -> tuple:
+        """What logical block i of a sequence holds: its salt and every token up to the block's end."""
+        return self.salt_of[seq_id], tuple(self.tokens_of[seq_id][:(i + 1) * BS])
+
+    def do_allocate(self, prompt: list[int], salt: tuple) -> None:
+        seq = self.new_id()
+        arg = prompt if self.enable_caching else len(prompt)
+        self.both("can_allocate", arg, salt)
+        status, cached = self.both("allocate", seq, arg, salt)
+        if status != "ok":
+            return
+        self.tokens_of[seq], self.salt_of[seq] = list(prompt), salt
+        table = self.cpp.get_block_table(seq)
+        assert cached % BS == 0 and cached < len(prompt)
+        for i in range(cached // BS):  # each hit must hold this prompt's block, under this salt
+            assert self.content.get(table[i]) == self.block_key(seq, i), (
+                f"prefix hit on block {table[i]} holding {self.content.get(table[i])}, "
+                f"prompt wants {self.block_key(seq, i)}")
+
     def check_no_shared_write(self, seq_id: int, n: int) -> None:
         table, total = self.cpp.get_block_table(seq_id), self.cpp.get_num_tokens(seq_id)
         for pos in range(total - n, total):
@@ -68,21 +101,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # --- rules -------------------------------------------------------------------
     @rule(data=st.data(), prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 13), extra=st.integers(1, 10),
-          salt=st.sampled_from([(), ("tenant-b",)]))
+          salt=st.sampled_from(SALTS))
     def allocate(self, data, prefix, cut, extra, salt):
-        prompt = prefix[:cut] + self.tokens(extra, data)
-        arg = prompt if self.enable_caching else len(prompt)
-        self.both("can_allocate", arg, salt)
-        self.both("allocate", self.new_id(), arg, salt)
+        self.do_allocate(prefix[:cut] + self.tokens(extra, data), salt)
+
+    @rule(data=st.data(), n=st.integers(1, BS - 1), salt=st.sampled_from(SALTS))
+    def allocate_short(self, data, n, salt):
+        """A prompt shorter than a block: its first block fills, and gets indexed, through appends."""
+        self.do_allocate(self.tokens(n, data), salt)
+
+    @precondition(lambda self: self.tokens_of or self.history)
+    @rule(data=st.data(), extra=st.integers(0, 5), salt=st.sampled_from(SALTS))
+    def allocate_continuing(self, data, extra, salt):
+        """A prompt that starts with an earlier sequence's tokens (the next turn of a chat), any salt."""
+        sources = [self.tokens_of[s] for s in sorted(self.tokens_of)] + [toks for _, toks in self.history]
+        source = data.draw(st.sampled_from(sources))
+        cut = len(source) if data.draw(st.booleans()) else data.draw(st.integers(1, len(source)))
+        self.do_allocate(source[:cut] + self.tokens(extra, data), salt)
 
     @precondition(lambda self: self.running())
     @rule(data=st.data(), n=st.integers(1, 6))
     def append(self, data, n):
         seq = data.draw(st.sampled_from(self.running()))
-        toks = self.tokens(n, data) if self.enable_caching else None
+        toks = self.tokens(n, data)
         self.both("can_append", [seq], n)
-        status, cow = self.both("append_slots", seq, n, toks)
+        status, cow = self.both("append_slots", seq, n, toks if self.enable_caching else None)
         if status == "ok":
+            self.tokens_of[seq] += toks
             self.check_no_shared_write(seq, n)
             if cow is not None:  # the old last block was shared: the sequence now writes into dst
                 src, dst = cow
@@ -93,21 +138,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def append_batch(self, data):
         seqs = data.draw(st.lists(st.sampled_from(self.running()), min_size=1, max_size=8, unique=True))
-        toks = [self.tokens(1, data) for _ in seqs] if self.enable_caching else None
-        status, _ = self.both("append_slots_batch", seqs, 1, toks)
+        toks = [self.tokens(1, data) for _ in seqs]
+        status, _ = self.both("append_slots_batch", seqs, 1, toks if self.enable_caching else None)
         if status == "ok":
-            for seq in seqs:
+            for seq, t in zip(seqs, toks, strict=True):
+                self.tokens_of[seq] += t
                 self.check_no_shared_write(seq, 1)
 
     @precondition(lambda self: self.running())
     @rule(data=st.data())
     def fork(self, data):
-        self.both("fork", data.draw(st.sampled_from(self.running())), self.new_id())
+        parent, child = data.draw(st.sampled_from(self.running())), self.new_id()
+        if self.both("fork", parent, child)[0] == "ok":
+            self.tokens_of[child], self.salt_of[child] = list(self.tokens_of[parent]), self.salt_of[parent]
 
     @precondition(lambda self: self.cpp.seq_ids())
     @rule(data=st.data())
     def free(self, data):
-        self.both("free", data.draw(st.sampled_from(self.cpp.seq_ids())))
+        seq = data.draw(st.sampled_from(self.cpp.seq_ids()))
+        if self.both("free", seq)[0] == "ok":
+            self.history = [*self.history[-15:], (self.salt_of.pop(seq), self.tokens_of.pop(seq))]
 
     @precondition(lambda self: self.running())
     @rule(data=st.data())
@@ -156,6 +206,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert cpp.core.num_evictions == model.core.num_evictions
         s1, s2 = cpp.prefix_cache_stats, model.prefix_cache_stats
         assert (s1.queries, s1.hits) == (s2.queries, s2.hits)
+
+    @invariant()
+    def blocks_hold_the_same_tokens(self):
+        """Sharers of a block agree on its contents; remember what each full GPU block holds."""
+        assert sorted(self.tokens_of) == self.cpp.seq_ids()
+        for swapped in (False, True):
+            seen: dict[int, tuple] = {}
+            for s in self.cpp.seq_ids():
+                if self.cpp.is_swapped(s) != swapped:
+                    continue
+                assert len(self.tokens_of[s]) == self.cpp.get_num_tokens(s)
+                for i, b in enumerate(self.cpp.get_block_table(s)):
+                    key = self.block_key(s, i)
+                    assert seen.setdefault(b, key) == key, f"block {b} shared by sequences holding different tokens"
+                    if not swapped:
+                        if len(key[1]) == (i + 1) * BS:
+                            self.content[b] = key
+                        else:  # partly (re)written: whatever it held before is gone
+                            self.content.pop(b, None)
+        if not self.enable_caching:
+            return
+        # The hits a prompt equal to a live sequence would get, under each salt: every block the
+        # index hands out must hold that prompt's tokens under that salt. Blocks are indexed only
+        # while their sequence runs, so this sees a block filed under the wrong salt at once.
+        for s in self.running():
+            toks = self.tokens_of[s]
+            for salt in SALTS:
+                hashes = block_hashes(toks, BS, salt)
+                hits = self.cpp.core.lookup_prefix(hashes, len(hashes))
+                assert hits == self.model.core.lookup_prefix(hashes, len(hashes))
+                for i, b in enumerate(hits):
+                    assert self.content.get(b) == (salt, tuple(toks[:(i + 1) * BS])), (
+                        f"the index hands out block {b} holding {self.content.get(b)} for {(salt, toks)}")
 
     @invariant()
     def pool_accounting(self):

@@ -1,7 +1,7 @@
 """BlockPool: free list order, ref counts, prefix-cache index, errors (C++ pool and its Python twin)."""
 
 import pytest
-from pagedkv.core import BlockPool, BlockRefCountError, NoFreeBlocksError, PyBlockPool
+from pagedkv.core import BlockManager, BlockPool, BlockRefCountError, NoFreeBlocksError, PyBlockPool
 
 
 @pytest.fixture(params=["cpp", "python"])
@@ -136,8 +136,87 @@ def test_cache_key_rules(make_pool):
     check(pool)
 
 
-def test_cpp_invariant_checker_runs():
+def _assert_consistent(pool) -> None:
+    """The C++ checker passes, and what it vouches for holds when read through the API."""
+    assert pool.check_invariants() is None
+    free = pool.free_list()
+    assert len(free) == len(set(free)) == pool.num_free == pool.num_blocks - pool.num_used
+    for b in range(pool.num_blocks):
+        assert pool.is_free(b) == (b in free) == (pool.ref_count(b) == 0)
+    assert pool.num_evictable == sum(1 for b in free if pool.is_cached(b))
+    assert pool.num_cached == sum(1 for b in range(pool.num_blocks) if pool.is_cached(b))
+
+
+def test_cpp_invariant_checker_passes_after_every_operation():
+    """Every public operation, refused ones included (they change nothing), keeps the pool consistent."""
     pool = BlockPool(8)
-    for _ in range(5):
-        pool.allocate()
-    pool.check_invariants()
+    _assert_consistent(pool)
+    blocks = [pool.allocate() for _ in range(6)]
+    _assert_consistent(pool)
+    pool.incref(blocks[0])
+    assert pool.cache_block(blocks[0], b"a") and pool.cache_block(blocks[1], b"b")
+    _assert_consistent(pool)
+    pool.decref(blocks[0])
+    for b in blocks[1:4]:
+        pool.free(b)  # blocks[1] stays cached: evictable
+    _assert_consistent(pool)
+    assert pool.num_evictable == 1
+    pool.incref(blocks[1])  # revived from the middle of the free list
+    _assert_consistent(pool)
+    pool.free(blocks[1])
+    state = (pool.free_list(), [pool.ref_count(b) for b in range(8)], pool.num_cached)
+    for refused in (lambda: pool.free(blocks[2]), lambda: pool.incref(blocks[3]),
+                    lambda: pool.cache_block(blocks[2], b"c")):
+        with pytest.raises(BlockRefCountError):
+            refused()
+        _assert_consistent(pool)
+        assert (pool.free_list(), [pool.ref_count(b) for b in range(8)], pool.num_cached) == state
+    while pool.num_free:
+        pool.allocate()  # the last one evicts blocks[1]
+    _assert_consistent(pool)
+    assert pool.num_evictions == 1 and pool.lookup(b"b") == -1
+    pool.clear_cache()
+    for b in range(8):
+        pool.free(b)
+    _assert_consistent(pool)
+    assert pool.num_free == 8
+
+
+# The C++ pool and manager keep their state private, and no binding can put
+# them into an inconsistent state (every mutating call validates first), so a
+# corrupted C++ pool cannot be built from Python: its checker is shown to pass
+# above, and the detection side is shown on the Python twin, which checks the
+# same invariants (ref counts == table holders, free flag <=> ref count 0).
+
+
+def _twin_with_shared_blocks() -> BlockManager:
+    bm = BlockManager(4, 8, 4, watermark=0.0, backend="python")
+    bm.allocate(1, 6)
+    bm.fork(1, 2)  # blocks 0 and 1 held twice
+    bm.allocate(3, 3)
+    bm.check_invariants()
+    return bm
+
+
+@pytest.mark.parametrize("corruption", ["extra_ref", "lost_ref", "free_but_held", "free_block_lost",
+                                        "table_points_elsewhere"])
+def test_python_invariant_checker_catches_corruption(corruption):
+    bm = _twin_with_shared_blocks()
+    core = bm.core
+    if corruption == "extra_ref":  # a ref count with no table behind it (a leak)
+        core.gpu.ref_counts[2] += 1
+        match = "ref counts"
+    elif corruption == "lost_ref":  # a holder the count forgot (a later double free)
+        core.gpu.ref_counts[0] -= 1
+        match = "ref counts"
+    elif corruption == "free_but_held":  # referenced, yet handed out again by allocate
+        core.gpu._free[1] = None
+        match = "free flag disagrees"
+    elif corruption == "free_block_lost":
+        del core.gpu._free[5]  # a free block vanishes from the free list
+        match = "free flag disagrees"
+    else:
+        core._seqs[3].table[0] = 4  # the table names a block nobody allocated
+        match = "ref counts"
+    with pytest.raises(AssertionError, match=match):
+        bm.check_invariants()

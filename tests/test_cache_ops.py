@@ -106,10 +106,11 @@ def test_reshape_and_cache_skips_negative_slots():
 def test_reshape_and_cache_zero_tokens_is_a_no_op():
     gen = torch.Generator().manual_seed(4)
     key_cache, value_cache = _caches(2, 16, 1, 64, torch.float16, gen)
-    before = key_cache.clone()
+    key_before, value_before = key_cache.clone(), value_cache.clone()
     empty = torch.empty(0, 1, 64, dtype=torch.float16)
     ops.reshape_and_cache(empty, empty, key_cache, value_cache, torch.empty(0, dtype=torch.long))
-    assert torch.equal(key_cache, before)
+    assert torch.equal(key_cache, key_before)
+    assert torch.equal(value_cache, value_before)
 
 
 # ---- copy_blocks ---------------------------------------------------------------------------------

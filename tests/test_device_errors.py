@@ -49,11 +49,21 @@ def test_all_meta_paged_attention_propagates_shapes():
 
 
 def test_all_meta_cache_ops_are_accepted():
-    """Meta caches with the (CPU) index tensors the ops take: a shape-only dry run."""
+    """Meta caches with the (CPU) index tensors the ops take: a shape-only dry run.
+
+    Each op returns nothing and leaves every tensor where it was: the caches stay
+    meta with their shape and dtype, the real index tensors keep their values.
+    """
     key, value, key_cache, value_cache, _ = _write_inputs(device="meta")
-    ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([0, 17, -1]))
-    ops.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 1]]))
-    ops.swap_blocks(key_cache, value_cache, torch.tensor([[0, 1]]))
+    slots, pairs = torch.tensor([0, 17, -1]), torch.tensor([[0, 1]])
+    assert ops.reshape_and_cache(key, value, key_cache, value_cache, slots) is None
+    assert ops.copy_blocks([key_cache], [value_cache], pairs) is None
+    assert ops.swap_blocks(key_cache, value_cache, pairs) is None
+    for t in (key, value):
+        assert t.device.type == "meta" and t.shape == (3, 1, 64) and t.dtype == torch.float32
+    for t in (key_cache, value_cache):
+        assert t.device.type == "meta" and t.shape == (4, 16, 1, 64) and t.dtype == torch.float32
+    assert slots.tolist() == [0, 17, -1] and pairs.tolist() == [[0, 1]]
 
 
 @pytest.mark.parametrize("meta_arg", range(5))

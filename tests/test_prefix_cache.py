@@ -221,6 +221,66 @@ def test_batch_append_registers_and_fork_keeps_hash_state(backend):
         bm.append_slots_batch([1, 2])
 
 
+def _append(bm, via, seq_ids, token_ids):
+    if via == "append_slots":
+        for seq_id, toks in zip(seq_ids, token_ids, strict=True):
+            bm.append_slots(seq_id, len(toks), token_ids=toks)
+    else:
+        bm.append_slots_batch(seq_ids, len(token_ids[0]), token_ids=token_ids)
+
+
+SALT_A, SALT_B = ("tenant-a",), ("tenant-b",)
+
+
+@pytest.mark.parametrize("via", ["append_slots", "append_slots_batch"])
+def test_blocks_filled_by_append_keep_the_salt(backend, via):
+    """A salted prompt shorter than a block: its first block fills through an append, under the salt."""
+    bm = make(backend, num_gpu=32)
+    bm.allocate(1, [1, 2, 3], extra_keys=SALT_A)  # no full block yet: nothing cached
+    assert bm.core.num_cached_blocks == 0
+    _append(bm, via, [1], [[4]])  # block 0 fills
+    _append(bm, via, [1], [[5]])
+    _append(bm, via, [1], [[6]])
+    _append(bm, via, [1], [[7]])
+    _append(bm, via, [1], [[8]])  # block 1 fills (chained to block 0)
+    table = bm.get_block_table(1)
+    assert bm.core.lookup_prefix(block_hashes(list(range(1, 9)), BS, SALT_A), 2) == table[:2]
+    assert bm.core.lookup_prefix(block_hashes(list(range(1, 9)), BS), 2) == []
+    assert bm.core.lookup_prefix(block_hashes(list(range(1, 9)), BS, SALT_B), 2) == []
+    prompt = list(range(1, 10))
+    assert bm.allocate(2, prompt) == 0  # unsalted request: the tenant's blocks stay private
+    assert bm.allocate(3, prompt, extra_keys=SALT_B) == 0
+    assert bm.allocate(4, prompt, extra_keys=SALT_A) == 8
+    assert bm.get_block_table(4)[:2] == table[:2]
+    assert not set(bm.get_block_table(2)) & set(table) and not set(bm.get_block_table(3)) & set(table)
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("via", ["append_slots", "append_slots_batch"])
+def test_forked_children_keep_the_salt(backend, via):
+    """Parent and child fill their first block after a fork (copy-on-write): both under the parent's salt."""
+    bm = make(backend, num_gpu=32)
+    bm.allocate(1, [1, 2, 3], extra_keys=SALT_A)
+    bm.fork(1, 2)
+    _append(bm, via, [2, 1], [[5], [4]])  # the child copies the shared block, then both fill
+    parent_block, child_block = bm.get_block_table(1)[0], bm.get_block_table(2)[0]
+    assert parent_block != child_block
+    assert bm.core.lookup_prefix(block_hashes([1, 2, 3, 4], BS, SALT_A), 1) == [parent_block]
+    assert bm.core.lookup_prefix(block_hashes([1, 2, 3, 5], BS, SALT_A), 1) == [child_block]
+    for tokens in ([1, 2, 3, 4], [1, 2, 3, 5]):
+        assert bm.core.lookup_prefix(block_hashes(tokens, BS), 1) == []
+        assert bm.core.lookup_prefix(block_hashes(tokens, BS, SALT_B), 1) == []
+    bm.free(1)
+    bm.free(2)  # both blocks now only cached (evictable)
+    assert bm.allocate(3, [1, 2, 3, 5, 0]) == 0
+    assert bm.allocate(4, [1, 2, 3, 5, 0], extra_keys=SALT_B) == 0
+    assert bm.allocate(5, [1, 2, 3, 5, 0], extra_keys=SALT_A) == 4
+    assert bm.get_block_table(5)[0] == child_block
+    assert bm.allocate(6, [1, 2, 3, 4, 0], extra_keys=SALT_A) == 4
+    assert bm.get_block_table(6)[0] == parent_block
+    bm.check_invariants()
+
+
 def test_swap_in_registers_again(backend):
     bm = make(backend)
     prompt = list(range(9))

@@ -141,10 +141,12 @@ class BlockManager:
         so no other request is handed a block whose KV a later step would write.
         """
         total, hashes, hits = self._prompt(prompt, extra_keys)
-        n = total if num_tokens is None else num_tokens
-        if not len(hits) * self.block_size < n <= total:
-            raise ValueError(f"allocate: num_tokens must be in ({len(hits) * self.block_size}, {total}] "
-                             f"(after the cached prefix, within the prompt), got {num_tokens}")
+        n = total
+        if num_tokens is not None:  # a first chunk: the core checks the whole-prompt case itself
+            if not len(hits) * self.block_size < num_tokens <= total:
+                raise ValueError(f"allocate: num_tokens must be in ({len(hits) * self.block_size}, {total}] "
+                                 f"(after the cached prefix, within the prompt), got {num_tokens}")
+            n = num_tokens
         self.core.allocate(seq_id, n, hits)
         if self.prefix_cache is not None:
             self.prefix_cache.on_allocate(self.core, seq_id, prompt[:n], hashes[:n // self.block_size], len(hits),
