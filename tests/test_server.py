@@ -1,0 +1,430 @@
+"""`pagedkv serve` end to end: a real uvicorn server on a free loopback port, driven by the official `openai` client.
+
+One server for the module (the default model, shared with the other engine
+tests through `loaded_model`), with an API key. Greedy outputs are compared
+with `LLM.generate` / `LLM.chat` on the same model; the engine's state (used
+blocks, running requests) is read from the snapshot the engine thread
+publishes. Generations stay short (at most 16 tokens, except the requests a
+test cuts off) to keep the file fast on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pagedkv
+import pytest
+import uvicorn
+from pagedkv import LLM, SamplingParams
+from pagedkv.engine.llm_engine import EngineArgs
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "smol-test"
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three prime numbers."}]
+
+
+def _bound_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture(scope="module")
+def server(loaded_model):
+    from pagedkv.server import build_app
+
+    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=256 << 20, max_model_len=MAX_MODEL_LEN,
+                      max_num_seqs=48)
+    app = build_app(args, served_model_names=[MODEL], api_key=API_KEY, loaded=loaded_model)
+    sock = _bound_socket()  # handed to uvicorn: no race for the port
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = sock.getsockname()[1]
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app, engine=app.state.engine,
+                          async_engine=app.state.async_engine)
+    srv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    """The offline API on the same weights: the reference for greedy outputs."""
+    return LLM(loaded_model=loaded_model, kv_cache_memory=64 << 20, max_model_len=MAX_MODEL_LEN)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def wait_idle(server, timeout: float = 30.0) -> None:
+    """Until the engine thread reports no running request and no block in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = server.async_engine.stats
+        if s.num_used_gpu_blocks == 0 and s.num_running == 0 and s.num_waiting == 0:
+            return
+        assert time.monotonic() < deadline, f"the engine did not become idle: {s}"
+        time.sleep(0.05)
+
+
+def metric_samples(server) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed with prometheus_client's parser: {(sample name, sorted labels): value}."""
+    text = httpx.get(server.url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    want = {"model_name": MODEL, "engine": "0", **labels}
+    return samples[(name, tuple(sorted(want.items())))]
+
+
+# --- the API -----------------------------------------------------------------------------------------------------
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json() == {"version": pagedkv.__version__}
+
+
+def test_completion_matches_llm_generate(client, llm, loaded_model):
+    ref = llm.generate(PROMPT, greedy(12), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert (choice.text, choice.finish_reason) == (ref.text, ref.finish_reason)
+    num_prompt = len(loaded_model.tokenizer.encode(PROMPT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (num_prompt, len(ref.token_ids))
+    assert r.usage.total_tokens == num_prompt + len(ref.token_ids)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_matches_llm_chat(client, llm):
+    ref = llm.chat(CHAT, greedy(12), use_tqdm=False)[0].outputs[0]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason and r.usage.completion_tokens == len(ref.token_ids)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_prompt_lists_token_ids_and_n(client, llm, loaded_model):
+    prompts = ["1, 2, 3, 4,", "The sky is"]
+    refs = [o.outputs[0].text for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    # OpenAI's order: prompt i's sample j is choice i * n + j.
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [refs[0], refs[0], refs[1], refs[1]]
+    ids = [loaded_model.tokenizer.encode(p) for p in prompts]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    one = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=6, temperature=0)
+    assert one.choices[0].text == refs[0]
+    both = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in both.choices] == refs
+
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0,
+                                           stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: refs[0], 1: refs[0], 2: refs[1], 3: refs[1]}
+
+
+def test_sampling_fields(client, llm):
+    def text(**kw) -> tuple[str, str]:
+        c = client.completions.create(model=MODEL, prompt=PROMPT, **kw).choices[0]
+        return c.text, c.finish_reason
+
+    # seed: a per-request generator, the same output whatever runs beside it.
+    assert text(max_tokens=8, temperature=1.0, seed=7) == text(max_tokens=8, temperature=1.0, seed=7)
+    # vLLM's extra sampling fields are accepted and honoured.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0.8, seed=1,
+                                  extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
+                                              "ignore_eos": True, "cache_salt": "tenant-a"})
+    assert r.usage.completion_tokens == 5
+
+    ref = llm.generate(PROMPT, greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    # stop strings: cut from the text, streamed or not (the stream holds back what may start a stop string).
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]
+    expected = ref.text[:ref.text.index(stop)]
+    assert text(max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True}) == (expected, "stop")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == expected
+    # stop_token_ids: the stop token counts as generated, its text is left out.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                  extra_body={"stop_token_ids": [ref.token_ids[3]], "ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ref.token_ids.index(
+        ref.token_ids[3]) + 1
+
+    # logprobs: completions' legacy object, chat's per-token list with top_logprobs.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(tok in top for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True))  # top-2 + sampled
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2).choices[0]
+    assert len(c.logprobs.content) == 4
+    for entry in c.logprobs.content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the top token
+
+
+def test_concurrent_streams_get_their_own_tokens(server, llm):
+    """32 streams at once (one batch in the engine); each must get exactly its own prompt's tokens."""
+    prompts = [f"{a}, {a + 1}, {a + 2}," for a in range(1, 32 * 7, 7)]
+    refs = [o.outputs[0].text for o in llm.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)]
+    assert len(set(refs)) > 16  # distinct outputs, so a crossed stream would show
+
+    async def run() -> list[tuple[str, int]]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(prompt: str) -> tuple[str, int]:
+            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True})
+            parts, usage = [], 0
+            async for chunk in stream:
+                parts += [c.text for c in chunk.choices]
+                usage = chunk.usage.completion_tokens if chunk.usage else usage
+            return "".join(parts), usage
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert [t for t, _ in results] == refs
+    assert all(n == 8 for _, n in results)
+    wait_idle(server)
+
+
+def test_stream_holds_back_what_may_start_a_stop_string():
+    """CUMULATIVE outputs of a request with stop string "\n\nUser": nothing that may begin it is sent until the
+    engine has decided (here it completes, and the engine cuts it out of the final text)."""
+    from pagedkv.outputs import CompletionOutput
+    from pagedkv.server.serving import ChoiceState
+
+    state = ChoiceState(holdback=len("\n\nUser") - 1)
+    # The step that completes the stop string is the one that finishes (the engine cuts it there).
+    steps = [("Hello", None), ("Hello\n\nUs", None), ("Hello", "stop")]
+    sent = []
+    for i, (text, finish) in enumerate(steps):
+        delta = state.update(CompletionOutput(0, text, list(range(i + 1)), finish_reason=finish), cumulative=True)
+        sent.append(delta.text)
+    assert sent == ["", "Hell", "o"] and state.text == "Hello" and state.finish_reason == "stop"
+    assert state.token_ids == [0, 1, 2]
+    assert state.update(CompletionOutput(0, "Hello", [0, 1, 2], finish_reason="stop"), True) is None
+
+
+# --- bad input and faults -------------------------------------------------------------------------------------
+
+def _post(server, body, path: str = "/v1/completions", headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **(auth() if headers is None else headers)})
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"model": "smol-test", "prompt": "hi"', None),  # malformed JSON
+    ({"model": MODEL}, "prompt"),  # missing field
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, "max_tokens"),  # wrong type
+    ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "hi " * 600}, "prompt"),  # longer than max_model_len
+    ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),  # prompt + output too long
+    ({"model": MODEL, "prompt": [1, 10 ** 9]}, "prompt"),  # token id outside the vocabulary
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": "hi " * 600, "stream": True}, "prompt"),
+])
+def test_bad_completion_requests_get_400(server, body, param):
+    r = _post(server, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_bad_chat_requests_get_400(server, client):
+    assert _post(server, {"model": MODEL, "messages": []}, "/v1/chat/completions").status_code == 400
+    assert _post(server, {"model": MODEL, "messages": CHAT, "temperature": -1},
+                 "/v1/chat/completions").json()["error"]["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 600}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    # ... and the server goes on serving.
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_unknown_model_is_404(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    assert _post(server, {"model": "x", "messages": CHAT}, "/v1/chat/completions").status_code == 404
+
+
+def test_api_key_guards_every_v1_route(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+            r = httpx.request(method, server.url + path, headers=headers, json={"model": MODEL, "prompt": "hi"})
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # outside /v1: no key needed
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_engine_error_fails_its_requests_with_500_and_the_server_lives_on(server, client):
+    runner = server.engine.runner
+    calls = []
+
+    def broken_execute(*args, **kwargs):
+        del runner.execute  # only this step fails (the instance attribute shadows the method once)
+        calls.append(1)
+        raise RuntimeError("injected fault")
+
+    runner.execute = broken_execute
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert calls == [1]
+    assert e.value.status_code == 500 and e.value.body["type"] == "server_error"
+    assert "injected fault" in e.value.body["message"]
+    wait_idle(server)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens >= 1
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    wait_idle(server)
+    aborted = sample(metric_samples(server), "vllm:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth(), timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            while not next(lines).startswith("data: "):
+                pass
+        assert server.async_engine.stats.num_used_gpu_blocks > 0
+    # The connection is closed mid-stream: the request is aborted and its blocks go back to the pool.
+    wait_idle(server)
+    # The same for a non-streamed request whose client gives up.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=auth(), timeout=1.0)
+    wait_idle(server)
+    assert sample(metric_samples(server), "vllm:request_success_total", finished_reason="abort") == aborted + 2
+    assert server.engine.block_manager.num_free_gpu_blocks == server.engine.block_manager.num_total_gpu_blocks
+
+
+def test_metrics_move_as_requests_run(server, client, loaded_model):
+    wait_idle(server)
+    before = metric_samples(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        sample(before, name)  # present, labelled with model_name
+    assert sample(before, "vllm:num_requests_running") == 0 and sample(before, "vllm:kv_cache_usage_perc") == 0
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = metric_samples(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:prompt_tokens_total") == len(loaded_model.tokenizer.encode(PROMPT))
+    assert delta("vllm:generation_tokens_total") == 6
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_time_per_output_token_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
+        assert delta(f"{hist}_count") == 1, hist
+    assert delta("vllm:inter_token_latency_seconds_count") == 5  # one interval between consecutive tokens
+    assert delta("vllm:time_per_output_token_seconds_count") == 5
+    assert delta("vllm:e2e_request_latency_seconds_sum") > 0
+    assert delta("vllm:request_generation_tokens_sum") == 6
+
+
+@pytest.mark.slow
+def test_pagedkv_serve_cli_starts_serves_and_stops_on_sigterm(default_model_dir, tmp_path):
+    """The command line as users run it, in its own process: the key from $PAGEDKV_API_KEY; SIGTERM exits 0."""
+    with _bound_socket() as sock:
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PAGEDKV_API_KEY="env-key")
+    cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(default_model_dir), "--port", str(port),
+           "--kv-cache-memory", str(64 << 20), "--max-model-len", "256", "--served-model-name", "cli-test"]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "pagedkv serve did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        c = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0)
+        assert c.completions.create(model="cli-test", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log_path.read_text()
+        assert "engine stopped" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
