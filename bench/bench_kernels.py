@@ -485,6 +485,45 @@ def print_header(info: dict, copy_gbps: float, args: argparse.Namespace) -> None
     print(f"- command: {' '.join(sys.argv)}\n")
 
 
+def plot_decode(results: dict, path: str) -> None:
+    """Decode time against context length: the paged kernel, SDPA on contiguous K/V, gather + SDPA.
+
+    One panel per (dtype, head shape, batch) of the --json "decode" rows; log-log axes.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results.get("decode") or []
+    if not rows:
+        raise SystemExit("no decode rows to plot (run with the decode table, e.g. --all)")
+    kinds = sorted({(r["dtype"], r["heads"]) for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(len(kinds), len(batches), figsize=(4 * len(batches), 3 * len(kinds)), squeeze=False)
+    lines = [("ours_us", "paged_attention (ours)", "#1971c2"), ("sdpa_us", "SDPA, contiguous K/V", "#868e96"),
+             ("gather_us", "gather + SDPA", "#f08c00")]
+    for i, (dtype, heads) in enumerate(kinds):
+        for j, batch in enumerate(batches):
+            ax = axes[i][j]
+            sel = sorted((r for r in rows if (r["dtype"], r["heads"], r["batch"]) == (dtype, heads, batch)),
+                         key=lambda r: r["context"])
+            for key, label, color in lines:
+                pts = [(r["context"], r[key]) for r in sel if r.get(key)]
+                ax.plot([c for c, _ in pts], [t for _, t in pts], "o-", label=label, color=color, ms=3)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{dtype}, heads {heads} (q/kv x dim), batch {batch}", fontsize=8)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("decode time (us)")
+    axes[0][0].legend(fontsize=7)
+    m = results.get("machine", {})
+    fig.suptitle(f"Decode attention, {m.get('device', '?')}: {m.get('cpu', '?')}, {m.get('date_utc', '?')} UTC",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 
@@ -496,6 +535,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--v1-vs-v2", action="store_true", help="only the v1 vs v2 sweep")
     p.add_argument("--all", action="store_true", help="decode table, v1 vs v2 sweep and block-copy ops")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="draw decode time vs context length (PNG) here")
+    p.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json file; run nothing")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=None)
     p.add_argument("--batches", nargs="+", type=int, default=None)
     p.add_argument("--contexts", nargs="+", type=int, default=None)
@@ -521,6 +562,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot_decode(json.load(f), args.plot or "bench/results/kernels_cpu.png")
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible to torch")
     if args.threads:
@@ -547,6 +592,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
         log(f"wrote {args.json}")
+    if args.plot and "decode" in results:
+        plot_decode(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -234,7 +234,8 @@ def run_vllm(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: 
         workload_file.write_text(json.dumps({
             "prompts": wl.prompts, "output_lens": wl.output_lens, "warmup_prompts": warm.prompts,
             "warmup_output_lens": warm.output_lens, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}))
+            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+            "enable_prefix_caching": getattr(args, "vllm_prefix_caching", False)}))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                    VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.vllm_omp_bind))
         if args.vllm_ld_preload:  # vLLM's CPU docs advise preloading tcmalloc and Intel OpenMP for speed
@@ -494,6 +495,29 @@ def report_markdown(table: str, pairs: str, info: dict, wl: Workload, args: argp
     return "\n".join(parts)
 
 
+def plot_throughput(data: dict, path: str) -> None:
+    """Bar chart of output tok/s per system from the --json data (systems that failed are left out)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if not r.get("error")]
+    names, vals = [r["system"] for r in rows], [r["output_tok_s"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, vals, color=["#1971c2" if n == "pagedkv" else "#868e96" for n in names])
+    for x, v in enumerate(vals):
+        ax.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("output tokens/s (higher is better)")
+    machine = data.get("machine", {})
+    ax.set_title(f"Offline throughput, same workload ({machine.get('date_utc', '?')} UTC, {machine.get('cpu', '?')}, "
+                 f"load {machine.get('load_average_1m', '?')})", fontsize=8)
+    fig.text(0.01, 0.01, data.get("workload", ""), fontsize=6, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --- main -------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -527,6 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed 2-request warm-up")
     p.add_argument("--json", help="write the results (rows, outputs' agreement, machine info) here")
     p.add_argument("--out", help="write the markdown report here, e.g. bench/results/throughput_cpu.md")
+    p.add_argument("--plot", help="draw output tok/s per system as a bar chart (PNG) here")
+    p.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json file; run nothing")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEMS)
@@ -537,6 +563,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        plot_throughput(json.loads(Path(args.replot).read_text()), args.plot or "bench/results/throughput_cpu.png")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedkv.model.default_model import ensure_default_model
@@ -560,6 +589,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report_markdown(table, pairs, info, wl, args))
+    if args.plot:
+        plot_throughput({"machine": info, "workload": workload_line(wl, args), "rows": rows}, args.plot)
 
 
 if __name__ == "__main__":

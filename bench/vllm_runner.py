@@ -8,7 +8,7 @@ VLLM_CPU_OMP_THREADS_BIND.
     V/bin/python bench/vllm_runner.py --model DIR --workload W.json --out R.json
 
 W.json: {"prompts": [[ids]], "output_lens": [n], "warmup_prompts": [[ids]], "warmup_output_lens": [n],
-         "max_num_seqs": int, "max_num_batched_tokens": int, "seed": int}
+         "max_num_seqs": int, "max_num_batched_tokens": int, "seed": int, "enable_prefix_caching": bool (optional)}
 R.json: {"token_ids": [[ids]], "elapsed_s": float, "load_s": float, "vllm_version": str,
          "torch_version": str}
 Only llm.generate() of the workload is timed; loading and the warm-up are not.
@@ -47,9 +47,11 @@ def main() -> None:
     from vllm import LLM
 
     start = time.perf_counter()
-    # Prefix caching off: the prompts are random (nothing to share), and pagedkv runs with it off too.
+    # Prefix caching off unless asked: the throughput bench's prompts are random (nothing to share) and pagedkv
+    # runs it off too; bench_prefix_cache.py asks for it on.
     llm = LLM(model=args.model, dtype="float32", seed=wl["seed"], max_num_seqs=wl["max_num_seqs"],
-              max_num_batched_tokens=wl["max_num_batched_tokens"], enable_prefix_caching=False)
+              max_num_batched_tokens=wl["max_num_batched_tokens"],
+              enable_prefix_caching=bool(wl.get("enable_prefix_caching", False)))
     load_s = time.perf_counter() - start
     if wl.get("warmup_prompts"):
         generate(llm, wl["warmup_prompts"], wl["warmup_output_lens"])

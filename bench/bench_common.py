@@ -1,0 +1,52 @@
+"""Helpers the claim benchmarks share: machine info, markdown tables, writing results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """Date, CPU, cores, versions and the load average: timings are only comparable with these next to them."""
+    import pagedkv
+    import torch
+    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "cpu": cpu_model(), "usable_cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "pagedkv": pagedkv.__version__,
+            "python": platform.python_version(), "load_average_1m_5m_15m": [round(x, 2) for x in os.getloadavg()]}
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table; the first column left-aligned, the others right-aligned (numbers)."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(stem: str | Path, markdown: str, data: dict[str, Any]) -> None:
+    """`stem`.md and `stem`.json (the folder is created)."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".md").write_text(markdown)
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+
+
+def header_lines(title: str, info: dict[str, Any]) -> list[str]:
+    """A report's title, the machine lines and the command that produced it."""
+    return [f"# {title}", ""] + [f"- {k}: {v}" for k, v in info.items()] + [
+        f"- command: python3 {' '.join(sys.argv)}", ""]

@@ -1,0 +1,105 @@
+"""Writes bench/README.md from the latest results in bench/results/ (the last step of `make bench-all`).
+
+Each section is a fixed explanation plus the result file the benchmark
+wrote (its machine, date and load average included) and its pictures, so
+the README never shows numbers that the results folder does not hold.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+
+SECTIONS = [
+    ("KV-cache sizing: `pagedkv kv-calc`", "kv_calc_default.txt", [], """\
+`pagedkv kv-calc [MODEL]` reads only a model's `config.json` (a config file, a checkpoint folder, or the
+default model) and prints bytes per token and per block, blocks and tokens in a budget, and how many
+sequences of `--context` tokens fit at once; `--json` for scripts. The budget is `--kv-cache-memory BYTES`,
+or `--gpu-memory BYTES` x `--gpu-memory-utilization` minus the weights (parameters from the safetensors
+headers, else from the config, times the dtype's bytes); `--tensor-parallel-size` gives per-device figures.
+The per-token figure is `pagedkv.engine.memory_pool.kv_cache_spec`, the function the engine sizes its pool
+with. The design notes' 7B Llama (32 layers, 32 heads, head_dim 128, fp16) at 1024 tokens:
+
+```
+$ pagedkv kv-calc llama-2-7b/config.json --context 1024 --gpu-memory 80GiB
+per token       524,288 bytes (2 x layers x KV heads x head_dim x dtype bytes)
+per block       8,388,608 bytes (16 tokens)
+one sequence    536,870,912 bytes (0.50 GiB) at 1024 tokens (4.0% of the weights)
+weights         13,476,831,232 bytes (12.55 GiB) (6,738,415,616 parameters, from the config)
+KV budget       63,832,580,096 bytes (59.45 GiB) (0.9 x 85899345920 - weights 13476831232)
+blocks          7,609 of 16 tokens = 121,744 tokens
+concurrency     118 sequences of 1024 tokens at once
+```
+
+The default model (`make bench-all` runs this):"""),
+    ("Memory utilization: static reservation vs paged blocks (`bench/bench_memory.py`)", "memory_cpu.md",
+     ["memory_utilization.png", "memory_block_tables.png"], """\
+A seeded long-tailed trace (log-normal prompt and output lengths) replayed through (a) a static
+reservation of `max_model_len` slots per request, as HF-style frameworks do, and (b) the engine's own
+`Scheduler` with the C++ `BlockManager` at block sizes 8, 16 and 32, with the model replaced by "every
+sampled token is 0" (no model runs: only the memory bookkeeping). Same KV budget for all. "Filled later"
+counts empty slots that the request's later tokens will fill; "never filled" the slots it never uses.
+Concurrency is the mean number of running requests while others wait (memory-bound), and its maximum.
+Targets: paged >= 96% of reserved slots hold tokens, >= 2.5x the static concurrency. Paged admission is
+optimistic (it admits while blocks are free, keeping a 1% watermark), so some requests are preempted
+(recompute) when running ones grow; "steps" is how many scheduler steps the trace took."""),
+    ("Prefix caching (`bench/bench_prefix_cache.py`)", "prefix_cache_cpu.md", ["prefix_cache.png"], """\
+The design notes' scenario scaled to this machine, through the real engine (`LLM.generate`, the default
+model, fp32 CPU): every request is a ~500-token shared system prompt plus its own 64-token history, with a
+short greedy answer; caching off vs on, then the pitfall: a timestamp in the system prompt's first line.
+Peak KV blocks is `EngineStats.peak_used_gpu_blocks`; hit rate is hit / looked-up prompt tokens; the
+divergence warnings are the engine's diagnostic (`pagedkv.core.prefix_diagnostics`,
+`EngineStats.prefix_divergence_warnings`), which logs once, naming the token position where prompts that
+share a long text diverge. vLLM's CPU backend runs the same token ids beside it when its venv is present
+(its "identical to off" compares with its own off run). Timings on this shared 2-core box move with its
+load: the load averages are in the header."""),
+    ("Throughput side by side (`bench/bench_throughput.py`)", "throughput_cpu.md", ["throughput_cpu.png"], """\
+Offline throughput of pagedkv, vLLM's CPU backend, HF continuous batching and HF static batches on one
+workload (see the script's docstring). `--plot PATH` draws the bar chart; `--replot JSON --plot PATH`
+redraws it from an earlier `--json` without running anything."""),
+    ("Kernels (`bench/bench_kernels.py`)", None, ["kernels_cpu.png"], """\
+Decode attention against context length: the paged kernel, SDPA on the same K/V laid out contiguously,
+and gather-through-the-block-table + SDPA. Full tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
+(`--plot PATH` draws the picture, `--replot JSON --plot PATH` redraws it from a `--json` file)."""),
+]
+
+
+def demote(markdown: str) -> str:
+    """A result file's own '# title' is dropped (the section has one); deeper headings move one level down."""
+    lines = markdown.strip().splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    return "\n".join("#" + line if line.startswith("## ") else line for line in lines).strip()
+
+
+def section(title: str, result: str | None, pictures: list[str], text: str) -> str:
+    parts = [f"## {title}", "", text, ""]
+    if result is not None:
+        path = RESULTS / result
+        if not path.exists():
+            parts += [f"*Not run yet: `results/{result}` is missing (`make bench-all` runs it).*", ""]
+        elif path.suffix == ".md":
+            parts += [demote(path.read_text()), ""]
+        else:
+            parts += ["```", path.read_text().strip(), "```", ""]
+    parts += [f"![{p}](results/{p})" for p in pictures if (RESULTS / p).exists()]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main() -> None:
+    head = ["# Benchmarks", "",
+            "The results the project exists to show (`../shared/MISSION.md`): KV sizing, memory utilization, "
+            "prefix caching, throughput, kernels. Each script prints a table, compares with a baseline in the same "
+            "run and writes md/json/png into `bench/results/`; every section below is that file, with the machine, "
+            "date and load average it ran with. `make bench-all` regenerates everything and then this README "
+            "(`python3 bench/write_readme.py`).", ""]
+    text = "\n".join(head) + "\n" + "\n".join(section(*s) for s in SECTIONS)
+    (BENCH / "README.md").write_text(text)
+    print(f"wrote {BENCH / 'README.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

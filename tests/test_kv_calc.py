@@ -1,0 +1,111 @@
+"""`pagedkv kv-calc`: KV sizing from a config.json alone (small config files in tmp dirs, no model loaded)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from pagedkv.cli import main
+from pagedkv.config import ModelConfig
+from pagedkv.engine.memory_pool import kv_cache_spec
+from pagedkv.kv_calc import count_params_from_config, kv_calc, parse_bytes
+
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "max_position_embeddings": 4096, "torch_dtype": "float16"}
+LLAMA_7B_PARAMS = 6_738_415_616  # Llama-2-7b-hf's parameter count
+
+
+def write_config(folder, **overrides) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**LLAMA_7B, **overrides}))
+    return str(folder / "config.json")
+
+
+def write_safetensors_header(path, tensors: dict[str, list[int]]) -> None:
+    """A safetensors file whose header lists `tensors` (name -> shape, F16); the data part is left empty."""
+    header = {name: {"dtype": "F16", "shape": shape, "data_offsets": [0, 0]} for name, shape in tensors.items()}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def test_design_notes_7b_example(tmp_path):
+    r = kv_calc(write_config(tmp_path), dtype="float16", context=1024)
+    assert r.bytes_per_token == 2 * 32 * 32 * 128 * 2 == 524_288
+    assert r.bytes_per_sequence == 536_870_912
+    assert r.bytes_per_block == 524_288 * 16
+
+
+def test_same_function_as_the_engine(tmp_path):
+    """The tool's per-token figure is memory_pool.kv_cache_spec's, for every dtype and block size."""
+    cfg = ModelConfig.from_hf({**LLAMA_7B, "num_key_value_heads": 8})
+    path = write_config(tmp_path, num_key_value_heads=8)
+    for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        for block_size in (8, 32):
+            r = kv_calc(path, dtype=dtype, block_size=block_size)
+            spec = kv_cache_spec(cfg, torch_dtype, block_size)
+            assert (r.bytes_per_token, r.bytes_per_block) == (spec.bytes_per_token, spec.bytes_per_block)
+
+
+def test_budget_blocks_and_concurrency(tmp_path):
+    r = kv_calc(write_config(tmp_path), dtype="float16", block_size=16, context=1000,
+                kv_cache_memory=10 * 536_870_912 + 123)
+    assert r.num_blocks == 10 * 64  # 1024 tokens = 64 blocks per 536,870,912 bytes
+    assert r.num_tokens == 10 * 1024
+    assert r.max_concurrent_seqs == 10  # 1000 tokens still take 63 blocks: 640 // 63
+
+
+def test_gpu_memory_subtracts_the_weights(tmp_path):
+    path = write_config(tmp_path)
+    assert count_params_from_config(ModelConfig.from_hf(LLAMA_7B)) == LLAMA_7B_PARAMS
+    r = kv_calc(path, dtype="float16", gpu_memory=80 * 2**30, gpu_memory_utilization=0.9)
+    assert r.params_source == "config"
+    assert r.weight_bytes == 2 * LLAMA_7B_PARAMS
+    assert r.budget_bytes == int(80 * 2**30 * 0.9) - 2 * LLAMA_7B_PARAMS
+    tp = kv_calc(path, dtype="float16", gpu_memory=80 * 2**30, tensor_parallel_size=2)
+    assert tp.weight_bytes == LLAMA_7B_PARAMS  # half the fp16 bytes on each device
+    assert tp.bytes_per_token == r.bytes_per_token // 2  # half the KV heads on each device
+
+
+def test_weights_from_safetensors_headers(tmp_path):
+    folder = tmp_path / "ckpt"
+    write_config(folder)
+    write_safetensors_header(folder / "model-00001-of-00002.safetensors", {"a": [1000, 1000]})
+    write_safetensors_header(folder / "model-00002-of-00002.safetensors", {"b": [10, 20], "c": [7]})
+    r = kv_calc(str(folder), dtype="float32", gpu_memory=2**34)
+    assert (r.params_source, r.num_params) == ("safetensors", 1_000_000 + 200 + 7)
+    assert r.weight_bytes == 4 * r.num_params  # counted at the run dtype, not the stored one
+
+
+def test_no_room_for_kv_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        kv_calc(write_config(tmp_path), dtype="float16", gpu_memory=12 * 2**30, gpu_memory_utilization=0.9)
+
+
+def test_parse_bytes():
+    assert parse_bytes("536870912") == 536_870_912
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("1.5e9") == 1_500_000_000
+    with pytest.raises(ValueError, match="not a byte count"):
+        parse_bytes("lots")
+
+
+def test_cli_json(tmp_path, capsys):
+    assert main(["kv-calc", write_config(tmp_path), "--dtype", "float16", "--context", "1024",
+                 "--kv-cache-memory", "8GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_sequence"] == 536_870_912
+    assert out["num_blocks"] == 8 * 2**30 // (524_288 * 16)
+    assert out["max_concurrent_seqs"] == 16
+
+
+def test_cli_table_and_errors(tmp_path, capsys):
+    assert main(["kv-calc", str(tmp_path / "missing")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    write_config(tmp_path)
+    assert main(["kv-calc", str(tmp_path), "--context", "1024", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "536,870,912 bytes" in out and "concurrency" in out
