@@ -60,6 +60,10 @@ load: the load averages are in the header."""),
 Offline throughput of pagedkv, vLLM's CPU backend, HF continuous batching and HF static batches on one
 workload (see the script's docstring). `--plot PATH` draws the bar chart; `--replot JSON --plot PATH`
 redraws it from an earlier `--json` without running anything."""),
+    ("Serving (`bench/bench_serving.py`)", "serving_cpu.md", ["serving_cpu.png"], """\
+vLLM's serving benchmark, run against `pagedkv serve` and vLLM's OpenAI server from its CPU backend on the
+same requests (random token ids, streamed, greedy, ignore_eos) at several Poisson rates: TTFT, TPOT, ITL and
+end-to-end latency. The client runs on the same 2 cores as the server."""),
     ("Kernels (`bench/bench_kernels.py`)", None, ["kernels_cpu.png"], """\
 Decode attention against context length: the paged kernel, SDPA on the same K/V laid out contiguously,
 and gather-through-the-block-table + SDPA. Full tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
