@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from bench_common import cpu_model  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 GiB = 1 << 30
 SYSTEMS = ("pagedkv", "vllm", "hf-cb", "hf-static")
@@ -391,16 +392,6 @@ def run_system(name: str, wl: Workload, warm: Workload, args: argparse.Namespace
 
 
 # --- report -----------------------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
 
 def machine_info() -> dict:
     import pagedkv
