@@ -25,20 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from bench_common import cpu_model  # noqa: E402  (bench/ is on sys.path when a script runs)
 from pagedkv.core import BlockManager
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 512
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -119,7 +110,7 @@ def run(quick: bool) -> dict:
     return {
         "benchmark": "block_manager",
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": {"cpu": cpu_name(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpu": cpu_model(), "platform": platform.platform(), "python": platform.python_version()},
         "config": {"block_size": BLOCK_SIZE, "prompt_len": PROMPT_LEN, "decode_steps": steps, "quick": quick},
         "rows": rows,
     }

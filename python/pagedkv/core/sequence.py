@@ -75,6 +75,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def is_fork_point(self) -> bool:
+        """Sample 0 of an n > 1 request about to sample its first token: the other samples start here."""
+        return self.index == 0 and self.num_output_tokens == 0 and len(self.request.seqs) > 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -173,17 +173,8 @@ class LLMEngine:
         cc, sc = self.cache_config, self.scheduler_config
         spec = kv_cache_spec(self.model_config, self.dtype, cc.block_size)
         self.kv_spec = spec
-        self.block_manager = BlockManager(cc.block_size, 1, 0, cc.watermark, cc.enable_prefix_caching,
-                                          cc.hash_algo)  # replaced below once the pool is sized
         if self.device.type == "cuda" and cc.kv_cache_memory is None:
-            probe = ModelRunner(self.model, self.block_manager, cc, sc, 1, 0, self.dtype, self.device, self.args.seed)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            probe.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
-            peak = torch.cuda.max_memory_allocated(self.device) - before
-            del probe
-            torch.cuda.empty_cache()
+            peak = self._profile_activation_peak()
             budget, setting = cuda_kv_budget(cc.gpu_memory_utilization, peak, self.device), "gpu_memory_utilization"
         else:
             budget, setting = cpu_kv_budget(cc.kv_cache_memory), "kv_cache_memory"
@@ -202,6 +193,20 @@ class LLMEngine:
                     "max_model_len=%d: %.1fx; swap: %d CPU blocks; prefix caching %s", num_blocks, cc.block_size,
                     tokens, spec.bytes_per_token, num_blocks * spec.bytes_per_block / GiB, sc.max_model_len,
                     tokens / sc.max_model_len, num_cpu_blocks, "on" if cc.enable_prefix_caching else "off")
+
+    def _profile_activation_peak(self) -> int:
+        """CUDA bytes a forward of max_num_batched_tokens tokens needs beyond the weights (one scratch block)."""
+        cc, sc = self.cache_config, self.scheduler_config
+        scratch = BlockManager(cc.block_size, 1)
+        probe = ModelRunner(self.model, scratch, cc, sc, 1, 0, self.dtype, self.device, self.args.seed)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        probe.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del probe
+        torch.cuda.empty_cache()
+        return peak
 
     # --- requests -----------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

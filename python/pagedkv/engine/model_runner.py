@@ -179,7 +179,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         rows = inputs.sampled_seqs
-        if any(s.index == 0 and s.num_output_tokens == 0 and len(s.request.seqs) > 1 for s in rows):
+        if any(s.is_fork_point for s in rows):
             rows, repeats = self._expand_forks(rows)
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         return rows, self.sampler(logits, self.sampling_batch(rows))
@@ -190,7 +190,7 @@ class ModelRunner:
         expanded: list[Sequence] = []
         repeats: list[int] = []
         for s in rows:
-            if s.index == 0 and s.num_output_tokens == 0 and len(s.request.seqs) > 1:
+            if s.is_fork_point:
                 expanded.extend(s.request.seqs)
                 repeats.append(len(s.request.seqs))
             else:
