@@ -44,6 +44,7 @@ import os
 import platform
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,7 @@ class SystemResult:
     generated_tokens: int | None = None  # tokens the system computed, wasted ones included (hf-static)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    steps: dict | None = None  # pagedkv: per-step time and tensor-parallel communication (step_summary)
 
     @property
     def ok(self) -> bool:
@@ -151,8 +153,10 @@ def check_lengths(result: SystemResult, wl: Workload) -> None:
 
 # --- pagedkv ---------------------------------------------------------------------------------------------------
 
-def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> SystemResult:
+def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path,
+                tp: int = 1) -> SystemResult:
     from pagedkv import LLM, SamplingParams
+    from pagedkv.model.parallel_state import comm_stats
 
     def params(lens: list[int]) -> list[SamplingParams]:
         return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -165,22 +169,37 @@ def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_di
         return [list(o.outputs[0].token_ids) for o in outs]
 
     start = time.perf_counter()
-    llm = LLM(model=None, dtype="float32", device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, enable_prefix_caching=False, seed=args.seed)
-    result = SystemResult("pagedkv", load_s=time.perf_counter() - start)
-    if warm.prompts:
-        generate(warm)
-    before = llm.get_stats()
-    start = time.perf_counter()
-    result.token_ids = generate(wl)
-    result.elapsed_s = time.perf_counter() - start
-    stats = llm.get_stats()
+              block_size=args.block_size, enable_prefix_caching=False, seed=args.seed, tensor_parallel_size=tp)
+    with llm:
+        result = SystemResult("pagedkv" if tp == 1 else f"pagedkv-tp{tp}", load_s=time.perf_counter() - start)
+        if warm.prompts:
+            generate(warm)
+        before, comm_before = llm.get_stats(), comm_stats()
+        first_step = len(llm.llm_engine.counters.step_times)
+        start = time.perf_counter()
+        result.token_ids = generate(wl)
+        result.elapsed_s = time.perf_counter() - start
+        stats, comm = llm.get_stats(), comm_stats()
+        steps = llm.llm_engine.counters.step_times[first_step:]
+        threads = torch.get_num_threads()  # per rank: the ranks share the cores
     result.generated_tokens = wl.output_tokens
     result.notes.append(f"KV {stats.num_gpu_blocks * args.block_size} tokens (block {args.block_size}), "
                         f"peak {stats.peak_used_gpu_blocks} blocks, "
                         f"{stats.num_preemptions - before.num_preemptions} preemptions")
+    result.steps = step_summary(steps, comm.calls - comm_before.calls, comm.bytes - comm_before.bytes,
+                                comm.seconds - comm_before.seconds, tp, threads)
     return result
+
+
+def step_summary(step_times: list[float], calls: int, nbytes: int, seconds: float, tp: int, threads: int) -> dict:
+    """Per-step time and, under tensor parallelism, what the driver spent in collectives per step."""
+    n = max(len(step_times), 1)
+    return {"tensor_parallel_size": tp, "threads_per_rank": threads,
+            "steps": len(step_times), "median_step_ms": 1e3 * statistics.median(step_times or [0.0]),
+            "mean_step_ms": 1e3 * sum(step_times) / n, "collectives_per_step": calls / n,
+            "comm_kib_per_step": nbytes / n / 1024, "comm_ms_per_step": 1e3 * seconds / n}
 
 
 # --- vLLM (subprocess) -------------------------------------------------------------------------------------------
@@ -377,7 +396,10 @@ def run_system(name: str, wl: Workload, warm: Workload, args: argparse.Namespace
     """Runs one system; a failure becomes the row's error (the other systems still run)."""
     log(f"== {name}")
     try:
-        result = RUNNERS[name](wl, warm, args, model_dir)
+        if name.startswith("pagedkv-tp"):
+            result = run_pagedkv(wl, warm, args, model_dir, tp=int(name.removeprefix("pagedkv-tp")))
+        else:
+            result = RUNNERS[name](wl, warm, args, model_dir)
     except Exception as e:  # noqa: BLE001 - one broken baseline must not lose the others' numbers
         traceback.print_exc(file=sys.stderr)
         result = SystemResult(name, error=f"{type(e).__name__}: {e}")
@@ -409,7 +431,7 @@ def summarize(results: list[SystemResult], wl: Workload) -> list[dict]:
     ref = by_name.get(REFERENCE)
     rows = []
     for r in results:
-        row = {"system": r.name, "error": r.error, "notes": r.notes, "load_s": r.load_s}
+        row = {"system": r.name, "error": r.error, "notes": r.notes, "load_s": r.load_s, "steps": r.steps}
         if r.ok:
             row.update(elapsed_s=r.elapsed_s, output_tok_s=wl.output_tokens / r.elapsed_s,
                        total_tok_s=(wl.prompt_tokens + wl.output_tokens) / r.elapsed_s,
@@ -457,6 +479,28 @@ def agreement_table(results: list[SystemResult]) -> str:
     for a in ok:
         cells = [f"{agreement(a.token_ids, b.token_ids)[0]}/{n}" for b in ok]
         lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+COMM_HEADING = ("Tensor parallelism on this CPU (gloo): per engine step, the driver's time in collectives (the "
+                "row-parallel all-reduces, the logits gather and the step broadcast, waiting for the slowest rank "
+                "included):")
+
+
+def comm_table(rows: list[dict]) -> str:
+    """Step time at size 1 vs the sharded run(s), and what the sharded driver spent communicating."""
+    runs = [r for r in rows if r.get("steps") and not r["error"]]
+    if not any(r["steps"]["tensor_parallel_size"] > 1 for r in runs):
+        return ""
+    lines = ["| system | ranks | threads / rank | steps | median step ms | mean step ms | collectives / step "
+             "| KiB / step | comm ms / step | comm share |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        st = r["steps"]
+        share = st["comm_ms_per_step"] / st["mean_step_ms"] if st["mean_step_ms"] else 0.0
+        lines.append(f"| {r['system']} | {st['tensor_parallel_size']} | {st['threads_per_rank']} | {st['steps']} "
+                     f"| {st['median_step_ms']:.1f} "
+                     f"| {st['mean_step_ms']:.1f} | {st['collectives_per_step']:.0f} | {st['comm_kib_per_step']:.0f} "
+                     f"| {st['comm_ms_per_step']:.1f} | {100 * share:.0f}% |")
     return "\n".join(lines)
 
 
@@ -536,6 +580,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-ld-preload", default="",
                    help="libraries to preload for vLLM (colon-separated), e.g. V/lib/libiomp5.so as its CPU docs "
                         "advise; default none")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="also run pagedkv sharded over N ranks (system pagedkv-tpN, on the same workload) and "
+                        "report the per-step communication cost beside size 1")
     p.add_argument("--threads", type=int, help="torch threads for pagedkv and HF (default: torch's own choice); "
                    "vLLM's come from --vllm-omp-bind")
     p.add_argument("--timeout-s", type=float, default=3600, help="give up on HF CB after this long")
@@ -546,7 +593,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json file; run nothing")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(args.systems) - set(SYSTEMS)
+    unknown = set(args.systems) - set(SYSTEMS) - {f"pagedkv-tp{args.tensor_parallel_size}"}
+    if args.tensor_parallel_size > 1 and f"pagedkv-tp{args.tensor_parallel_size}" not in args.systems:
+        args.systems.insert(args.systems.index("pagedkv") + 1 if "pagedkv" in args.systems else 0,
+                            f"pagedkv-tp{args.tensor_parallel_size}")
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
     return args
@@ -569,9 +619,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(results, wl)
     info = machine_info()
     table, pairs = markdown_table(rows, wl), agreement_table(results)
+    comm = comm_table(rows)
     print(table)
     if pairs:
         print("\n" + pairs)
+    if comm:
+        print("\n" + comm)
+        pairs = (pairs + "\n\n" if pairs else "") + COMM_HEADING + "\n\n" + comm
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(

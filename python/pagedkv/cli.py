@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped-out blocks")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many ranks (GPUs, or processes on the CPU); under torchrun, "
+                        "its WORLD_SIZE")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -46,13 +49,24 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "max_model_len": ns.max_model_len, "block_size": ns.block_size,
             "enable_prefix_caching": ns.enable_prefix_caching, "swap_space": ns.swap_space,
             "preemption_mode": ns.preemption_mode, "seed": ns.seed,
-            "long_prefill_token_threshold": ns.long_prefill_token_threshold}
+            "long_prefill_token_threshold": ns.long_prefill_token_threshold,
+            "tensor_parallel_size": ns.tensor_parallel_size}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from pagedkv import LLM, SamplingParams
+    from pagedkv import LLM
 
     llm = LLM(**engine_kwargs(ns))
+    try:
+        _generate(llm, ns)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _generate(llm, ns: argparse.Namespace) -> None:
+    from pagedkv import SamplingParams
+
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed)
     if ns.prompt:
         prompts = ns.prompt
@@ -74,7 +88,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if out.error:
             print(f"error: {out.error}")
     print_stats(llm, outputs, elapsed)
-    return 0
 
 
 def print_stats(llm, outputs, elapsed: float) -> None:
@@ -144,6 +157,21 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _is_torchrun_worker() -> bool:
+    from pagedkv.distributed import torchrun_env
+
+    env = torchrun_env()
+    return env is not None and env[0] != 0
+
+
+def _run_torchrun_worker(ns: argparse.Namespace) -> int:
+    """Ranks > 0 under torchrun run the steps rank 0 sends; rank 0 generates or serves."""
+    from pagedkv.distributed.worker import run_torchrun_worker
+    from pagedkv.engine.llm_engine import EngineArgs
+
+    return run_torchrun_worker(EngineArgs(**engine_kwargs(ns)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if ns.command in ("generate", "serve") and _is_torchrun_worker():
+            return _run_torchrun_worker(ns)
         return ns.func(ns)
     except ValueError as e:  # bad settings: one clear line, no traceback
         print(f"pagedkv: error: {e}", file=sys.stderr)

@@ -151,6 +151,24 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
 
+    def tensor_parallel_size_fits(self, tp: int) -> bool:
+        """Whether the model shards over `tp` ranks: query heads, MLP width and vocabulary split evenly, and KV
+        heads split evenly or (tp a multiple of them) replicated."""
+        kv = self.num_key_value_heads
+        return (tp >= 1 and self.num_attention_heads % tp == 0 and self.intermediate_size % tp == 0
+                and self.vocab_size % tp == 0 and (kv % tp == 0 or tp % kv == 0))
+
+    def check_tensor_parallel_size(self, tp: int) -> None:
+        """Refuses a tensor-parallel size the model does not shard over, listing those it does."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        if not self.tensor_parallel_size_fits(tp):
+            valid = [t for t in range(1, self.num_attention_heads + 1) if self.tensor_parallel_size_fits(t)]
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide this model ({self.num_attention_heads} attention heads, "
+                f"{self.num_key_value_heads} KV heads, intermediate size {self.intermediate_size}, vocabulary "
+                f"{self.vocab_size}); valid sizes: {valid}")
+
     def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
         """KV-cache bytes one token takes on one device: 2 (K and V) x layers x kv heads x head_dim x dtype bytes.
 

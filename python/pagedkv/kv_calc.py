@@ -143,6 +143,7 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
         raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
     config_path = find_config(model)
     cfg = ModelConfig.from_pretrained(config_path.parent)
+    cfg.check_tensor_parallel_size(tensor_parallel_size)
     # "auto": the checkpoint's own dtype (float16 when the config names none), i.e. what it was trained/stored in.
     torch_dtype = resolve_dtype((cfg.torch_dtype or torch.float16) if dtype == "auto" else dtype, None,
                                 torch.device("cpu"))

@@ -26,6 +26,8 @@ class LLM:
     `enable_prefix_caching` reuses the KV blocks of identical prompt
     prefixes; `preemption_mode` ("recompute" or "swap", with `swap_space` GiB
     of CPU memory) says how sequences give up blocks when the cache is full.
+    `tensor_parallel_size` shards the model over that many ranks (GPUs, or
+    processes on the CPU; call it under `if __name__ == "__main__":`).
     `loaded_model` reuses a model already in memory (`LoadedModel.load`).
     """
 
@@ -33,16 +35,26 @@ class LLM:
                  device: str = "auto", gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  enable_prefix_caching: bool = False, swap_space: float = 4, preemption_mode: str = "recompute",
-                 max_model_len: int | None = None, seed: int = 0, loaded_model: LoadedModel | None = None,
-                 **kwargs: Any) -> None:
+                 max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
+                 loaded_model: LoadedModel | None = None, **kwargs: Any) -> None:
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                           swap_space=swap_space, preemption_mode=preemption_mode, max_model_len=max_model_len,
-                          seed=seed, **kwargs)
+                          seed=seed, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.llm_engine = LLMEngine(args, loaded_model)
         self._ids = 0
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (also done at interpreter exit)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -25,8 +25,9 @@ from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
 from pagedkv.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
+from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import find_stop_string, update_text
-from pagedkv.engine.memory_pool import check_fits, cpu_kv_budget, cuda_kv_budget, kv_cache_spec
+from pagedkv.engine.memory_pool import plan_kv_cache
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.model.loader import load_model, load_tokenizer, resolve_model
 from pagedkv.model.sampler import SamplerOutput
@@ -59,11 +60,18 @@ class EngineArgs:
     hash_algo: str = "sha256"
     long_prefill_token_threshold: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no output text (checkpoints without a tokenizer)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (one per GPU; processes on the CPU)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
                            enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo)
+
+    def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=_max_model_len(model_config, self.max_model_len), preemption_mode=self.preemption_mode,
+            long_prefill_token_threshold=self.long_prefill_token_threshold)
 
 
 @dataclass(slots=True)
@@ -109,6 +117,21 @@ def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
     return length
 
 
+def _start_tensor_parallel(args: EngineArgs, loaded: LoadedModel | None) -> TPRuntime | None:
+    """Checks the size against the model, then starts (or joins) the ranks; None on one device."""
+    tp = args.tensor_parallel_size
+    if tp == 1:
+        return None
+    if loaded is not None:
+        raise ValueError("loaded_model cannot serve a tensor-parallel engine: each rank loads its own shard")
+    source = resolve_model(args.model)
+    if source.gguf_file:
+        raise ValueError("tensor parallelism loads safetensors checkpoints shard by shard; a GGUF file would be "
+                         "dequantized whole on every rank: save it as safetensors first")
+    ModelConfig.from_pretrained(source.path).check_tensor_parallel_size(tp)
+    return TPRuntime.start(args)
+
+
 def _eos_token_ids(source_path, cfg: ModelConfig, tokenizer) -> set[int]:
     ids = set(cfg.eos_token_id)
     gen = source_path / "generation_config.json"
@@ -132,15 +155,16 @@ class LoadedModel:
     eos_token_ids: set[int]
 
     @classmethod
-    def load(cls, args: EngineArgs) -> LoadedModel:
-        device = resolve_device(args.device)
+    def load(cls, args: EngineArgs, device: torch.device | None = None, with_tokenizer: bool = True) -> LoadedModel:
+        """device: this rank's device under tensor parallelism (default: args.device resolved)."""
+        device = device or resolve_device(args.device)
         source = resolve_model(args.model)
         start = time.perf_counter()
         checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
         dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
         torch.manual_seed(args.seed)
         model = load_model(source, dtype, device)
-        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
+        tokenizer = None if args.skip_tokenizer_init or not with_tokenizer else load_tokenizer(source, args.tokenizer)
         name = str(args.model) if args.model else source.name
         logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)
         return cls(model, tokenizer, name, dtype, device, _eos_token_ids(source.path, model.config, tokenizer))
@@ -150,16 +174,25 @@ class LLMEngine:
     """The paged-KV inference engine: a model, its KV-cache pool, a block manager, a scheduler."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        """loaded: a model already in memory (not with tensor parallelism, where each rank loads its shard)."""
         self.args = args
-        loaded = loaded or LoadedModel.load(args)
+        self.tp = _start_tensor_parallel(args, loaded)
+        try:
+            self._build(args, loaded)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.abort()
+            raise
+
+    def _build(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
+        loaded = loaded or LoadedModel.load(args, self.tp.device if self.tp else None)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.dtype, self.device, self.eos_token_ids = loaded.dtype, loaded.device, loaded.eos_token_ids
         self.model_config = self.model.config
         self.cache_config = args.cache_config()
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=_max_model_len(self.model_config, args.max_model_len),
-            preemption_mode=args.preemption_mode, long_prefill_token_threshold=args.long_prefill_token_threshold)
+        self.scheduler_config = args.scheduler_config(self.model_config)
+        if self.tp is not None:
+            self.tp.barrier()  # every rank has its shard
         self._init_cache()
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -171,42 +204,26 @@ class LLMEngine:
     # --- set-up -----------------------------------------------------------------
     def _init_cache(self) -> None:
         cc, sc = self.cache_config, self.scheduler_config
-        spec = kv_cache_spec(self.model_config, self.dtype, cc.block_size)
-        self.kv_spec = spec
-        if self.device.type == "cuda" and cc.kv_cache_memory is None:
-            peak = self._profile_activation_peak()
-            budget, setting = cuda_kv_budget(cc.gpu_memory_utilization, peak, self.device), "gpu_memory_utilization"
-        else:
-            budget, setting = cpu_kv_budget(cc.kv_cache_memory), "kv_cache_memory"
-        num_blocks = spec.num_blocks(budget)
-        watermark = int(cc.watermark * num_blocks)
-        check_fits(spec, num_blocks, watermark, sc.max_model_len, setting)
-        num_cpu_blocks = spec.num_blocks(int(cc.swap_space * GiB)) if sc.preemption_mode == "swap" else 0
-        self.block_manager = BlockManager(cc.block_size, num_blocks, num_cpu_blocks, cc.watermark,
+        plan = plan_kv_cache(self.model, cc, sc, self.dtype, self.device, self.args.seed, self.tp)
+        self.kv_spec = spec = plan.spec
+        self.block_manager = BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark,
                                           cc.enable_prefix_caching, cc.hash_algo)
-        self.runner = ModelRunner(self.model, self.block_manager, cc, sc, num_blocks, num_cpu_blocks, self.dtype,
-                                  self.device, self.args.seed)
+        self.runner = ModelRunner(self.model, self.block_manager, cc, sc, plan.num_blocks, plan.num_cpu_blocks,
+                                  self.dtype, self.device, self.args.seed, self.tp.channel if self.tp else None)
         self.runner.eos_token_ids = self.eos_token_ids
         self.scheduler = Scheduler(sc, cc, self.block_manager)
-        tokens = num_blocks * cc.block_size
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); max concurrency at "
-                    "max_model_len=%d: %.1fx; swap: %d CPU blocks; prefix caching %s", num_blocks, cc.block_size,
-                    tokens, spec.bytes_per_token, num_blocks * spec.bytes_per_block / GiB, sc.max_model_len,
-                    tokens / sc.max_model_len, num_cpu_blocks, "on" if cc.enable_prefix_caching else "off")
+        tokens = plan.num_blocks * cc.block_size
+        per_device = f" per device (x{self.tp.world_size} ranks)" if self.tp else ""
+        logger.info("KV cache%s: %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); max concurrency at "
+                    "max_model_len=%d: %.1fx; swap: %d CPU blocks; prefix caching %s", per_device, plan.num_blocks,
+                    cc.block_size, tokens, spec.bytes_per_token, plan.num_blocks * spec.bytes_per_block / GiB,
+                    sc.max_model_len, tokens / sc.max_model_len, plan.num_cpu_blocks,
+                    "on" if cc.enable_prefix_caching else "off")
 
-    def _profile_activation_peak(self) -> int:
-        """CUDA bytes a forward of max_num_batched_tokens tokens needs beyond the weights (one scratch block)."""
-        cc, sc = self.cache_config, self.scheduler_config
-        scratch = BlockManager(cc.block_size, 1)
-        probe = ModelRunner(self.model, scratch, cc, sc, 1, 0, self.dtype, self.device, self.args.seed)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        probe.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del probe
-        torch.cuda.empty_cache()
-        return peak
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (a no-op on one device). The engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # --- requests -----------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -286,11 +303,19 @@ class LLMEngine:
     # --- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the outputs of the requests that produced tokens (per their output kind)."""
+        if self.tp is not None:
+            self.tp.check_workers()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         t0 = time.perf_counter()
-        rows, sampled = self.runner.execute(out)
+        try:
+            rows, sampled = self.runner.execute(out)
+        except Exception as e:
+            died = self.tp.diagnose(e) if self.tp is not None else None
+            if died is not None:
+                raise died from e
+            raise
         self.counters.step_times.append(time.perf_counter() - t0)
         return self._postprocess(out, rows, sampled)
 

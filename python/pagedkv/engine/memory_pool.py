@@ -16,10 +16,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.config import GiB, ModelConfig
+from pagedkv.config import CacheConfig, GiB, ModelConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from pagedkv.distributed.runtime import TPRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +66,12 @@ def available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cpu_kv_budget(kv_cache_memory: int | None) -> int:
-    """Bytes for the KV cache on the CPU: the request, else 4 GiB, capped at half the available RAM."""
+def cpu_kv_budget(kv_cache_memory: int | None, ranks_on_host: int = 1) -> int:
+    """Bytes for one rank's KV cache on the CPU: the request, else 4 GiB, capped at half the available RAM
+    (shared by the tensor-parallel ranks on this host)."""
     if kv_cache_memory is not None:
         return kv_cache_memory
-    return min(DEFAULT_CPU_KV_CACHE_MEMORY, available_ram() // 2)
+    return min(DEFAULT_CPU_KV_CACHE_MEMORY, available_ram() // 2 // ranks_on_host)
 
 
 def cuda_kv_budget(gpu_memory_utilization: float, activation_peak: int, device: torch.device) -> int:
@@ -89,3 +94,37 @@ def check_fits(spec: KVCacheSpec, num_blocks: int, watermark_blocks: int, max_mo
             f"the KV cache holds {max(usable, 0)} tokens ({num_blocks} blocks of {spec.block_size}, "
             f"{spec.bytes_per_token} bytes a token), fewer than max_model_len={max_model_len}: raise {setting} "
             f"or lower max_model_len")
+
+
+@dataclass(slots=True, frozen=True)
+class KVCachePlan:
+    """How many blocks this engine's pool gets (per device), and its CPU swap pool."""
+
+    spec: KVCacheSpec
+    num_blocks: int
+    num_cpu_blocks: int
+
+
+def plan_kv_cache(model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, dtype: torch.dtype,
+                  device: torch.device, seed: int, tp: TPRuntime | None = None) -> KVCachePlan:
+    """Sizes the pool from the budget; every tensor-parallel rank runs this together and takes the smallest count.
+
+    The ranks hold the same share of KV heads, so one block count fits all; on
+    CUDA each measures its own free memory and activation peak.
+    """
+    cc, sc = cache_config, scheduler_config
+    spec = kv_cache_spec(model.config, dtype, cc.block_size, tp.world_size if tp else 1)
+    if device.type == "cuda" and cc.kv_cache_memory is None:
+        from pagedkv.engine.model_runner import profile_activation_peak
+
+        peak = profile_activation_peak(model, cc, sc, dtype, device, seed)
+        budget, setting = cuda_kv_budget(cc.gpu_memory_utilization, peak, device), "gpu_memory_utilization"
+    else:
+        budget = cpu_kv_budget(cc.kv_cache_memory, tp.local_world_size if tp else 1)
+        setting = "kv_cache_memory"
+    num_blocks = spec.num_blocks(budget)
+    if tp is not None:
+        num_blocks = tp.min_over_ranks(num_blocks)
+    check_fits(spec, num_blocks, int(cc.watermark * num_blocks), sc.max_model_len, setting)
+    num_cpu_blocks = spec.num_blocks(int(cc.swap_space * GiB)) if sc.preemption_mode == "swap" else 0
+    return KVCachePlan(spec, num_blocks, num_cpu_blocks)

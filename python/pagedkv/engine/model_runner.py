@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,22 +21,25 @@ from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.scheduler import SchedulerOutput
 from pagedkv.core.sequence import Sequence
+from pagedkv.engine.step_batch import BlockOps, StepBatch
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.sampler import Sampler, SamplerOutput, SamplingBatch
+
+if TYPE_CHECKING:
+    from pagedkv.distributed.step_channel import StepChannel
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class StepInputs:
-    """A step's flat batch, ready for the model."""
+    """A step's flat batch on the model's device."""
 
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampled]: rows of the batch whose next token is sampled
-    sampled_seqs: list[Sequence]  # one per logits row
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -55,10 +59,14 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
 class ModelRunner:
     """Owns the model, its paged KV cache (and CPU swap cache), and the per-step input buffers."""
 
-    def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, cache_config: CacheConfig,
+    def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager | None, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0) -> None:
-        self.model, self.bm, self.dtype, self.device = model, block_manager, dtype, device
+                 device: torch.device, seed: int = 0, channel: StepChannel | None = None) -> None:
+        """block_manager: the driver's (None on a tensor-parallel worker, which gets its batches built).
+
+        channel: where a tensor-parallel driver sends each step to its workers.
+        """
+        self.model, self.bm, self.dtype, self.device, self.channel = model, block_manager, dtype, device, channel
         cfg = model.config
         self.block_size = cache_config.block_size
         self.kv_caches = allocate_kv_cache(cfg, model.num_kv_heads, num_gpu_blocks, self.block_size, dtype, device)
@@ -75,9 +83,9 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
 
     # --- block copies --------------------------------------------------------
-    def apply_block_ops(self, out: SchedulerOutput) -> None:
+    def apply_block_ops(self, block_ops: BlockOps) -> None:
         """Swap out, swap in, then copy-on-write: the order the scheduler decided them in."""
-        for pairs, gpu_to_cpu in ((out.blocks_to_swap_out, True), (out.blocks_to_swap_in, False)):
+        for pairs, gpu_to_cpu in ((block_ops.swap_out, True), (block_ops.swap_in, False)):
             if not pairs:
                 continue
             mapping = torch.tensor(pairs, dtype=torch.int64)
@@ -85,12 +93,13 @@ class ModelRunner:
                 src_k, dst_k, src_v, dst_v = (gk, ck, gv, cv) if gpu_to_cpu else (ck, gk, cv, gv)
                 ops.swap_blocks(src_k, dst_k, mapping)
                 ops.swap_blocks(src_v, dst_v, mapping)
-        if out.blocks_to_copy:
-            mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
+        if block_ops.copy:
+            mapping = torch.tensor(block_ops.copy, dtype=torch.int64, device=self.device)
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     # --- inputs --------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+    def build_batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[Sequence]]:
+        """The step's flat batch on the host, and the sequences of its sampled rows (driver only)."""
         decodes, prefills, lens = out.decode_seqs, out.prefill_seqs, out.prefill_lens
         nd, npf = len(decodes), len(prefills)
         ids: list[int] = [s.token_ids[-1] for s in decodes]
@@ -116,30 +125,36 @@ class ModelRunner:
             seq_ids = np.concatenate([seq_ids, np.fromiter((s.seq_id for s in prefills), np.int64, npf)])
         query_lens = np.concatenate([np.ones(nd, np.int64), np.asarray(lens, np.int64)]) if npf else None
         num_tokens = self.bm.fill_metadata(seq_ids, block_tables, self._slot_mapping, self._seq_lens, query_lens)
+        qsl = np.zeros(npf + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        batch = StepBatch(
+            input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
+            slot_mapping=self._slot_mapping[:num_tokens], block_tables=block_tables,
+            seq_lens=self._seq_lens[:num_seqs], query_start_loc=qsl,
+            logits_indices=np.asarray(logits_rows, dtype=np.int64), num_decode_tokens=nd,
+            decode_max_seq_len=max(seq_lens_py[:nd], default=0), prefill_max_query_len=max(lens, default=0),
+            prefill_max_seq_len=max(seq_lens_py[nd:], default=0))
+        return batch, sampled_seqs
+
+    def device_inputs(self, batch: StepBatch) -> StepInputs:
+        """The batch's arrays on the model's device (zero-copy on the CPU, one copy each on CUDA)."""
         dev = self.device
         to_dev = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (
             lambda a: torch.from_numpy(a).to(dev, non_blocking=True))
-        bt, sl = to_dev(block_tables), to_dev(self._seq_lens[:num_seqs])
-        qsl = np.zeros(npf + 1, dtype=np.int32)
-        np.cumsum(lens, out=qsl[1:])
+        nd = batch.num_decode_tokens
+        bt, sl = to_dev(batch.block_tables), to_dev(batch.seq_lens)
         meta = AttentionMetadata(
             num_decode_tokens=nd,
-            slot_mapping=to_dev(self._slot_mapping[:num_tokens]),
+            slot_mapping=to_dev(batch.slot_mapping),
             decode_block_tables=bt[:nd], decode_seq_lens=sl[:nd],
-            decode_max_seq_len=max(seq_lens_py[:nd], default=0),
-            num_prefills=npf,
+            decode_max_seq_len=batch.decode_max_seq_len,
+            num_prefills=batch.num_prefills,
             prefill_block_tables=bt[nd:], prefill_seq_lens=sl[nd:],
-            prefill_query_start_loc=to_dev(qsl),
-            prefill_max_query_len=max(lens, default=0),
-            prefill_max_seq_len=max(seq_lens_py[nd:], default=0),
+            prefill_query_start_loc=to_dev(batch.query_start_loc),
+            prefill_max_query_len=batch.prefill_max_query_len,
+            prefill_max_seq_len=batch.prefill_max_seq_len,
         )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-            sampled_seqs=sampled_seqs,
-        )
+        return StepInputs(to_dev(batch.input_ids), to_dev(batch.positions), meta, to_dev(batch.logits_indices))
 
     def sampling_batch(self, rows: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in rows]
@@ -172,13 +187,21 @@ class ModelRunner:
 
     # --- one step --------------------------------------------------------------
     @torch.inference_mode()
+    def run_batch(self, block_ops: BlockOps, batch: StepBatch) -> torch.Tensor | None:
+        """Block copies, forward, logits of the sampled rows: float32 [L, vocab] (None on tensor-parallel workers)."""
+        self.apply_block_ops(block_ops)
+        inputs = self.device_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
         """Runs the step; returns the sequences whose next token was sampled, and those tokens (same order)."""
-        self.apply_block_ops(out)
-        inputs = self.prepare_inputs(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        rows = inputs.sampled_seqs
+        block_ops = BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        batch, rows = self.build_batch(out)
+        if self.channel is not None:  # the workers start on the step while the driver does too
+            self.channel.send_step(block_ops, batch)
+        logits = self.run_batch(block_ops, batch)
         if any(s.is_fork_point for s in rows):
             rows, repeats = self._expand_forks(rows)
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
@@ -225,3 +248,21 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv_caches, meta)
         rows = torch.arange(min(num_sampled, num_tokens), device=dev)
         self.model.compute_logits(hidden.index_select(0, rows))
+
+
+def profile_activation_peak(model: LlamaForCausalLM, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                            dtype: torch.dtype, device: torch.device, seed: int) -> int:
+    """CUDA bytes a forward of max_num_batched_tokens tokens needs beyond the weights (on one scratch block).
+
+    Under tensor parallelism every rank runs it at the same time (the forward's collectives pair up).
+    """
+    cc, sc = cache_config, scheduler_config
+    probe = ModelRunner(model, BlockManager(cc.block_size, 1), cc, sc, 1, 0, dtype, device, seed)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    probe.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del probe
+    torch.cuda.empty_cache()
+    return peak

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.model.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from pagedkv.model.parallel_state import all_reduce, gather_last_dim_to_driver, get_tp_rank, get_tp_size
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -213,14 +213,16 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """As an LM head (tied embeddings): hidden [n, hidden_size] -> float32 logits [n, vocab_size].
 
-        Each rank computes its slice of the vocabulary; the slices are gathered.
+        Each rank computes its slice of the vocabulary; the slices are gathered
+        on rank 0, the only one that samples (the others get None).
         """
         packed = getattr(self, "packed_head", None)
         local = packed_linear(hidden, packed, None) if packed is not None else F.linear(hidden, self.weight)
-        return all_gather_last_dim(local)[:, :self.vocab_size].float()
+        full = gather_last_dim_to_driver(local)
+        return None if full is None else full[:, :self.vocab_size].float()
 
     def pack_for_cpu(self) -> None:
         """Packs a copy for the LM-head GEMM; the plain weight stays for embedding lookups."""

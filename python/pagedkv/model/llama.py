@@ -115,8 +115,11 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, self.rotary_emb, cos_sin, kv_cache, meta)
         return residual.add_(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Rows of `forward`'s output to sample from [n, hidden_size] -> float32 logits [n, vocab_size]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Rows of `forward`'s output to sample from [n, hidden_size] -> float32 logits [n, vocab_size].
+
+        Under tensor parallelism every rank calls it; only rank 0 gets the logits (None elsewhere).
+        """
         return self.lm_head.logits(self.norm(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -185,6 +185,7 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
             yield
         finally:
             async_engine.shutdown()
+            engine.shutdown()  # stops tensor-parallel workers (nothing to do on one device)
             logger.info("engine stopped")
 
     app = FastAPI(title="pagedkv OpenAI-compatible server", version=pagedkv.__version__, lifespan=lifespan)

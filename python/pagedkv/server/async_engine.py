@@ -11,7 +11,8 @@ talks to it through a deque guarded by a Condition (the thread sleeps on it
 when there is nothing to do) and reads `stats`, a snapshot the thread
 replaces after every step. A failing step fails the requests it held (they
 get an EngineStepError, the server answers 500) and the thread goes on
-serving new ones.
+serving new ones; a tensor-parallel worker that died ends the thread (every
+request then gets an EngineDeadError: 503).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.sequence import OutputKind
+from pagedkv.distributed.runtime import WorkerDiedError
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
@@ -146,7 +148,7 @@ class AsyncEngine:
             self.dead_reason = f"the engine thread died: {e!r}"
             self._fail_all(EngineDeadError(self.dead_reason), "error")
         else:
-            self.dead_reason = "the server is shutting down"
+            self.dead_reason = self.dead_reason or "the server is shutting down"
         with self._cond:  # requests that came in while the thread was stopping: nobody will run them
             late = [c for c in self._inbox if c[0] == "add"]
             self._inbox.clear()
@@ -174,6 +176,9 @@ class AsyncEngine:
         stepped = engine.has_unfinished_requests()
         if stepped:
             self._step(deliveries)
+        if self.dead_reason is not None:
+            self._deliver(deliveries)
+            return False
         if commands or stepped:
             self.stats = engine.get_stats()
         if self.metrics is not None:
@@ -203,6 +208,11 @@ class AsyncEngine:
     def _step(self, deliveries: list) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerDiedError as e:  # the engine cannot run again: everyone, now and later, gets a 503
+            logger.error("%s", e)
+            self.dead_reason = str(e)
+            self._fail_all(EngineDeadError(self.dead_reason), "error", deliveries)
+            return
         except Exception as e:
             logger.error("engine step failed; failing the %d requests in the engine:\n%s", len(self._streams),
                          traceback.format_exc())

@@ -1,0 +1,12 @@
+"""Tensor parallelism on torch.distributed: starting the ranks, the per-step broadcast, the worker loop.
+
+Rank 0 (the driver) owns the scheduler, the block manager and the sampler;
+every rank owns its shard of the model and a paged KV cache of its KV heads.
+Each step the driver broadcasts the batch metadata (`step_channel`), all
+ranks run the same forward (the row-parallel layers all-reduce), and the
+logits are gathered on the driver.
+"""
+
+from pagedkv.distributed.runtime import TPRuntime, WorkerDiedError, torchrun_env
+
+__all__ = ["TPRuntime", "WorkerDiedError", "torchrun_env"]
