@@ -44,6 +44,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,7 +172,8 @@ def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_di
     start = time.perf_counter()
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, enable_prefix_caching=False, seed=args.seed, tensor_parallel_size=tp)
+              block_size=args.block_size, enable_prefix_caching=False, seed=args.seed, tensor_parallel_size=tp,
+              skip_tokenizer_init=True)  # token-id prompts, ignore_eos: no text needed
     with llm:
         result = SystemResult("pagedkv" if tp == 1 else f"pagedkv-tp{tp}", load_s=time.perf_counter() - start)
         if warm.prompts:
@@ -396,7 +398,7 @@ def run_system(name: str, wl: Workload, warm: Workload, args: argparse.Namespace
     """Runs one system; a failure becomes the row's error (the other systems still run)."""
     log(f"== {name}")
     try:
-        if name.startswith("pagedkv-tp"):
+        if name.startswith("pagedkv-tp"):  # the tensor-parallel comparison: name pagedkv-tp<N>
             result = run_pagedkv(wl, warm, args, model_dir, tp=int(name.removeprefix("pagedkv-tp")))
         else:
             result = RUNNERS[name](wl, warm, args, model_dir)
@@ -482,25 +484,61 @@ def agreement_table(results: list[SystemResult]) -> str:
     return "\n".join(lines)
 
 
-COMM_HEADING = ("Tensor parallelism on this CPU (gloo): per engine step, the driver's time in collectives (the "
-                "row-parallel all-reduces, the logits gather and the step broadcast, waiting for the slowest rank "
-                "included):")
+def tensor_parallel_model(model_dir: Path, tp: int) -> tuple[Path, str]:
+    """A checkpoint that shards over `tp` ranks: the default model if it does, else a random one of its size."""
+    from pagedkv.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    if cfg.tensor_parallel_size_fits(tp):
+        return model_dir, f"the default model ({cfg.num_attention_heads}/{cfg.num_key_value_heads} heads)"
+    import transformers
+
+    path = Path(tempfile.mkdtemp(prefix="pagedkv-tp-bench-"))
+    hf = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                  intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                  max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf).save_pretrained(path, safe_serialization=True)
+    return path, (f"a random-initialised Llama of the default model's size with 8 query / 2 KV heads of 64 "
+                  f"(the default model's {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads do not split "
+                  f"in {tp})")
+
+
+def tensor_parallel_comparison(wl: Workload, warm: Workload, args: argparse.Namespace,
+                               model_dir: Path) -> tuple[list[dict], str]:
+    """pagedkv at size 1 and size N on the same workload and model: step times and the driver's collectives."""
+    tp = args.tensor_parallel_size
+    path, what = tensor_parallel_model(model_dir, tp)
+    try:
+        results = [run_system(f"pagedkv-tp{n}", wl, warm, args, path) for n in (1, tp)]
+    finally:
+        if path != model_dir:
+            shutil.rmtree(path, ignore_errors=True)
+    results[0].name = "pagedkv-tp1"
+    rows = summarize(results, wl)
+    same = agreement(results[0].token_ids, results[1].token_ids)[0] if all(r.ok for r in results) else None
+    text = "\n".join([
+        f"Tensor parallelism on this CPU (gloo), the same workload on {what}: per engine step, the driver's time "
+        "in collectives (the row-parallel all-reduces, the logits gather and the step broadcast; waiting for the "
+        "slowest rank included). Greedy outputs identical between the sizes: "
+        + ("—" if same is None else f"{same}/{len(wl.prompts)}") + ".", "", comm_table(rows)])
+    return rows, text
 
 
 def comm_table(rows: list[dict]) -> str:
     """Step time at size 1 vs the sharded run(s), and what the sharded driver spent communicating."""
     runs = [r for r in rows if r.get("steps") and not r["error"]]
-    if not any(r["steps"]["tensor_parallel_size"] > 1 for r in runs):
-        return ""
     lines = ["| system | ranks | threads / rank | steps | median step ms | mean step ms | collectives / step "
-             "| KiB / step | comm ms / step | comm share |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| KiB / step | comm ms / step | comm share | output tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         st = r["steps"]
         share = st["comm_ms_per_step"] / st["mean_step_ms"] if st["mean_step_ms"] else 0.0
         lines.append(f"| {r['system']} | {st['tensor_parallel_size']} | {st['threads_per_rank']} | {st['steps']} "
                      f"| {st['median_step_ms']:.1f} "
                      f"| {st['mean_step_ms']:.1f} | {st['collectives_per_step']:.0f} | {st['comm_kib_per_step']:.0f} "
-                     f"| {st['comm_ms_per_step']:.1f} | {100 * share:.0f}% |")
+                     f"| {st['comm_ms_per_step']:.1f} | {100 * share:.0f}% | {r['output_tok_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -581,8 +619,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="libraries to preload for vLLM (colon-separated), e.g. V/lib/libiomp5.so as its CPU docs "
                         "advise; default none")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="also run pagedkv sharded over N ranks (system pagedkv-tpN, on the same workload) and "
-                        "report the per-step communication cost beside size 1")
+                   help="then run pagedkv at size 1 and sharded over N ranks on the same workload, and report the "
+                        "per-step communication cost (on the default model if N divides it, else on a random "
+                        "SmolLM2-135M-shaped Llama with 8/2 heads)")
     p.add_argument("--threads", type=int, help="torch threads for pagedkv and HF (default: torch's own choice); "
                    "vLLM's come from --vllm-omp-bind")
     p.add_argument("--timeout-s", type=float, default=3600, help="give up on HF CB after this long")
@@ -593,10 +632,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json file; run nothing")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(args.systems) - set(SYSTEMS) - {f"pagedkv-tp{args.tensor_parallel_size}"}
-    if args.tensor_parallel_size > 1 and f"pagedkv-tp{args.tensor_parallel_size}" not in args.systems:
-        args.systems.insert(args.systems.index("pagedkv") + 1 if "pagedkv" in args.systems else 0,
-                            f"pagedkv-tp{args.tensor_parallel_size}")
+    unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
     return args
@@ -619,18 +655,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(results, wl)
     info = machine_info()
     table, pairs = markdown_table(rows, wl), agreement_table(results)
-    comm = comm_table(rows)
     print(table)
     if pairs:
         print("\n" + pairs)
-    if comm:
-        print("\n" + comm)
-        pairs = (pairs + "\n\n" if pairs else "") + COMM_HEADING + "\n\n" + comm
+    tp_rows, tp_text = [], ""
+    if args.tensor_parallel_size > 1:
+        tp_rows, tp_text = tensor_parallel_comparison(wl, warm, args, model_dir)
+        print("\n" + tp_text)
+        pairs = (pairs + "\n\n" if pairs else "") + tp_text
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
             {"machine": info, "workload": workload_line(wl, args), "command": sys.argv, "rows": rows,
-             "results": [asdict(r) for r in results]}, indent=1))
+             "results": [asdict(r) for r in results], "tensor_parallel": tp_rows}, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report_markdown(table, pairs, info, wl, args))
