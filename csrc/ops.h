@@ -47,8 +47,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& seq_lens, double scale, std::optional<int64_t> max_seq_len,
                            const std::optional<at::Tensor>& alibi_slopes);
 
-// True when the split-K v2 kernel should be used for this shape on this device.
-bool should_use_v2(bool is_cuda, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+// True when the split-K v2 kernel should be used for this shape on this device;
+// num_sms: the CUDA device's multiprocessor count (unused on the CPU).
+bool should_use_v2(bool is_cuda, int64_t num_sms, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                    int64_t max_seq_len, int64_t partition_size);
 
 // ---- CUDA implementations (csrc/cuda/, built when PAGEDKV_WITH_CUDA) -------
@@ -78,6 +79,9 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
 // Handles GPU->GPU, GPU->CPU and CPU->GPU (the dispatcher routes here whenever
 // either side is a CUDA tensor).
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+
+// Multiprocessor count of a CUDA device, read once per device and cached (no sync).
+int64_t cuda_multiprocessor_count(int device);
 #endif
 
 }  // namespace pagedkv

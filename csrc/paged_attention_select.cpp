@@ -12,21 +12,30 @@ namespace pagedkv {
 // The rule, measured by bench/bench_kernels.py --v1-vs-v2 (bench/results/): v2
 // pays when there is too little (sequence, kv head) work to fill the machine
 // and each sequence is long enough to split.
-//  - CUDA: v1 launches a CTA per (sequence, kv head); an H200 has 132 SMs, so
-//    below ~4 CTAs per SM v2's extra parallelism wins once a sequence spans
-//    more than one partition (the same shape of rule vLLM uses).
+//  - CUDA: v1 launches a CTA per (sequence, kv head); below ~4 CTAs per SM
+//    (num_sms: the current device's multiprocessor count, 132 on an H200) v2's
+//    extra parallelism wins once a sequence spans more than one partition (the
+//    same shape of rule vLLM uses).
 //  - CPU (2-core AVX2 box, partition 512): v1 hands out (sequence, kv head)
 //    work items to threads. With fewer items than 2 per thread, v2 wins from
 //    3 partitions on (at 2 partitions the extra reduce costs more than it
 //    gains); with up to 8 items per thread it still wins 9-18% once a
 //    sequence spans 8+ partitions; with more items v1 is 2-7% faster.
-bool should_use_v2(bool is_cuda, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_seq_len,
-                   int64_t partition_size) {
+// The SM count of the query's CUDA device (0 for a CPU tensor), cached per device.
+static int64_t multiprocessor_count(const at::Tensor& query) {
+#ifdef PAGEDKV_WITH_CUDA
+  if (query.is_cuda()) return cuda_multiprocessor_count(query.get_device());
+#endif
+  return 0;
+}
+
+bool should_use_v2(bool is_cuda, int64_t num_sms, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t max_seq_len, int64_t partition_size) {
   const int64_t num_partitions = (max_seq_len + partition_size - 1) / partition_size;
   if (num_partitions <= 1) return false;
   const int64_t work_items = num_seqs * num_kv_heads;
   if (is_cuda) {
-    return max_seq_len > 8192 || work_items < 4 * 132;
+    return max_seq_len > 8192 || work_items < 4 * num_sms;
   }
   const int64_t threads = at::get_num_threads();
   return (work_items < 2 * threads && num_partitions >= 3) || (work_items <= 8 * threads && num_partitions >= 8);
@@ -39,13 +48,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(key_cache.defined() && key_cache.dim() == 4,
               "paged_attention: key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size]");
   TORCH_CHECK(seq_lens.defined() && seq_lens.dim() == 1, "paged_attention: seq_lens must be 1-D [num_seqs]");
+  // Without max_seq_len this reads seq_lens: a device->host copy and a sync on CUDA (documented;
+  // pass max_seq_len to keep the call sync-free and capturable in a CUDA graph).
   const int64_t max_len = max_seq_len.has_value() ? *max_seq_len
                           : seq_lens.numel() == 0 ? 0
                                                   : seq_lens.max().item<int64_t>();
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t partition_size = kDefaultPartitionSize;
-  if (!should_use_v2(query.is_cuda(), num_seqs, num_heads, key_cache.size(2), max_len, partition_size)) {
+  if (!should_use_v2(query.is_cuda(), multiprocessor_count(query), num_seqs, num_heads, key_cache.size(2), max_len,
+                     partition_size)) {
     static auto v1 = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("pagedkv::paged_attention_v1", "")
                          .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "common/validation.h"
 #include "cpu/cpu_capability.h"
 #include "ops.h"
 
@@ -28,6 +29,10 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // Which CPU kernel variant runs here: "default", "avx2" or "avx512" (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
+  // The runtime toggle of the index-value checks (common/validation.h); wrapped by
+  // pagedkv.ops.set_index_checks / index_checks. No tensors, no dispatch.
+  m.def("set_index_checks(bool enabled) -> bool", [](bool enabled) { return pagedkv::set_index_checks(enabled); });
+  m.def("index_checks_enabled() -> bool", [] { return pagedkv::index_checks_enabled(); });
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {

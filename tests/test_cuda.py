@@ -178,7 +178,7 @@ def test_v1_all_shapes_match_reference(dtype, head_size, block_size):
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads",
-    [(4, 4), (6, 2), (8, 2), (16, 2), (12, 1), (24, 2), (64, 1)],
+    [(4, 4), (6, 2), (8, 2), (16, 2), (12, 1), (24, 2), (64, 1), (5, 1), (7, 1), (10, 2), (14, 2)],
 )
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_gqa_ratios(num_heads, num_kv_heads, version):
@@ -198,7 +198,7 @@ def test_gqa_ratios(num_heads, num_kv_heads, version):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("partition_size", [256, 512, 1024])
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
 def test_v2_multi_partition_matches_reference_and_v1(dtype, partition_size, head_size):
     # Lengths on both sides of partition boundaries, one empty sequence, one much shorter
     # than the longest (its trailing partitions must be skipped and ignored).
@@ -612,3 +612,247 @@ def test_bad_block_id_is_masked_when_host_checks_are_skipped():
     assert result.returncode == 0 and "masked ok" in result.stdout, result.stderr[
         -2000:
     ]
+
+
+# ---- sync-free ops, CUDA graphs, streams, large caches ----------------------------
+
+
+@pytest.fixture
+def checks_off():
+    """The index-value checks off for one test (they sync; the engine validates on the host)."""
+    previous = ops.set_index_checks(False)
+    yield
+    ops.set_index_checks(previous)
+
+
+class DecodeStep:
+    """Static buffers of one engine step: decode tokens (reshape_and_cache, v1, v2) and a
+    prefill batch, all with explicit max lengths, so the step can be captured in a graph."""
+
+    def __init__(self, dtype=torch.float16, num_heads=8, num_kv_heads=2, head_size=128, block_size=16):
+        self.dtype, self.block_size, self.head_size = dtype, block_size, head_size
+        self.num_decodes, self.max_blocks = 5, 40  # up to 640 tokens: 3 partitions of 256
+        self.max_seq_len = self.max_blocks * block_size
+        self.partition_size = 256
+        self.prefill_q_lens, self.max_query_len = [7, 30], 32
+        self.num_blocks = (self.num_decodes + len(self.prefill_q_lens)) * self.max_blocks + 8
+        self.scale = head_size**-0.5
+        shape = (self.num_blocks, block_size, num_kv_heads, head_size)
+        self.key_cache = torch.randn(shape, device=DEVICE).to(dtype)
+        self.value_cache = torch.randn(shape, device=DEVICE).to(dtype)
+        n, t = self.num_decodes, sum(self.prefill_q_lens)
+        self.query = torch.empty(n, num_heads, head_size, dtype=dtype, device=DEVICE)
+        self.new_key = torch.empty(n, num_kv_heads, head_size, dtype=dtype, device=DEVICE)
+        self.new_value = torch.empty_like(self.new_key)
+        self.slot_mapping = torch.empty(n, dtype=torch.int64, device=DEVICE)
+        self.block_tables = torch.empty(n, self.max_blocks, dtype=torch.int32, device=DEVICE)
+        self.seq_lens = torch.empty(n, dtype=torch.int32, device=DEVICE)
+        self.out_v1, self.out_v2 = torch.empty_like(self.query), torch.empty_like(self.query)
+        parts = self.max_seq_len // self.partition_size + 1
+        self.exp_sums = torch.empty(n, num_heads, parts, device=DEVICE)
+        self.max_logits = torch.empty_like(self.exp_sums)
+        self.tmp_out = torch.empty(n, num_heads, parts, head_size, dtype=dtype, device=DEVICE)
+        p = len(self.prefill_q_lens)
+        self.prefill_query = torch.empty(t, num_heads, head_size, dtype=dtype, device=DEVICE)
+        self.prefill_out = torch.empty_like(self.prefill_query)
+        self.prefill_tables = torch.empty(p, self.max_blocks, dtype=torch.int32, device=DEVICE)
+        self.prefill_lens = torch.empty(p, dtype=torch.int32, device=DEVICE)
+        qsl = [0, *torch.tensor(self.prefill_q_lens).cumsum(0).tolist()]
+        self.query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
+
+    def run(self):
+        ops.reshape_and_cache(self.new_key, self.new_value, self.key_cache, self.value_cache, self.slot_mapping)
+        common = (self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.scale, self.max_seq_len)
+        ops.paged_attention_v1(self.out_v1, self.query, *common)
+        ops.paged_attention_v2(self.out_v2, self.exp_sums, self.max_logits, self.tmp_out, self.query, *common, None,
+                               self.partition_size)
+        ops.paged_prefill_attention(self.prefill_out, self.prefill_query, self.key_cache, self.value_cache,
+                                    self.prefill_tables, self.query_start_loc, self.prefill_lens, self.scale,
+                                    self.max_query_len, self.max_seq_len)
+
+    def new_inputs(self, seed):
+        """Writes fresh values into the static buffers (shapes fixed, contents new)."""
+        gen = _seeded(seed)
+        perm = torch.randperm(self.num_blocks, generator=gen)[: (self.num_decodes + 2) * self.max_blocks]
+        tables = perm.view(-1, self.max_blocks).int()
+        lens = torch.randint(1, self.max_seq_len + 1, (self.num_decodes,), generator=gen, dtype=torch.int32)
+        lens[0] = self.max_seq_len  # one sequence at the bound
+        last = (lens - 1).long()
+        slots = tables[: self.num_decodes].long().gather(1, (last // self.block_size)[:, None])[:, 0]
+        slots = slots * self.block_size + last % self.block_size
+        for buf, value in (
+            (self.block_tables, tables[: self.num_decodes]),
+            (self.prefill_tables, tables[self.num_decodes :]),
+            (self.seq_lens, lens),
+            (self.slot_mapping, slots),
+            (self.prefill_lens, torch.tensor([q + 50 * i for i, q in enumerate(self.prefill_q_lens)],
+                                             dtype=torch.int32)),
+        ):
+            buf.copy_(value)
+        for buf in (self.query, self.new_key, self.new_value, self.prefill_query):
+            buf.copy_(torch.randn(buf.shape, generator=gen).to(self.dtype))
+
+    def check(self):
+        kc, vc = self.key_cache, self.value_cache
+        flat_k = kc.view(-1, *kc.shape[2:])
+        assert torch.equal(flat_k[self.slot_mapping], self.new_key), "reshape_and_cache wrote the wrong slots"
+        expected = reference.paged_attention(self.query, kc, vc, self.block_tables, self.seq_lens, self.scale)
+        assert_close(self.out_v1, expected, self.dtype)
+        assert_close(self.out_v2, expected, self.dtype)
+        expected = reference.paged_prefill_attention(self.prefill_query, kc, vc, self.prefill_tables,
+                                                     self.query_start_loc, self.prefill_lens, self.scale)
+        assert_close(self.prefill_out, expected, self.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_step_captured_in_a_cuda_graph(dtype, checks_off):
+    """reshape_and_cache + v1 + v2 + prefill, captured once, replayed on new inputs written
+    into the static buffers: every replay matches the reference."""
+    step = DecodeStep(dtype)
+    step.new_inputs(seed=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (one-time attribute setup, allocator)
+        step.run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.run()
+    for seed in (1, 2, 3):
+        step.new_inputs(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        step.check()
+
+
+def test_ops_with_checks_off_never_sync(checks_off):
+    """With explicit max lengths and the checks off, no op makes a synchronizing CUDA call."""
+    step = DecodeStep()
+    step.new_inputs(seed=0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step.run()
+        ops.paged_attention(step.query, step.key_cache, step.value_cache, step.block_tables, step.seq_lens,
+                            step.scale, max_seq_len=step.max_seq_len)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    step.check()
+
+
+def test_checks_on_or_missing_max_seq_len_do_sync():
+    """The documented syncs: the index checks, and paged_attention without max_seq_len."""
+    step = DecodeStep()
+    step.new_inputs(seed=0)
+    torch.cuda.synchronize()
+    for checks, max_seq_len in ((True, step.max_seq_len), (False, None)):
+        with ops.index_checks(checks):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    ops.paged_attention(step.query, step.key_cache, step.value_cache, step.block_tables,
+                                        step.seq_lens, step.scale, max_seq_len=max_seq_len)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+def test_ops_on_a_non_default_stream():
+    """Every op enqueues on the current stream: run on a side stream behind a long busy
+    kernel, read back only after that stream is synchronized."""
+    step = DecodeStep(torch.bfloat16)
+    step.new_inputs(seed=4)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the ops queue behind this on `side`, not on the default stream
+        step.run()
+    side.synchronize()
+    step.check()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_v2_attends_past_max_seq_len_when_checks_are_off(dtype, checks_off):
+    """seq_lens above the max_seq_len the scratch and grid were sized for: the last launched
+    partition takes the tail, so the result is still the full attention (no dropped tokens)."""
+    args = decode_case([700, 1300, 90, 0], 4, 2, 64, 16, dtype, seed=11)
+    query, key_cache, value_cache, block_tables, lens, _ = args
+    n, h, d = query.shape
+    max_seq_len, partition_size = 500, 256
+    parts = 2
+    exp_sums = torch.empty(n, h, parts, device=DEVICE)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty(n, h, parts, d, dtype=dtype, device=DEVICE)
+    out = torch.empty_like(query)
+    scale = d**-0.5
+    ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, lens,
+                           scale, max_seq_len, None, partition_size)
+    assert_close(out, reference.paged_attention(query, key_cache, value_cache, block_tables, lens, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_covers_more_tokens_than_max_query_len(dtype, checks_off):
+    """A q_len above max_query_len (checks off): both prefill kernels stride over query
+    tiles, so every row is still written."""
+    args = prefill_case([200, 3], [10, 40], 8, 2, 128, 16, dtype, seed=12)
+    query, key_cache, value_cache, block_tables, qsl, lens = args
+    out = torch.full_like(query, float("nan"))
+    scale = 128**-0.5
+    ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, qsl, lens, scale, 64,
+                                int(lens.max()))
+    expected = reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, qsl, lens, scale)
+    assert_close(out, expected, dtype)
+
+
+def test_cache_over_2_31_elements():
+    """int64 offsets everywhere: a cache of more than 2^31 elements (4.3 GB per cache in bf16),
+    sequences in its last blocks, a slot past 2^31 elements."""
+    dtype, block_size, num_kv_heads, head_size = torch.bfloat16, 16, 8, 128
+    per_block = block_size * num_kv_heads * head_size
+    num_blocks = (1 << 31) // per_block + 64
+    assert num_blocks * per_block > (1 << 31)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+    value_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+    gen = _seeded(13)
+    # Two sequences: one in the highest blocks, one mixing the first and the last blocks.
+    tables = torch.tensor([[num_blocks - 1 - i for i in range(8)],
+                           [0, num_blocks - 20, 1, num_blocks - 30, 2, 3, 4, 5]], dtype=torch.int32)
+    used = tables.flatten().long().to(DEVICE)
+    key_cache[used] = torch.randn(len(used), *shape[1:], generator=gen).to(dtype).to(DEVICE)
+    value_cache[used] = torch.randn(len(used), *shape[1:], generator=gen).to(dtype).to(DEVICE)
+    tables = tables.to(DEVICE)
+    lens = torch.tensor([128, 100], dtype=torch.int32, device=DEVICE)
+    # Write the last token of sequence 0 (slot in block num_blocks - 8) through reshape_and_cache.
+    new_k = torch.randn(1, num_kv_heads, head_size, generator=gen).to(dtype).to(DEVICE)
+    slot = torch.tensor([(num_blocks - 8) * block_size + 15], device=DEVICE)
+    ops.reshape_and_cache(new_k, new_k, key_cache, value_cache, slot)
+    assert torch.equal(key_cache[num_blocks - 8, 15], new_k[0])
+    query = torch.randn(2, 32, head_size, generator=gen).to(dtype).to(DEVICE)
+    scale = head_size**-0.5
+    expected = reference.paged_attention(query, key_cache, value_cache, tables, lens, scale)
+    assert_close(run_v1(query, key_cache, value_cache, tables, lens, None, scale), expected, dtype)
+    assert_close(run_v2(query, key_cache, value_cache, tables, lens, None, scale, 256), expected, dtype)
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    pq = torch.randn(5, 32, head_size, generator=gen).to(dtype).to(DEVICE)
+    expected = reference.paged_prefill_attention(pq, key_cache, value_cache, tables, qsl, lens, scale)
+    assert_close(run_prefill(pq, key_cache, value_cache, tables, qsl, lens, scale), expected, dtype)
+    del key_cache, value_cache
+    torch.cuda.empty_cache()
+
+
+def test_v1_or_v2_rule_reads_the_sm_count():
+    """paged_attention picks v2 below 4 (sequence, kv head) CTAs per SM of *this* device."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    def chosen(num_seqs):
+        query, key_cache, value_cache, block_tables, lens, _ = decode_case(
+            [2048] * num_seqs, 2, 1, 64, 16, torch.float16, seed=num_seqs
+        )
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ops.paged_attention(query, key_cache, value_cache, block_tables, lens, 0.125, max_seq_len=2048)
+        names = {event.name for event in prof.events()}
+        return "v2" if "pagedkv::paged_attention_v2" in names else "v1"
+
+    assert chosen(4 * sms - 1) == "v2"
+    assert chosen(4 * sms) == "v1"

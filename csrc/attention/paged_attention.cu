@@ -10,20 +10,40 @@
 // num_kv_heads is rounded up to 1, 2, 4 or 8, and G > 8 is split into chunks of
 // <= 8 heads across CTAs). block_size and partition_size are runtime values:
 // they only enter index arithmetic, and templating on them would triple the
-// set for no measurable gain. The prefill kernel (prefill_attention.cu) is
-// templated on dtype x head_size only (18 kernels).
+// set for no measurable gain. The prefill kernels (prefill_attention.cu) are
+// templated on dtype x head_size only (18 kernels: 12 tensor-core fp16/bf16, 6 SIMT fp32).
 //
 // Decode kernel layout. One CTA = (kv head, chunk of <= 8 query heads sharing
 // it, sequence, partition); 4 warps. Every K/V row a CTA reads is used by all
 // its query heads, so with GQA the cache is read once per group (not once per
 // query head). Within a warp, a "lane group" of kGroup lanes (a power of two)
 // covers one token's head_size elements with 16-byte loads; the warp handles
-// 32 / kGroup tokens per pass and kPasses passes per step (all loads of a step
-// are issued before use). Warps take interleaved steps of the partition and run
-// their own online softmax (running max m, sum l, accumulator); at the end the
-// lane groups are summed with xor shuffles and the 4 warps merged through
-// shared memory. Logits never go to shared memory, so v1 handles any context
-// length with the same shared memory footprint (<= 32 KiB).
+// 32 / kGroup tokens per pass and kPasses passes per step (kStep <= 8 tokens, so
+// a step always lies inside one block). Warps take interleaved *blocks* of the
+// partition: a warp reads a block id once per block, and reads the id of its
+// next block one block ahead; K of the next step is loaded before the current
+// step's math (register double-buffering) and V of the current step at its
+// start, so the loads of one step overlap the dot products and softmax of the
+// previous one. No integer division in the loop (block_size is a power of two).
+// Each warp runs its own online softmax (running max m, sum l, accumulator); at
+// the end the lane groups are summed with xor shuffles and the 4 warps merged
+// through shared memory. Logits never go to shared memory, so v1 handles any
+// context length with the same shared memory footprint (<= 33 KiB).
+//
+// v2: partition p covers [p * partition_size, (p + 1) * partition_size); the
+// last launched partition also covers any tail beyond it, so a seq_len above
+// the max_seq_len the grid was sized for (possible with the index checks off)
+// is still attended in full, without a device->host sync.
+//
+// Registers / occupancy on sm_90 (ptxas 13.0, 128 threads per CTA, 0 spill
+// bytes in every instantiation; full table per instantiation in
+// csrc/attention/resource_usage_sm90.md, regenerate with scripts/ptxas_report.py):
+//   heads/CTA 1: 71-96 regs, 5-7 CTAs (20-28 warps) per SM
+//   heads/CTA 2: 95-128 regs, 4-5 CTAs;   heads/CTA 4: 128-168 regs, 3-4 CTAs
+//   heads/CTA 8: fp16/bf16 254-255 regs, fp32 182-243 regs: 2 CTAs (8 warps) per SM.
+// The 8-head variants sit at the register cap: any added live state must be
+// checked with the script (the per-lane query and accumulator slices alone are
+// 2 x heads x dims-per-lane floats: 128 registers at 8 heads, fp16, head_size 128).
 #include <algorithm>
 
 #include "attention/attention_launch.h"
@@ -36,6 +56,7 @@ constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr int kMaxHeadsPerCta = 8;
 constexpr int kReduceChunk = 256;  // partitions whose weights are staged in shared memory at once
+constexpr int kMinBlockSize = 8;   // smallest supported block size (csrc/common/supported.h); all are powers of two
 
 struct DecodeParams {
   PagedKV kv;
@@ -52,7 +73,8 @@ struct DecodeParams {
   // v2 only; partition_size == 0 selects v1 (one partition = the whole context).
   int partition_size;
   int max_partitions;  // partition dim of the scratch tensors
-  int num_partitions;  // partitions launched (grid z)
+  int num_partitions;  // partitions launched (grid z); the last one runs to seq_len
+  int log2_block_size;
   float* exp_sums;
   float* max_logits;
   void* tmp_out;
@@ -67,13 +89,117 @@ struct DecodeShape {
   static constexpr int kVecsPerLane = (kVecsPerRow + kGroup - 1) / kGroup;
   static constexpr int kDimsPerLane = kVecsPerLane * kVec;
   static constexpr int kTokensPerPass = 32 / kGroup;
-  // Loads in flight per lane per step: K and V, kPasses * kVecsPerLane each.
-  // Fewer passes when the per-lane arrays are large, to stay clear of spills.
-  static constexpr int kPasses = (kVecsPerLane > 1 || (GC >= 8 && kDimsPerLane >= 8)) ? 2 : 4;
+  // Loads per lane per step: K and V, kPasses * kVecsPerLane each (K of the next
+  // step is in flight during this step's math). Fewer passes when the per-lane
+  // arrays are large, to stay clear of spills, and a step never spans more than
+  // kMinBlockSize tokens, so that it always lies inside one block.
+  static constexpr int kPassesWanted = (kVecsPerLane > 1 || (GC >= 8 && kDimsPerLane >= 8)) ? 2 : 4;
+  static constexpr int kPasses = kPassesWanted * kTokensPerPass <= kMinBlockSize ? kPassesWanted
+                                                                                   : kMinBlockSize / kTokensPerPass;
   static constexpr int kStep = kTokensPerPass * kPasses;  // tokens per warp step
   static_assert(D % kVec == 0, "head_size must be a multiple of the 16-byte vector");
   static_assert(32 % kGroup == 0, "lane groups must tile the warp");
+  static_assert(kStep <= kMinBlockSize && kMinBlockSize % kStep == 0, "a step must lie inside one block");
 };
+
+// Loads one step's rows (K or V) of this lane: token pos0 + pp * TP + group, 16-byte
+// slices lane_in_group + k * kGroup. Tokens at or past `end`, and every token of a
+// block id outside the cache, load zeros (their logits are masked in attend_step).
+template <typename T, int D, int GC>
+__device__ __forceinline__ void load_kv_step(uint4 (&raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
+                                             const T* base, int block_id, int pos0, int end, const PagedKV& kv,
+                                             int64_t token_stride, int lane_in_group, int group) {
+  using Shape = DecodeShape<T, D, GC>;
+  const bool block_ok = block_id >= 0 && block_id < kv.num_blocks;
+  // pos0 is the first token of a step inside block `block_id`; its offset in the block:
+  const int in_block = pos0 & (kv.block_size - 1);
+  const T* row0 = base + (int64_t(block_id) * kv.block_size + in_block) * token_stride;
+#pragma unroll
+  for (int pp = 0; pp < Shape::kPasses; ++pp) {
+    const int t = pp * Shape::kTokensPerPass + group;
+    const bool ok = block_ok && pos0 + t < end;
+#pragma unroll
+    for (int k = 0; k < Shape::kVecsPerLane; ++k) {
+      const int c = lane_in_group + k * Shape::kGroup;
+      raw[pp][k] = (ok && c < Shape::kVecsPerRow) ? load16(row0 + t * token_stride + c * Shape::kVec)
+                                                 : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// One step of the online softmax: logits of the step's tokens for the GC heads, the
+// running max / sum update, and acc += p * V.
+template <typename T, int D, int GC>
+__device__ __forceinline__ void attend_step(
+    const uint4 (&k_raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
+    const uint4 (&v_raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
+    const float (&q)[GC][DecodeShape<T, D, GC>::kDimsPerLane], const float (&slope)[GC], float (&m)[GC],
+    float (&l)[GC], float (&acc)[GC][DecodeShape<T, D, GC>::kDimsPerLane], int pos0, int end, bool block_ok,
+    int seq_len, int lane_in_group, int group) {
+  using Shape = DecodeShape<T, D, GC>;
+  constexpr int VEC = Shape::kVec;
+  constexpr int LG = Shape::kGroup;
+  constexpr int NV = Shape::kVecsPerLane;
+  constexpr int PP = Shape::kPasses;
+
+  // Logits: partial dot products per lane, summed over the lane group.
+  float logit[PP][GC];
+#pragma unroll
+  for (int pp = 0; pp < PP; ++pp) {
+    const int pos = pos0 + pp * Shape::kTokensPerPass + group;
+    const bool valid = block_ok && pos < end;
+    float kf[NV][VEC];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) unpack(k_raw[pp][k], kf[k], T{});
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      float dot = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dot = fmaf(q[g][k * VEC + e], kf[k][e], dot);
+      }
+      dot = warp_sum<1, LG>(dot);
+      logit[pp][g] = valid ? dot + slope[g] * float(pos - (seq_len - 1)) : -INFINITY;
+    }
+  }
+
+  // Online softmax update; logit[][] becomes the probabilities p.
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    float step_max = logit[0][g];
+#pragma unroll
+    for (int pp = 1; pp < PP; ++pp) step_max = fmaxf(step_max, logit[pp][g]);
+    step_max = warp_max<LG, 32>(step_max);  // over the tokens of the warp
+    const float m_new = fmaxf(m[g], step_max);
+    const float alpha = rescale_factor(m[g], m_new);
+    m[g] = m_new;
+    float p_sum = 0.f;
+#pragma unroll
+    for (int pp = 0; pp < PP; ++pp) {
+      logit[pp][g] = exp_shifted(logit[pp][g], m_new);
+      p_sum += logit[pp][g];
+    }
+    l[g] = l[g] * alpha + p_sum;
+#pragma unroll
+    for (int j = 0; j < Shape::kDimsPerLane; ++j) acc[g][j] *= alpha;
+  }
+
+#pragma unroll
+  for (int pp = 0; pp < PP; ++pp) {
+    float vf[NV][VEC];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) unpack(v_raw[pp][k], vf[k], T{});
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][k * VEC + e] = fmaf(logit[pp][g], vf[k][e], acc[g][k * VEC + e]);
+      }
+    }
+  }
+}
 
 template <typename T, int D, int GC>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
@@ -83,7 +209,6 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   constexpr int LG = Shape::kGroup;
   constexpr int NV = Shape::kVecsPerLane;
   constexpr int NDIM = Shape::kDimsPerLane;
-  constexpr int TP = Shape::kTokensPerPass;
   constexpr int PP = Shape::kPasses;
 
   __shared__ float s_acc[kDecodeWarps][GC][D];
@@ -108,7 +233,10 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   if (p.partition_size > 0) {
     start = part * p.partition_size;
     if (start >= seq_len) return;  // empty partition: the reduce kernel never reads it
-    end = min(seq_len, start + p.partition_size);
+    // The last launched partition also takes any tail past num_partitions * partition_size:
+    // a seq_len above the max_seq_len the grid was sized for (possible with the index
+    // checks off) costs time in one CTA instead of silently dropping those tokens.
+    end = part == p.num_partitions - 1 ? seq_len : min(seq_len, start + p.partition_size);
   }
 
   // This lane's slices of the (pre-scaled) query rows, in fp32.
@@ -144,92 +272,51 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   const int64_t token_stride = int64_t(p.kv.num_kv_heads) * D;
   const T* k_base = static_cast<const T*>(p.kv.key_cache) + int64_t(kv_head) * D;
   const T* v_base = static_cast<const T*>(p.kv.value_cache) + int64_t(kv_head) * D;
-  const int num_steps = (end - start + Shape::kStep - 1) / Shape::kStep;
 
-  for (int step = warp; step < num_steps; step += kDecodeWarps) {
-    // Issue every K and V load of the step first.
-    uint4 k_raw[PP][NV];
-    uint4 v_raw[PP][NV];
-    int pos[PP];
-    bool valid[PP];
-#pragma unroll
-    for (int pp = 0; pp < PP; ++pp) {
-      pos[pp] = start + step * Shape::kStep + pp * TP + group;
-      valid[pp] = pos[pp] < end;
-      int64_t offset = 0;
-      if (valid[pp]) {
-        const int block = table[pos[pp] / p.kv.block_size];
-        // An out-of-range block id is masked and never dereferenced.
-        valid[pp] = block >= 0 && block < p.kv.num_blocks;
-        offset = (int64_t(block) * p.kv.block_size + pos[pp] % p.kv.block_size) * token_stride;
+  // Warps take interleaved blocks (block_size is a power of two >= kStep, and partition
+  // starts are block-aligned, so every step lies inside one block). A block id is read
+  // once per block, one block ahead of its use; K of the next step is loaded before
+  // the current step's math (register double-buffering), V of the current step at its
+  // start, so both loads overlap the previous dot products / softmax.
+  const int bs = p.kv.block_size;
+  const int steps_per_block = bs / Shape::kStep;
+  const int end_blk = (end + bs - 1) >> p.log2_block_size;
+  int blk = (start >> p.log2_block_size) + warp;
+  if (blk < end_blk) {
+    int block_id = table[blk];
+    int next_id = blk + kDecodeWarps < end_blk ? table[blk + kDecodeWarps] : -1;
+    int sub = 0;  // step within the block
+    uint4 k_cur[PP][NV];
+    uint4 k_next[PP][NV];
+    uint4 v_cur[PP][NV];
+    load_kv_step<T, D, GC>(k_cur, k_base, block_id, blk * bs, end, p.kv, token_stride, lane_in_group, group);
+    while (true) {
+      const int pos0 = blk * bs + sub * Shape::kStep;  // first token of this step
+      load_kv_step<T, D, GC>(v_cur, v_base, block_id, pos0, end, p.kv, token_stride, lane_in_group, group);
+      // The next step of this warp: the next sub-step, or the first of its next block.
+      int n_blk = blk, n_sub = sub + 1, n_id = block_id;
+      if (n_sub == steps_per_block) {
+        n_sub = 0;
+        n_blk += kDecodeWarps;
+        n_id = next_id;
+        if (n_blk < end_blk) next_id = n_blk + kDecodeWarps < end_blk ? table[n_blk + kDecodeWarps] : -1;
       }
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int c = lane_in_group + k * LG;
-        if (valid[pp] && c < VPR) {
-          k_raw[pp][k] = load16(k_base + offset + c * VEC);
-          v_raw[pp][k] = load16(v_base + offset + c * VEC);
-        } else {
-          k_raw[pp][k] = make_uint4(0, 0, 0, 0);
-          v_raw[pp][k] = make_uint4(0, 0, 0, 0);
-        }
+      const int n_pos0 = n_blk * bs + n_sub * Shape::kStep;
+      const bool has_next = n_blk < end_blk && n_pos0 < end;
+      if (has_next) {
+        load_kv_step<T, D, GC>(k_next, k_base, n_id, n_pos0, end, p.kv, token_stride, lane_in_group, group);
       }
-    }
-
-    // Logits: partial dot products per lane, summed over the lane group.
-    float logit[PP][GC];
-#pragma unroll
-    for (int pp = 0; pp < PP; ++pp) {
-      float kf[NV][VEC];
-#pragma unroll
-      for (int k = 0; k < NV; ++k) unpack(k_raw[pp][k], kf[k], T{});
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-        float dot = 0.f;
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) dot = fmaf(q[g][k * VEC + e], kf[k][e], dot);
-        }
-        dot = warp_sum<1, LG>(dot);
-        logit[pp][g] = valid[pp] ? dot + slope[g] * float(pos[pp] - (seq_len - 1)) : -INFINITY;
-      }
-    }
-
-    // Online softmax update; logit[][] becomes the probabilities p.
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-      float step_max = logit[0][g];
-#pragma unroll
-      for (int pp = 1; pp < PP; ++pp) step_max = fmaxf(step_max, logit[pp][g]);
-      step_max = warp_max<LG, 32>(step_max);  // over the tokens of the warp
-      const float m_new = fmaxf(m[g], step_max);
-      const float alpha = rescale_factor(m[g], m_new);
-      m[g] = m_new;
-      float p_sum = 0.f;
+      const bool block_ok = block_id >= 0 && block_id < p.kv.num_blocks;
+      attend_step<T, D, GC>(k_cur, v_cur, q, slope, m, l, acc, pos0, end, block_ok, seq_len, lane_in_group, group);
+      if (!has_next) break;
 #pragma unroll
       for (int pp = 0; pp < PP; ++pp) {
-        logit[pp][g] = exp_shifted(logit[pp][g], m_new);
-        p_sum += logit[pp][g];
+#pragma unroll
+        for (int k = 0; k < NV; ++k) k_cur[pp][k] = k_next[pp][k];
       }
-      l[g] = l[g] * alpha + p_sum;
-#pragma unroll
-      for (int j = 0; j < NDIM; ++j) acc[g][j] *= alpha;
-    }
-
-#pragma unroll
-    for (int pp = 0; pp < PP; ++pp) {
-      float vf[NV][VEC];
-#pragma unroll
-      for (int k = 0; k < NV; ++k) unpack(v_raw[pp][k], vf[k], T{});
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[g][k * VEC + e] = fmaf(logit[pp][g], vf[k][e], acc[g][k * VEC + e]);
-        }
-      }
+      blk = n_blk;
+      sub = n_sub;
+      block_id = n_id;
     }
   }
 
@@ -382,6 +469,8 @@ DecodeParams make_params(const DecodeArgs& a) {
   // Split large groups evenly into chunks of at most kMaxHeadsPerCta heads.
   p.num_chunks = (p.group_size + kMaxHeadsPerCta - 1) / kMaxHeadsPerCta;
   p.heads_per_chunk = (p.group_size + p.num_chunks - 1) / p.num_chunks;
+  // block_size is a power of two (csrc/common/supported.h): the kernel shifts instead of dividing.
+  while ((1 << p.log2_block_size) < a.kv.block_size) ++p.log2_block_size;
   return p;
 }
 
@@ -414,6 +503,9 @@ cudaError_t launch_decode_any(const DecodeParams& p, DType dtype, dim3 grid, cud
 cudaError_t launch_paged_attention_v1(const DecodeArgs& args, cudaStream_t stream) {
   if (args.num_seqs == 0) return cudaSuccess;
   if (args.num_seqs > kMaxGridYZ) return cudaErrorInvalidConfiguration;
+  if (args.kv.block_size < kMinBlockSize || (args.kv.block_size & (args.kv.block_size - 1)) != 0) {
+    return cudaErrorInvalidValue;
+  }
   DecodeParams p = make_params(args);
   const dim3 grid(args.kv.num_kv_heads * p.num_chunks, args.num_seqs, 1);
   return launch_decode_any(p, args.dtype, grid, stream);
@@ -423,10 +515,16 @@ cudaError_t launch_paged_attention_v2(const DecodeArgs& args, const DecodeScratc
                                       cudaStream_t stream) {
   if (args.num_seqs == 0) return cudaSuccess;
   if (args.num_seqs > kMaxGridYZ || scratch.partition_size <= 0) return cudaErrorInvalidConfiguration;
+  if (args.kv.block_size < kMinBlockSize || (args.kv.block_size & (args.kv.block_size - 1)) != 0 ||
+      scratch.partition_size % args.kv.block_size != 0) {
+    return cudaErrorInvalidValue;
+  }
   DecodeParams p = make_params(args);
   p.partition_size = scratch.partition_size;
   p.max_partitions = scratch.max_partitions;
-  p.num_partitions = std::min((max_seq_len + scratch.partition_size - 1) / scratch.partition_size,
+  // At least one partition, so that a sequence longer than max_seq_len (index checks off)
+  // is still attended in full by the last partition; never more than the scratch holds.
+  p.num_partitions = std::min(std::max(1, (max_seq_len + scratch.partition_size - 1) / scratch.partition_size),
                               scratch.max_partitions);
   if (p.num_partitions > kMaxGridYZ) return cudaErrorInvalidConfiguration;
   p.exp_sums = scratch.exp_sums;

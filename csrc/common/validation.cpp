@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -50,13 +51,21 @@ at::Tensor host_copy(const at::Tensor& t) { return t.is_cpu() ? t : t.to(at::kCP
 
 }  // namespace
 
-bool device_index_checks_enabled() {
-  static const bool enabled = [] {
+namespace {
+// Initial value from the environment, then whatever set_index_checks() stored. Atomic:
+// ops may be called from several threads (e.g. a server thread and a warm-up thread).
+std::atomic<bool>& index_checks_flag() {
+  static std::atomic<bool> enabled{[] {
     const char* v = std::getenv("PAGEDKV_SKIP_INDEX_CHECKS");
     return !(v && std::string(v) == "1");
-  }();
+  }()};
   return enabled;
 }
+}  // namespace
+
+bool index_checks_enabled() { return index_checks_flag().load(std::memory_order_relaxed); }
+
+bool set_index_checks(bool enabled) { return index_checks_flag().exchange(enabled); }
 
 CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op) {
   TORCH_CHECK(key_cache.defined() && value_cache.defined(), op, ": key_cache and value_cache are required");
@@ -187,7 +196,7 @@ PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at
 
 void check_block_table_values(const char* op, const AttentionDims& d, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, int64_t max_seq_len) {
-  if (!block_tables.is_cpu() && !device_index_checks_enabled()) return;
+  if (!index_checks_enabled()) return;
   const at::Tensor lens_t = host_copy(seq_lens);
   const int32_t* lens = lens_t.data_ptr<int32_t>();
   const int64_t table_capacity = d.max_blocks_per_seq * d.block_size;
@@ -226,7 +235,7 @@ void check_block_table_values(const char* op, const AttentionDims& d, const at::
 
 void check_query_start_loc_values(const char* op, const PrefillDims& p, const at::Tensor& query_start_loc,
                                   const at::Tensor& seq_lens, int64_t max_query_len) {
-  if (!query_start_loc.is_cpu() && !device_index_checks_enabled()) return;
+  if (!index_checks_enabled()) return;
   const at::Tensor qsl_t = host_copy(query_start_loc);
   const at::Tensor lens_t = host_copy(seq_lens);
   const int32_t* qsl = qsl_t.data_ptr<int32_t>();
@@ -261,7 +270,7 @@ void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t 
   check_int_tensor(op, "slot_mapping", slot_mapping, at::kLong, 1);
   TORCH_CHECK(slot_mapping.size(0) == num_tokens, op, ": slot_mapping has ", slot_mapping.size(0),
               " entries but key has ", num_tokens, " tokens");
-  if (!slot_mapping.is_cpu() && !device_index_checks_enabled()) return;
+  if (!index_checks_enabled()) return;
   const int64_t num_slots = c.num_blocks * c.block_size;
   if (slot_mapping.is_cpu()) {
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -284,7 +293,9 @@ void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_
               block_mapping.scalar_type());
   TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2, op,
               ": block_mapping must be [num_pairs, 2] (src, dst), got shape ", block_mapping.sizes());
-  if (!block_mapping.is_cpu() && !device_index_checks_enabled()) return;
+  // Block mappings are checked on the CPU whatever the toggle says: swap_blocks turns them
+  // into memcpy ranges and they are never part of a captured step.
+  if (!block_mapping.is_cpu() && !index_checks_enabled()) return;
   const at::Tensor m = host_copy(block_mapping).contiguous();
   const int64_t* pairs = m.data_ptr<int64_t>();
   for (int64_t i = 0; i < m.size(0); ++i) {

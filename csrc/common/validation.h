@@ -79,9 +79,16 @@ void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t 
 void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_t num_src_blocks,
                          int64_t num_dst_blocks, bool disjoint_pairs = false);
 
-// Value checks that need a device->host copy on CUDA are on by default; set
-// PAGEDKV_SKIP_INDEX_CHECKS=1 to drop them in production (CUDA kernels still never
-// read outside the cache: out-of-range ids are skipped there).
-bool device_index_checks_enabled();
+// The value checks (block table ids, seq_lens, slot_mapping, query_start_loc; CPU
+// and CUDA tensors alike) are on by default. They cost a device->host copy and a
+// sync on CUDA, which also makes an op impossible to capture in a CUDA graph.
+// PAGEDKV_SKIP_INDEX_CHECKS=1 sets the initial value; set_index_checks() changes it
+// at run time and returns the previous value (pagedkv.ops.set_index_checks).
+// With the checks off, the CUDA kernels still never read outside the cache (they
+// mask out-of-range ids); the CPU kernels trust the indices, so validate the
+// metadata first (pagedkv.ops.validate_decode_metadata / validate_prefill_metadata).
+// Shape, dtype and device checks are never skipped.
+bool index_checks_enabled();
+bool set_index_checks(bool enabled);
 
 }  // namespace pagedkv

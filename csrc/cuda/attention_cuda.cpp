@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -92,6 +94,21 @@ cuda::DecodeArgs make_decode_args(const char* op, const AttentionDims& d, at::Te
 }
 
 }  // namespace
+
+int64_t cuda_multiprocessor_count(int device) {
+  // One slot per device, 0 = not read yet. A race only reads the attribute twice.
+  static std::array<std::atomic<int>, 64> cache{};
+  if (device >= 0 && device < static_cast<int>(cache.size())) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int count = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  TORCH_CHECK(err == cudaSuccess && count > 0, "pagedkv: cannot read the multiprocessor count of CUDA device ", device,
+              ": ", cudaGetErrorString(err));
+  if (device >= 0 && device < static_cast<int>(cache.size())) cache[device].store(count, std::memory_order_relaxed);
+  return count;
+}
 
 void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,

@@ -8,6 +8,16 @@ physical block; `seq_lens` int32 `[num_seqs]`; `slot_mapping` int64
 
 Supported: float32, float16, bfloat16; head sizes 64, 80, 96, 112, 128, 256;
 block sizes 8, 16, 32; any num_heads / num_kv_heads ratio (MHA, GQA, MQA).
+
+Index-value checks (block ids, seq_lens, slot_mapping, query_start_loc) cost a
+device->host sync on CUDA: `set_index_checks(False)` / `with index_checks(False):`
+turn them off (CPU and CUDA alike), and `validate_decode_metadata` /
+`validate_prefill_metadata` check the metadata on the host instead (see
+`pagedkv.index_checks`). With the checks off and explicit `max_seq_len` /
+`max_query_len`, `paged_attention*`, `paged_prefill_attention` and
+`reshape_and_cache` launch without a device->host sync and can be captured in a
+CUDA graph. `copy_blocks` and `swap_blocks` are not capturable (they copy their
+block mapping from the host).
 """
 
 from __future__ import annotations
@@ -15,6 +25,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from pagedkv.index_checks import (  # noqa: F401  (re-exported: part of the ops API)
+    index_checks,
+    index_checks_enabled,
+    set_index_checks,
+    validate_decode_metadata,
+    validate_prefill_metadata,
+)
 
 _ops = torch.ops.pagedkv
 
@@ -85,7 +103,8 @@ def paged_attention(
     """Decode attention that picks v1 or v2 for the shape and allocates scratch.
 
     Returns `out` ([num_seqs, num_heads, head_size], a new tensor unless `out` is given).
-    `max_seq_len=None` computes it from `seq_lens` (a device sync on CUDA).
+    `max_seq_len=None` computes it from `seq_lens` (a device sync on CUDA, so not
+    capturable in a CUDA graph); pass it, with the index checks off, for a sync-free call.
     """
     result = _ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
                                   alibi_slopes)

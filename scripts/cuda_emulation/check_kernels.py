@@ -188,7 +188,11 @@ class Checker:
         partition_size=256,
         strided=False,
         seed=0,
+        max_seq_len=None,
     ):
+        """max_seq_len: what the launcher is told (default: the true maximum); a smaller
+        value is the lie that skipped index checks let through: v2 must still attend
+        every token of every sequence, not drop the partitions past max_seq_len."""
         gen = torch.Generator().manual_seed(seed)
         tables, num_blocks = make_tables(seq_lens, block_size, gen)
         shape = (num_blocks, block_size, num_kv_heads, head_size)
@@ -213,7 +217,7 @@ class Checker:
         )
         scale = head_size**-0.5
         out = torch.full((n, num_heads, head_size), 7.0).to(dtype)
-        max_len = max(seq_lens)
+        max_len = max(seq_lens) if max_seq_len is None else max_seq_len
         parts = (
             max_len + partition_size - 1
         ) // partition_size + 1  # one spare: must stay unread
@@ -254,7 +258,7 @@ class Checker:
             expected,
             dtype,
             f"decode v{version} {dtype} d={head_size} bs={block_size} "
-            f"heads={num_heads}/{num_kv_heads}",
+            f"heads={num_heads}/{num_kv_heads} max_seq_len={max_len}",
         )
 
     def decode_bad_block(self):
@@ -303,6 +307,20 @@ class Checker:
                 out, torch.ones_like(out), torch.float32, f"bad block id, v{version}"
             )
 
+    def prefill_bad_block(self, dtype):
+        """Out-of-range block ids in prefill are masked, never read: V = 1 gives exactly 1."""
+        kc = torch.randn(6, 16, 2, 64).to(dtype)
+        vc = torch.ones(6, 16, 2, 64).to(dtype)
+        query = torch.randn(3, 4, 64).to(dtype)
+        tables = torch.tensor([[0, 1 << 30, 2], [3, -7, 4]], dtype=torch.int32)
+        lens = torch.tensor([40, 20], dtype=torch.int32)
+        qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+        out = torch.zeros_like(query)
+        rc = self.lib.emu_prefill(DTYPE_CODE[dtype], ptr(out), ptr(query), out.stride(0), query.stride(0), ptr(kc),
+                                  ptr(vc), ptr(tables), ptr(lens), 6, 16, 2, 64, 3, ptr(qsl), 0.1, 2, 4, 3, 2)
+        assert rc == 0
+        self.close(out, torch.ones_like(out), dtype, f"prefill bad block id, {dtype}")
+
     def prefill(
         self,
         q_lens,
@@ -313,7 +331,12 @@ class Checker:
         block_size,
         dtype,
         seed=0,
+        max_query_len=None,
+        odd_stride=False,
     ):
+        """max_query_len: what the launcher is told (default: the true maximum); a smaller
+        value (index checks off) must still produce every row (fp16/bf16: the tensor-core
+        kernel strides over query tiles)."""
         gen = torch.Generator().manual_seed(seed)
         seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
         tables, num_blocks = make_tables(seq_lens, block_size, gen)
@@ -327,6 +350,13 @@ class Checker:
         qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         out = torch.full((num_tokens, num_heads, head_size), 7.0).to(dtype)
+        if odd_stride:  # rows one element apart from the 16-byte grid: the unaligned paths
+            row = num_heads * head_size + 1
+            q_buf = torch.zeros(num_tokens * row + 1, dtype=dtype)
+            query_view = q_buf.as_strided(query.shape, (row, head_size, 1), 1)
+            query_view.copy_(query)
+            query = query_view
+            out = torch.full((num_tokens * row + 1,), 7.0).to(dtype).as_strided(out.shape, (row, head_size, 1), 1)
         scale = head_size**-0.5
         rc = self.lib.emu_prefill(
             DTYPE_CODE[dtype],
@@ -348,7 +378,7 @@ class Checker:
             len(q_lens),
             num_heads,
             num_tokens,
-            max(q_lens),
+            max(q_lens) if max_query_len is None else max_query_len,
         )
         assert rc == 0, f"launcher returned {rc}"
         expected = self.ref.paged_prefill_attention(
@@ -427,9 +457,9 @@ class Checker:
         self.cases += 2
 
 
-def run(checker: Checker, quick: bool) -> None:
-    dtypes = [torch.float16] if quick else list(DTYPE_CODE)
-    head_sizes = [64, 80, 128, 256] if quick else [64, 80, 96, 112, 128, 256]
+def run(checker: Checker, quick: bool, dtypes=None, head_sizes=None) -> None:
+    dtypes = dtypes or ([torch.float16] if quick else list(DTYPE_CODE))
+    head_sizes = head_sizes or ([64, 80, 128, 256] if quick else [64, 80, 96, 112, 128, 256])
     # (num_heads, num_kv_heads): G = 1, 2, 3 (rounded up to 4), 8, 12 (two chunks of 6), 64 (MQA).
     groups = (
         [(2, 2), (8, 1)]
@@ -484,7 +514,20 @@ def run(checker: Checker, quick: bool) -> None:
     checker.decode(
         2, [512, 0, 257], 6, 2, 256, 16, torch.float16, partition_size=256, seed=3
     )  # a partition-multiple length, an empty sequence and a 1-token last partition
+    # seq_lens above max_seq_len (index checks off): the last partition takes the tail.
+    checker.decode(2, [700, 1300, 90], 4, 2, 64, 16, torch.float16, partition_size=256, max_seq_len=500, seed=4)
+    checker.decode(2, [40, 300], 4, 4, 128, 8, torch.float32, partition_size=256, max_seq_len=0, seed=5)
+    # Tensor-core prefill: q_len above max_query_len, GQA 5 and 7 (odd row packing), bf16.
+    checker.prefill([150, 2], [5, 60], 8, 2, 64, 16, torch.float16, seed=6, max_query_len=40)
+    checker.prefill([150, 2], [5, 60], 8, 2, 64, 16, torch.float32, seed=6, max_query_len=40)
+    checker.prefill([19, 33], [70, 0], 10, 2, 112, 8, torch.bfloat16, seed=7)
+    checker.prefill([9, 40], [31, 17], 7, 1, 80, 32, torch.float16, seed=8)
+    checker.prefill([9, 40], [31, 17], 4, 2, 64, 16, torch.bfloat16, seed=9, odd_stride=True)
+    checker.decode(1, [5, 77, 300], 10, 2, 96, 8, torch.bfloat16, seed=9)  # GQA 5
+    checker.decode(2, [5, 77, 600], 7, 1, 112, 16, torch.float16, partition_size=256, seed=10)  # GQA 7
     checker.decode_bad_block()
+    for dtype in DTYPE_CODE:
+        checker.prefill_bad_block(dtype)
     for dtype, head_size, strided in itertools.product(
         DTYPE_CODE, (64, 80, 256), (False, True)
     ):
@@ -497,11 +540,16 @@ def main() -> None:
         "--quick", action="store_true", help="fp16 and four head sizes only"
     )
     parser.add_argument("--build-dir", default=str(ROOT / "build" / "cuda_emulation"))
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "fp16", "bf16"],
+                        help="only these dtypes in the shape sweep (the fixed cases always run)")
+    parser.add_argument("--head-sizes", nargs="+", type=int, help="only these head sizes in the shape sweep")
     args = parser.parse_args()
+    names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    dtypes = [names[d] for d in args.dtypes] if args.dtypes else None
     lib = build(Path(args.build_dir))
     bind(lib)
     checker = Checker(lib, load_reference())
-    run(checker, args.quick)
+    run(checker, args.quick, dtypes, args.head_sizes)
     print(f"cuda emulation: {checker.cases} checks passed")
 
 

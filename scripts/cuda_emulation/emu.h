@@ -7,6 +7,8 @@
 // nothing about speed, and memory-model races can hide from it.
 // Build with -fno-strict-aliasing: the kernels type-pun 16-byte vectors the CUDA way.
 #pragma once
+// Selects the emulated bodies of the PTX wrappers in csrc/attention/mma.cuh.
+#define PAGEDKV_CUDA_EMULATION 1
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -33,6 +36,8 @@ namespace emu {
 struct Warp {
   std::barrier<> bar{32};
   float buf[32];
+  uint32_t mma_a[32][4];  // every lane's fragments of one mma.sync
+  uint32_t mma_b[32][2];
 };
 struct Block {
   explicit Block(int threads) : bar(threads) {
@@ -82,6 +87,48 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, const Ar
 #define blockDim (emu::tl_bdim)
 #define gridDim (emu::tl_gdim)
 
+namespace emu {
+// One 16-bit element of a packed register as fp32.
+inline float half_bits_to_float(uint16_t bits, bool bf16) {
+  if (bf16) {
+    const uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+inline uint16_t element(uint32_t reg, int k) { return uint16_t(k & 1 ? reg >> 16 : reg & 0xffffu); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.f32: the whole warp calls it; every
+// lane publishes its A/B registers, then computes its own four D elements from the
+// fragment layout of the PTX ISA (see csrc/attention/mma.cuh), accumulating in fp32.
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], bool bf16) {
+  Warp& w = *tl_block->warps[tl_tid.x / 32];
+  const int lane = tl_tid.x % 32;
+  for (int i = 0; i < 4; ++i) w.mma_a[lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) w.mma_b[lane][i] = b[i];
+  w.bar.arrive_and_wait();
+  // A[row][k] lives in lane (row % 8) * 4 + (k % 8) / 2, register (row >= 8) + 2 * (k >= 8).
+  auto A = [&](int row, int k) {
+    return half_bits_to_float(element(w.mma_a[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k), bf16);
+  };
+  // B[k][n] lives in lane n * 4 + (k % 8) / 2, register (k >= 8).
+  auto B = [&](int k, int n) { return half_bits_to_float(element(w.mma_b[n * 4 + (k % 8) / 2][k >= 8], k), bf16); };
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0);
+    const int col = 2 * t + (i & 1);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) acc = std::fma(A(row, k), B(k, col), acc);
+    d[i] = acc;
+  }
+  w.bar.arrive_and_wait();  // the exchange buffer is reused by the next call
+}
+}  // namespace emu
+
 inline void __syncthreads() { emu::tl_block->bar.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::tl_block->warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float x, int o) {
@@ -102,3 +149,4 @@ using std::min;
 
 #define cudaGetLastError() cudaSuccess
 #define cudaFuncSetAttribute(...) cudaSuccess
+#define cudaGetDevice(p) (*(p) = 0, cudaSuccess)

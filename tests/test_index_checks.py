@@ -1,0 +1,214 @@
+"""The runtime toggle of the ops' index-value checks, and the host-side metadata validators.
+
+The toggle is process-wide; every test that changes it restores it (the
+`index_checks` context manager, or the fixture below).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from pagedkv import ops
+
+
+@pytest.fixture(autouse=True)
+def _restore_checks():
+    previous = ops.index_checks_enabled()
+    yield
+    ops.set_index_checks(previous)
+
+
+# ---- the toggle -----------------------------------------------------------------------------------
+
+
+def test_set_index_checks_returns_previous_value():
+    ops.set_index_checks(True)
+    assert ops.set_index_checks(False) is True
+    assert ops.index_checks_enabled() is False
+    assert ops.set_index_checks(True) is False
+    assert ops.index_checks_enabled() is True
+
+
+def test_context_manager_restores_even_on_error():
+    ops.set_index_checks(True)
+    with pytest.raises(KeyError), ops.index_checks(False):
+        assert not ops.index_checks_enabled()
+        raise KeyError("boom")
+    assert ops.index_checks_enabled()
+
+
+def test_env_var_sets_the_initial_value():
+    code = "import pagedkv; print(pagedkv.ops.index_checks_enabled())"
+    for value, expected in (("1", "False"), ("0", "True")):
+        env = dict(os.environ, PAGEDKV_SKIP_INDEX_CHECKS=value)
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                                check=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def _decode_inputs():
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 2, 64, generator=gen)
+    key_cache = torch.randn(4, 16, 1, 64, generator=gen)
+    value_cache = torch.randn(4, 16, 1, 64, generator=gen)
+    block_tables = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 20], dtype=torch.int32)
+    return query, key_cache, value_cache, block_tables, seq_lens, 1.0 / math.sqrt(64)
+
+
+def test_checks_off_skip_the_value_scan_on_cpu_tensors_too():
+    """seq_lens above max_seq_len (but inside the table, so harmless) is refused only with the checks on."""
+    q, kc, vc, bt, lens, scale = _decode_inputs()
+    out = torch.empty_like(q)
+    with ops.index_checks(True), pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 20 exceeds max_seq_len = 16"):
+        ops.paged_attention_v1(out, q, kc, vc, bt, lens, scale, 16)
+    with ops.index_checks(False):
+        ops.paged_attention_v1(out, q, kc, vc, bt, lens, scale, 16)
+    from pagedkv import reference
+
+    torch.testing.assert_close(out, reference.paged_attention(q, kc, vc, bt, lens, scale), atol=1e-4, rtol=1e-4)
+
+
+def test_checks_off_keep_shape_and_dtype_checks():
+    q, kc, vc, bt, lens, scale = _decode_inputs()
+    with ops.index_checks(False), pytest.raises(RuntimeError, match=r"seq_lens must be Int, got Long"):
+        ops.paged_attention(q, kc, vc, bt, lens.long(), scale, max_seq_len=20)
+
+
+def test_checks_off_slot_mapping_scan_is_skipped():
+    key = torch.randn(2, 1, 64)
+    cache = torch.zeros(4, 16, 1, 64)
+    with ops.index_checks(True), pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 64 is outside the cache"):
+        ops.reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0, 64]))
+
+
+# ---- validate_decode_metadata ---------------------------------------------------------------------
+
+
+def _good_decode():
+    return np.array([[3, 0], [1, 2]], dtype=np.int32), np.array([5, 20], dtype=np.int32)
+
+
+def test_valid_decode_metadata_passes_numpy_and_torch():
+    tables, lens = _good_decode()
+    ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16, max_seq_len=20,
+                                 slot_mapping=np.array([4, -1], dtype=np.int64))
+    ops.validate_decode_metadata(torch.from_numpy(tables), torch.from_numpy(lens), num_blocks=4, block_size=16)
+
+
+def test_unused_table_entries_may_hold_anything():
+    """A 5-token sequence uses one block: the padding after it is never read."""
+    tables = np.array([[3, -1], [1, 2]], dtype=np.int32)
+    ops.validate_decode_metadata(tables, np.array([5, 20], dtype=np.int32), num_blocks=4, block_size=16)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t, s: s.__setitem__(1, -3), r"seq_lens\[1\] = -3 is negative"),
+        (lambda t, s: s.__setitem__(0, 33), r"seq_lens\[0\] = 33 needs more blocks than block_tables holds "
+                                            r"\(2 blocks x block_size 16 = 32 tokens\)"),
+        (lambda t, s: t.__setitem__((1, 1), 4), r"block_tables\[1\]\[1\] = 4 is outside the cache \(num_blocks = 4\)"),
+        (lambda t, s: t.__setitem__((0, 0), -1), r"block_tables\[0\]\[0\] = -1 is outside the cache"),
+    ],
+)
+def test_bad_decode_metadata_names_field_index_and_value(edit, message):
+    tables, lens = _good_decode()
+    edit(tables, lens)
+    with pytest.raises(ValueError, match=message):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16)
+
+
+def test_seq_len_above_max_seq_len():
+    tables, lens = _good_decode()
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 20 exceeds max_seq_len = 19"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16, max_seq_len=19)
+
+
+def test_bad_slot_mapping():
+    tables, lens = _good_decode()
+    message = r"slot_mapping\[2\] = 64 is outside the cache \(num_blocks \* block_size = 64\)"
+    with pytest.raises(ValueError, match=message):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16,
+                                     slot_mapping=np.array([0, -1, 64], dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    "tables,lens,message",
+    [
+        (np.zeros((2, 2), dtype=np.int32), np.zeros(3, dtype=np.int32), r"block_tables has 2 rows but seq_lens has 3"),
+        (np.zeros(4, dtype=np.int32), np.zeros(4, dtype=np.int32), r"block_tables must be 2-D, got shape \(4,\)"),
+        (np.zeros((1, 2), dtype=np.float32), np.zeros(1, dtype=np.int32), r"block_tables must hold integers"),
+    ],
+)
+def test_malformed_decode_metadata(tables, lens, message):
+    with pytest.raises(ValueError, match=message):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16)
+
+
+def test_device_tensors_are_refused():
+    tables, lens = _good_decode()
+    with pytest.raises(ValueError, match=r"block_tables must be on the CPU"):
+        ops.validate_decode_metadata(torch.from_numpy(tables).to("meta"), lens, num_blocks=4, block_size=16)
+
+
+# ---- validate_prefill_metadata --------------------------------------------------------------------
+
+
+def _good_prefill():
+    tables = np.array([[3, 0], [1, 2]], dtype=np.int32)
+    lens = np.array([5, 20], dtype=np.int32)
+    qsl = np.array([0, 5, 9], dtype=np.int32)  # 5 new tokens, then 4 (16 cached)
+    return tables, lens, qsl
+
+
+def test_valid_prefill_metadata_passes():
+    tables, lens, qsl = _good_prefill()
+    ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=16, num_tokens=9, max_query_len=5,
+                                  max_seq_len=20, slot_mapping=np.arange(9))
+
+
+@pytest.mark.parametrize(
+    "qsl,kwargs,message",
+    [
+        ([1, 5, 9], {}, r"query_start_loc\[0\] must be 0, got 1"),
+        ([0, 5, 8], {}, r"query_start_loc\[-1\] = 8 must equal the number of query tokens 9"),
+        ([0, 10, 9], {}, r"non-decreasing: query_start_loc\[1\] = 10, query_start_loc\[2\] = 9"),
+        ([0, 5, 9], {"max_query_len": 4}, r"sequence 0 has 5 query tokens .* more than max_query_len = 4"),
+        ([0, 6, 9], {}, r"sequence 0 has 6 query tokens but seq_lens\[0\] = 5"),
+        ([0, 5], {}, r"query_start_loc must have num_seqs\+1=3 entries, got 2"),
+    ],
+)
+def test_bad_query_start_loc(qsl, kwargs, message):
+    tables, lens, _ = _good_prefill()
+    with pytest.raises(ValueError, match=message):
+        ops.validate_prefill_metadata(tables, lens, np.array(qsl, dtype=np.int32), num_blocks=4, block_size=16,
+                                      num_tokens=9, **kwargs)
+
+
+def test_prefill_checks_the_tables_and_slot_count():
+    tables, lens, qsl = _good_prefill()
+    tables[1, 1] = 9
+    with pytest.raises(ValueError, match=r"block_tables\[1\]\[1\] = 9 is outside the cache"):
+        ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=16, num_tokens=9)
+    tables, lens, qsl = _good_prefill()
+    with pytest.raises(ValueError, match=r"slot_mapping has 8 entries but the batch has 9 tokens"):
+        ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=16, num_tokens=9,
+                                      slot_mapping=np.arange(8))
+
+
+def test_validator_agrees_with_the_op_checks():
+    """A table the validator refuses is one the op (checks on) refuses, with the same field and index."""
+    q, kc, vc, bt, lens, scale = _decode_inputs()
+    bt[1, 1] = 7
+    with pytest.raises(ValueError, match=r"block_tables\[1\]\[1\] = 7"):
+        ops.validate_decode_metadata(bt, lens, num_blocks=4, block_size=16)
+    with ops.index_checks(True), pytest.raises(RuntimeError, match=r"block_tables\[1\]\[1\] = 7"):
+        ops.paged_attention(q, kc, vc, bt, lens, scale, max_seq_len=20)
