@@ -306,3 +306,36 @@ def test_gguf_checkpoint_loads_like_the_prepared_folder(loaded_model, prompts):
     assert ([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in ref.generate(batch, params, use_tqdm=False)])
     assert llm.get_tokenizer().encode(TEXTS[4]) == loaded_model.tokenizer.encode(TEXTS[4])
+
+
+def test_a_corrupt_step_batch_is_refused_before_the_kernels(loaded_model):
+    """The runner checks each step's metadata once on the host (the kernels then run with their checks off):
+    a block id outside the pool, or a slot outside the cache, raises a ValueError naming it, and nothing is written."""
+    import numpy as np
+    from pagedkv.engine.step_batch import BlockOps, StepBatch
+
+    llm = make_llm(loaded_model, kv_cache_memory=8 * 16 * llm_bytes_per_token(loaded_model), max_model_len=128)
+    runner = llm.llm_engine.runner
+    num_blocks = runner.kv_caches[0][0].shape[0]
+    before = runner.kv_caches[0][0].clone()
+
+    def batch(block_id: int, slot: int) -> StepBatch:  # one decode token at position 20 of a 2-block sequence
+        return StepBatch(np.array([5]), np.array([20]), np.array([slot]), np.array([[0, block_id]], np.int32),
+                         np.array([21], np.int32), np.zeros(1, np.int32), np.array([0]), 1, 21, 0, 0)
+
+    with pytest.raises(ValueError, match=rf"block_tables\[0\]\[1\] = {num_blocks} is outside the cache"):
+        runner.run_batch(BlockOps(), batch(num_blocks, 20))
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 9999 is outside the cache"):
+        runner.run_batch(BlockOps(), batch(1, 9999))
+    assert torch.equal(runner.kv_caches[0][0].view(torch.int32), before.view(torch.int32))  # bit for bit
+    assert runner.run_batch(BlockOps(), batch(1, 20)).shape == (1, loaded_model.model.config.vocab_size)
+
+
+def test_cuda_graph_buckets_cover_every_batch_size():
+    from pagedkv.engine.cuda_graphs import capture_sizes
+
+    assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(5) == [1, 2, 4, 5] and capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    for n in (1, 3, 17, 100, 256):
+        sizes = capture_sizes(n)
+        assert all(any(s >= b for s in sizes) for b in range(1, n + 1)) and max(sizes) == n

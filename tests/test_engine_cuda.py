@@ -69,6 +69,8 @@ def run_engine(path, prompts, dtype, **kw):
         bm = llm.llm_engine.block_manager
         bm.check_invariants()
         assert bm.num_used_gpu_blocks == 0
+        graphs = llm.llm_engine.runner.graphs
+        assert (graphs is None) == bool(kw.get("enforce_eager")) and (graphs is None or graphs.replays > 0)
         return [o.outputs[0].token_ids for o in outs], llm.get_stats()
 
 
@@ -77,8 +79,10 @@ def run_engine(path, prompts, dtype, **kw):
     {"enable_prefix_caching": True},
     {"max_num_batched_tokens": 32, "max_num_seqs": 8},
     {"preemption_mode": "swap", "kv_cache_memory": 40 * 16 * 3 * 2 * 2 * 64 * 4, "swap_space": 0.05},
-], ids=["default", "prefix-caching", "chunked-prefill", "swap-preemption"])
+    {"enforce_eager": True},
+], ids=["default", "prefix-caching", "chunked-prefill", "swap-preemption", "eager"])
 def test_cuda_fp32_greedy_matches_hf(tiny_llama, prompts, config):
+    """Decode steps replay captured CUDA graphs except with enforce_eager."""
     refs = hf_greedy(tiny_llama, prompts, torch.float32)
     ours, stats = run_engine(tiny_llama, prompts, "float32", **config)
     for i, (ids, (ref, gaps)) in enumerate(zip(ours, refs, strict=True)):

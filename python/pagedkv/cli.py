@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped-out blocks")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (no captured decode graphs)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (GPUs, or processes on the CPU); under torchrun, "
                         "its WORLD_SIZE")
@@ -50,7 +52,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "enable_prefix_caching": ns.enable_prefix_caching, "swap_space": ns.swap_space,
             "preemption_mode": ns.preemption_mode, "seed": ns.seed,
             "long_prefill_token_threshold": ns.long_prefill_token_threshold,
-            "tensor_parallel_size": ns.tensor_parallel_size}
+            "tensor_parallel_size": ns.tensor_parallel_size, "enforce_eager": ns.enforce_eager}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

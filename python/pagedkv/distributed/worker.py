@@ -37,7 +37,7 @@ def serve_steps(runtime: TPRuntime, args: EngineArgs) -> int:
     plan = plan_kv_cache(loaded.model, cache_config, scheduler_config, loaded.dtype, loaded.device, args.seed,
                          runtime)
     runner = ModelRunner(loaded.model, None, cache_config, scheduler_config, plan.num_blocks, plan.num_cpu_blocks,
-                         loaded.dtype, loaded.device, args.seed)
+                         loaded.dtype, loaded.device, args.seed, cuda_graphs=not args.enforce_eager)
     steps = 0
     with torch.inference_mode():
         while (message := runtime.channel.recv()) is not None:

@@ -61,6 +61,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no output text (checkpoints without a tokenizer)
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one per GPU; processes on the CPU)
+    enforce_eager: bool = False  # CUDA: no captured decode graphs (every step launched kernel by kernel)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -209,7 +210,8 @@ class LLMEngine:
         self.block_manager = BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark,
                                           cc.enable_prefix_caching, cc.hash_algo)
         self.runner = ModelRunner(self.model, self.block_manager, cc, sc, plan.num_blocks, plan.num_cpu_blocks,
-                                  self.dtype, self.device, self.args.seed, self.tp.channel if self.tp else None)
+                                  self.dtype, self.device, self.args.seed, self.tp.channel if self.tp else None,
+                                  cuda_graphs=not self.args.enforce_eager)
         self.runner.eos_token_ids = self.eos_token_ids
         self.scheduler = Scheduler(sc, cc, self.block_manager)
         tokens = plan.num_blocks * cc.block_size

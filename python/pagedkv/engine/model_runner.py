@@ -21,6 +21,7 @@ from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.scheduler import SchedulerOutput
 from pagedkv.core.sequence import Sequence
+from pagedkv.engine.cuda_graphs import DecodeGraphs
 from pagedkv.engine.step_batch import BlockOps, StepBatch
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.llama import LlamaForCausalLM
@@ -61,10 +62,12 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager | None, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0, channel: StepChannel | None = None) -> None:
+                 device: torch.device, seed: int = 0, channel: StepChannel | None = None,
+                 cuda_graphs: bool = False) -> None:
         """block_manager: the driver's (None on a tensor-parallel worker, which gets its batches built).
 
         channel: where a tensor-parallel driver sends each step to its workers.
+        cuda_graphs: on CUDA, capture decode steps now and replay them (pagedkv.engine.cuda_graphs).
         """
         self.model, self.bm, self.dtype, self.device, self.channel = model, block_manager, dtype, device, channel
         cfg = model.config
@@ -81,6 +84,10 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids: set[int] = set()  # set by the engine; banned before a request's min_tokens
         self.sampler = Sampler(self.generator)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(self, max_seqs, scheduler_config.max_model_len)
+            self.graphs.capture()
 
     # --- block copies --------------------------------------------------------
     def apply_block_ops(self, block_ops: BlockOps) -> None:
@@ -186,12 +193,34 @@ class ModelRunner:
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
 
     # --- one step --------------------------------------------------------------
+    def check_batch(self, batch: StepBatch) -> None:
+        """The kernels' index checks, once per step on the host arrays.
+
+        The forward then runs with the ops' own checks off: on CUDA they would
+        copy the metadata back and sync in every layer (and forbid graph
+        capture); on the CPU they would scan it again in every layer.
+        """
+        nd, num_blocks = batch.num_decode_tokens, self.kv_caches[0][0].shape[0]
+        ops.validate_decode_metadata(batch.block_tables[:nd], batch.seq_lens[:nd], num_blocks=num_blocks,
+                                     block_size=self.block_size, max_seq_len=batch.decode_max_seq_len,
+                                     slot_mapping=batch.slot_mapping)
+        if batch.num_prefills:
+            ops.validate_prefill_metadata(batch.block_tables[nd:], batch.seq_lens[nd:], batch.query_start_loc,
+                                          num_blocks=num_blocks, block_size=self.block_size,
+                                          num_tokens=batch.num_tokens - nd,
+                                          max_query_len=batch.prefill_max_query_len,
+                                          max_seq_len=batch.prefill_max_seq_len)
+
     @torch.inference_mode()
     def run_batch(self, block_ops: BlockOps, batch: StepBatch) -> torch.Tensor | None:
         """Block copies, forward, logits of the sampled rows: float32 [L, vocab] (None on tensor-parallel workers)."""
         self.apply_block_ops(block_ops)
+        self.check_batch(batch)
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         inputs = self.device_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        with ops.index_checks(False):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     @torch.inference_mode()
