@@ -134,7 +134,8 @@ PTXAS_PID=$!
 
 stage tests "${TEST_TIMEOUT:-180}" "$PY" -m pytest -q -rs -p no:cacheprovider --maxfail=30 \
   tests/test_cuda.py tests/test_index_checks.py tests/test_device_errors.py --junitxml="$LOG_DIR/test_cuda.xml"
-# The engine on CUDA against HF transformers on the same device (a tiny random Llama: no model package needed).
+# The engine on CUDA against HF transformers on the same device (a tiny random Llama: no model package needed),
+# decode steps through captured CUDA graphs and eagerly; with 2+ GPUs, tensor-parallel sizes 2/4/8 against size 1.
 stage engine "${ENGINE_TIMEOUT:-120}" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_engine_cuda.py
 
 if command -v compute-sanitizer >/dev/null 2>&1; then
