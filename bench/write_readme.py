@@ -66,7 +66,9 @@ same requests (random token ids, streamed, greedy, ignore_eos) at several Poisso
 end-to-end latency. The client runs on the same 2 cores as the server."""),
     ("Kernels (`bench/bench_kernels.py`)", None, ["kernels_cpu.png"], """\
 Decode attention against context length: the paged kernel, SDPA on the same K/V laid out contiguously,
-and gather-through-the-block-table + SDPA. Full tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
+gather-through-the-block-table + SDPA and vLLM CPU's own decode kernel (the last-level cache flushed before
+every call), the issue-10 target rows (`--targets`) and paged prefill vs causal SDPA (`--prefill`). Full
+tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
 (`--plot PATH` draws the picture, `--replot JSON --plot PATH` redraws it from a `--json` file)."""),
 ]
 

@@ -1,7 +1,6 @@
 // The allocating paged_attention op: sizes the output and v2 scratch and picks
 // v1 (one pass per sequence) or v2 (split-K over partitions + reduce).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "common/supported.h"
@@ -16,11 +15,10 @@ namespace pagedkv {
 //    (num_sms: the current device's multiprocessor count, 132 on an H200) v2's
 //    extra parallelism wins once a sequence spans more than one partition (the
 //    same shape of rule vLLM uses).
-//  - CPU (2-core AVX2 box, partition 512): v1 hands out (sequence, kv head)
-//    work items to threads. With fewer items than 2 per thread, v2 wins from
-//    3 partitions on (at 2 partitions the extra reduce costs more than it
-//    gains); with up to 8 items per thread it still wins 9-18% once a
-//    sequence spans 8+ partitions; with more items v1 is 2-7% faster.
+//  - CPU: never. The CPU v1 kernel splits long sequences across threads
+//    itself (pieces of the total KV length, merged in fp32 by the last piece,
+//    in one parallel region), which v2's partitions + separate reduce pass
+//    (with tmp_out rounded to the query dtype) only repeat at more cost.
 // The SM count of the query's CUDA device (0 for a CPU tensor), cached per device.
 static int64_t multiprocessor_count(const at::Tensor& query) {
 #ifdef PAGEDKV_WITH_CUDA
@@ -32,13 +30,9 @@ static int64_t multiprocessor_count(const at::Tensor& query) {
 bool should_use_v2(bool is_cuda, int64_t num_sms, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                    int64_t max_seq_len, int64_t partition_size) {
   const int64_t num_partitions = (max_seq_len + partition_size - 1) / partition_size;
-  if (num_partitions <= 1) return false;
+  if (num_partitions <= 1 || !is_cuda) return false;
   const int64_t work_items = num_seqs * num_kv_heads;
-  if (is_cuda) {
-    return max_seq_len > 8192 || work_items < 4 * num_sms;
-  }
-  const int64_t threads = at::get_num_threads();
-  return (work_items < 2 * threads && num_partitions >= 3) || (work_items <= 8 * threads && num_partitions >= 8);
+  return max_seq_len > 8192 || work_items < 4 * num_sms;
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,

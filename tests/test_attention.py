@@ -203,7 +203,7 @@ def test_decode_non_contiguous_query_and_out(dtype):
 @pytest.mark.parametrize("seq_lens", [[3, 70, 500, 1], [2500]], ids=["many_short", "one_long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paged_attention_allocating_op(dtype, seq_lens):
-    """The op picks v1 or v2 by shape (one long sequence on few threads takes v2)."""
+    """The allocating op (v1 on the CPU, which splits the long sequence across threads; v1 or v2 on CUDA)."""
     gen = make_generator("alloc", dtype, seq_lens)
     case = DecodeCase(gen, dtype, num_heads=4, num_kv_heads=1, head_size=64, block_size=16, seq_lens=seq_lens,
                       alibi=True)
@@ -238,6 +238,74 @@ def test_decode_empty_batch():
     with pytest.raises(RuntimeError, match=r"head_size 72 is not supported"):
         cache_72 = torch.zeros(4, 16, 2, 72)
         ops.paged_attention(torch.empty(0, 4, 72), cache_72, cache_72, tables, lens, 0.125)
+
+
+# ---- decode: work split by KV length (v1 cuts long sequences into pieces, then merges) ----
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"threads{n}")
+def num_threads(request):
+    """The v1 plan depends on the thread count (pieces per thread): run it under several."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_decode_v1_split_long_sequence(dtype, block_size, num_threads):
+    """One long sequence beside short ones: v1 cuts it into pieces at block boundaries and merges them."""
+    gen = make_generator("split", dtype, block_size, num_threads)
+    seq_lens = [3001, 0, 1, block_size, 257, 5 * block_size + 3]
+    case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=128, block_size=block_size,
+                      seq_lens=seq_lens, alibi=True)
+    out = case.run_v1()
+    assert_close(out, case.reference(), dtype)
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "seq_len 0 must give zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 7, 8], ids=lambda g: f"gqa{g}")
+def test_decode_every_group_size(dtype, group, num_threads):
+    """Query heads per kv head 1-8: head pairs x 4 tokens, then an odd head x 8 tokens, in every mix."""
+    gen = make_generator("group", dtype, group, num_threads)
+    seq_lens = [1, 2, 15, 16, 17, 700, 2049]
+    num_kv_heads = 2 if group < 8 else 1
+    case = DecodeCase(gen, dtype, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_size=64,
+                      block_size=16, seq_lens=seq_lens, alibi=group % 2 == 1)
+    expected = case.reference()
+    assert_close(case.run_v1(), expected, dtype)
+    assert_close(case.run_v2(256), expected, dtype)
+
+
+_SPLIT_VARIANT_SCRIPT = """
+import torch
+from pagedkv import ops, reference
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(11)
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)):
+    for heads, kv_heads, d in ((7, 1, 80), (9, 3, 64), (8, 8, 112)):
+        lens = torch.tensor([1500, 0, 33, 1], dtype=torch.int32)
+        table = torch.randperm(420, generator=g)[:4 * 100].view(4, 100).int()
+        kc = torch.randn(420, 16, kv_heads, d, generator=g).to(dtype)
+        vc = torch.randn(420, 16, kv_heads, d, generator=g).to(dtype)
+        q = torch.randn(4, heads, d, generator=g).to(dtype)
+        out = torch.empty_like(q)
+        ops.paged_attention_v1(out, q, kc, vc, table, lens, 0.1, 1500)
+        ref = reference.paged_attention(q, kc, vc, table, lens, 0.1)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+print(torch.ops.pagedkv.cpu_capability())
+"""
+
+
+def test_default_variant_split_and_half_types():
+    """The portable variant on the new decode paths: split sequences, odd groups, bf16/fp16, head sizes 80/112."""
+    env = dict(os.environ, PAGEDKV_CPU_CAPABILITY="default")
+    result = subprocess.run([sys.executable, "-c", _SPLIT_VARIANT_SCRIPT], env=env, capture_output=True, text=True,
+                            check=False, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "default"
 
 
 # ---- prefill ----------------------------------------------------------------------
