@@ -29,6 +29,9 @@ bench-all: install
 	$(PYTHON) bench/bench_prefix_cache.py --out-dir bench/results
 	$(PYTHON) bench/bench_throughput.py --json bench/results/throughput_cpu.json --out bench/results/throughput_cpu.md \
 		--plot bench/results/throughput_cpu.png
+	# tensor_parallel_cpu.md carries hand-written notes too: the fresh report goes beside it.
+	$(PYTHON) bench/bench_throughput.py --systems "" --tensor-parallel-size 2 --json bench/results/tensor_parallel_cpu.json \
+		--out bench/results/tensor_parallel_cpu_latest.md
 	# kernels_cpu.md carries hand-written notes on its run: the fresh table goes beside it.
 	$(PYTHON) bench/bench_kernels.py --all --json bench/results/kernels_cpu.json --plot bench/results/kernels_cpu.png \
 		> bench/results/kernels_cpu_latest.md

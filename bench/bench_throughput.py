@@ -550,10 +550,15 @@ def workload_line(wl: Workload, args: argparse.Namespace) -> str:
             f"max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching off")
 
 
-def report_markdown(table: str, pairs: str, info: dict, wl: Workload, args: argparse.Namespace) -> str:
+def report_header(info: dict, wl: Workload, args: argparse.Namespace) -> str:
     parts = ["# Offline throughput on the CPU (bench/bench_throughput.py)", ""]
     parts += [f"- {k}: {v}" for k, v in info.items()]
-    parts += [f"- workload: {workload_line(wl, args)}", f"- command: {' '.join(sys.argv)}", "", table, ""]
+    parts += [f"- workload: {workload_line(wl, args)}", f"- command: {' '.join(sys.argv)}", ""]
+    return "\n".join(parts)
+
+
+def report_markdown(table: str, pairs: str, info: dict, wl: Workload, args: argparse.Namespace) -> str:
+    parts = [report_header(info, wl, args), table, ""]
     parts += ["Notes:",
               "- Only the generate() wall time of the workload is timed: loading (vLLM's cold start included) and "
               "a 2-request warm-up are not.",
@@ -655,14 +660,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(results, wl)
     info = machine_info()
     table, pairs = markdown_table(rows, wl), agreement_table(results)
-    print(table)
+    if results:
+        print(table)
     if pairs:
         print("\n" + pairs)
     tp_rows, tp_text = [], ""
     if args.tensor_parallel_size > 1:
         tp_rows, tp_text = tensor_parallel_comparison(wl, warm, args, model_dir)
         print("\n" + tp_text)
-        pairs = (pairs + "\n\n" if pairs else "") + tp_text
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
@@ -670,7 +675,8 @@ def main(argv: list[str] | None = None) -> None:
              "results": [asdict(r) for r in results], "tensor_parallel": tp_rows}, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report_markdown(table, pairs, info, wl, args))
+        report = report_markdown(table, pairs, info, wl, args) if results else report_header(info, wl, args)
+        Path(args.out).write_text(report + ("\n## Tensor parallelism\n\n" + tp_text + "\n" if tp_text else ""))
     if args.plot:
         plot_throughput({"machine": info, "workload": workload_line(wl, args), "rows": rows}, args.plot)
 

@@ -64,6 +64,10 @@ redraws it from an earlier `--json` without running anything."""),
 vLLM's serving benchmark, run against `pagedkv serve` and vLLM's OpenAI server from its CPU backend on the
 same requests (random token ids, streamed, greedy, ignore_eos) at several Poisson rates: TTFT, TPOT, ITL and
 end-to-end latency. The client runs on the same 2 cores as the server."""),
+    ("Tensor parallelism (`bench/bench_throughput.py --tensor-parallel-size 2`)", "tensor_parallel_cpu.md", [],
+     """\
+The throughput workload at size 1 and sharded over 2 ranks (gloo, on the same 2 cores): step times and what the
+driver spends in collectives per step."""),
     ("Kernels (`bench/bench_kernels.py`)", None, ["kernels_cpu.png"], """\
 Decode attention against context length: the paged kernel, SDPA on the same K/V laid out contiguously,
 gather-through-the-block-table + SDPA and vLLM CPU's own decode kernel (the last-level cache flushed before
