@@ -200,3 +200,15 @@ def test_killed_worker_makes_the_server_answer_503(tiny_checkpoint):
     assert "BEFORE: 200" in out
     assert re.search(r"AFTER: 503 tensor-parallel worker died: rank 1", out), out
     assert "LATER: 503 server_error" in out and "HEALTH: 503" in out and "SHUTDOWN OK" in out
+
+
+def test_sharded_loading_reads_slices_equal_to_the_whole_tensor(tiny_checkpoint):
+    """Ranks load through CheckpointSlice (read on demand): its slices are the whole tensor's slices."""
+    from pagedkv.model.loader import CheckpointSlice, iter_safetensors
+
+    whole = dict(iter_safetensors(tiny_checkpoint))
+    for name, lazy in iter_safetensors(tiny_checkpoint, lazy=True):
+        assert isinstance(lazy, CheckpointSlice) and lazy.shape == whole[name].shape
+        n = lazy.shape[-1]
+        assert torch.equal(lazy.narrow(lazy.dim() - 1, n // 4, n // 2), whole[name].narrow(-1, n // 4, n // 2))
+        assert torch.equal(lazy[1:3], whole[name][1:3]) and torch.equal(lazy.read(), whole[name])

@@ -138,10 +138,10 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {self.config.architecture}")
-            with torch.no_grad():
+            with torch.no_grad():  # the loaders copy_ into the parameter, which converts the dtype
                 if shard is None:
-                    param.weight_loader(param, tensor.to(param.dtype))
+                    param.weight_loader(param, tensor)
                 else:
-                    param.weight_loader(param, tensor.to(param.dtype), shard)
+                    param.weight_loader(param, tensor, shard)
             loaded.add(target)
         return loaded

@@ -19,6 +19,7 @@ import torch
 
 from pagedkv.config import ModelConfig
 from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.parallel_state import get_tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +65,42 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of a (possibly sharded) safetensors checkpoint, one shard open at a time."""
+class CheckpointSlice:
+    """A checkpoint tensor not read yet: `narrow` and `[a:b]` read only the part asked for.
+
+    Under tensor parallelism each rank's weight loaders narrow the tensor to
+    their shard, so a rank reads (and holds) its shard, never the whole
+    tensor. Valid while its file is open (the next iteration step may close it).
+    """
+
+    def __init__(self, tensor_slice) -> None:
+        self._slice = tensor_slice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iter_safetensors(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """(name, tensor) for every tensor of a (possibly sharded) safetensors checkpoint, one shard open at a time.
+
+    lazy: yield CheckpointSlice objects instead (read on demand, a shard's worth at a time).
+    """
     from safetensors import safe_open
 
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                yield name, CheckpointSlice(f.get_slice(name)) if lazy else f.get_tensor(name)
 
 
 def load_gguf(source: ModelSource) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
@@ -89,7 +118,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
     if source.gguf_file:
         hf_config, weights = load_gguf(source)
     else:
-        hf_config, weights = json.loads((source.path / "config.json").read_text()), iter_safetensors(source.path)
+        # Sharded: read each tensor's slice only (at size 1 a whole read is the same and simpler).
+        hf_config = json.loads((source.path / "config.json").read_text())
+        weights = iter_safetensors(source.path, lazy=get_tp_size() > 1)
     cfg = ModelConfig.from_hf(hf_config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
