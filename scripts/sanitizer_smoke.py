@@ -12,22 +12,18 @@ sanitizer every memory access is instrumented.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from pagedkv import ops, reference
 
-ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+# The emulation's case builders and tolerances, so that both runs check the kernels alike.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emulation"))
+from check_kernels import ATOL, make_tables  # noqa: E402
 
 
 def tables_for(seq_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    per_seq = [max(1, -(-n // block_size)) for n in seq_lens]
-    num_blocks = sum(per_seq) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32)
-    start = 0
-    for s, n in enumerate(per_seq):
-        table[s, :n] = perm[start : start + n].int()
-        start += n
+    table, num_blocks = make_tables(seq_lens, block_size, gen, extra=2)
     return table.cuda(), num_blocks
 
 
