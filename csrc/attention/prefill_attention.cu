@@ -47,6 +47,21 @@ struct PrefillParams {
   int log2_block_size;    // block_size is a power of two
 };
 
+// One sequence's query rows and context, clamped so that no index leaves query/out or the
+// block-table row, whatever the inputs hold. Both prefill kernels start from it.
+struct SeqRange {
+  int q_begin;  // its first row in query/out
+  int q_len;    // its new tokens
+  int seq_len;  // all its tokens, the new ones included
+};
+
+__device__ __forceinline__ SeqRange clamped_seq_range(const PrefillParams& p, int seq) {
+  const int q_begin = min(max(p.query_start_loc[seq], 0), p.num_tokens);
+  const int q_end = min(max(p.query_start_loc[seq + 1], q_begin), p.num_tokens);
+  const int seq_len = max(0, min(p.kv.seq_lens[seq], p.kv.max_blocks_per_seq * p.kv.block_size));
+  return {q_begin, q_end - q_begin, seq_len};
+}
+
 template <int D>
 struct PrefillShape {
   // Accumulator registers per thread = 4 rows x D / (kPrefillThreads / (kRows / 4)) dims.
@@ -98,11 +113,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
   const int chunk = blockIdx.y % p.num_chunks;
   const int seq = blockIdx.z;
 
-  // Clamped so that no index leaves query/out or the block-table row, whatever the inputs hold.
-  const int q_begin = min(max(p.query_start_loc[seq], 0), p.num_tokens);
-  const int q_end = min(max(p.query_start_loc[seq + 1], q_begin), p.num_tokens);
-  const int q_len = q_end - q_begin;
-  const int seq_len = max(0, min(p.kv.seq_lens[seq], p.kv.max_blocks_per_seq * p.kv.block_size));
+  const SeqRange range = clamped_seq_range(p, seq);
+  const int q_begin = range.q_begin, q_len = range.q_len, seq_len = range.seq_len;
   const int qt = p.tokens_per_tile;
   const int hc = p.heads_per_chunk;
   // Query tiles are strided over the grid: a q_len above the max_query_len the grid was
@@ -385,11 +397,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
   const int chunk = blockIdx.y % p.num_chunks;
   const int seq = blockIdx.z;
 
-  // Clamped so that no index leaves query/out or the block-table row, whatever the inputs hold.
-  const int q_begin = min(max(p.query_start_loc[seq], 0), p.num_tokens);
-  const int q_end = min(max(p.query_start_loc[seq + 1], q_begin), p.num_tokens);
-  const int q_len = q_end - q_begin;
-  const int seq_len = max(0, min(p.kv.seq_lens[seq], p.kv.max_blocks_per_seq * p.kv.block_size));
+  const SeqRange range = clamped_seq_range(p, seq);
+  const int q_begin = range.q_begin, q_len = range.q_len, seq_len = range.seq_len;
   const int qt = p.tokens_per_tile;
   const int hc = p.heads_per_chunk;
   const int head0 = kv_head * p.group_size + chunk * hc;
