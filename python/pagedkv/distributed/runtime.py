@@ -255,8 +255,7 @@ class TPRuntime:
         """Start-up failed on the driver: the workers may sit in any collective, so kill them rather than ask."""
         if not self.closed:
             self.closed = True
-            self._kill_workers()
-            self._leave()
+            self._leave()  # kills the workers first
 
     def _leave(self) -> None:
         self._kill_workers()

@@ -41,7 +41,7 @@ def serve_steps(runtime: TPRuntime, args: EngineArgs) -> int:
     steps = 0
     with torch.inference_mode():
         while (message := runtime.channel.recv()) is not None:
-            runner.run_batch(*message)
+            runner.run_batch(*message, checked=True)  # the driver checked it before sending
             steps += 1
     return steps
 

@@ -212,10 +212,15 @@ class ModelRunner:
                                           max_seq_len=batch.prefill_max_seq_len)
 
     @torch.inference_mode()
-    def run_batch(self, block_ops: BlockOps, batch: StepBatch) -> torch.Tensor | None:
-        """Block copies, forward, logits of the sampled rows: float32 [L, vocab] (None on tensor-parallel workers)."""
+    def run_batch(self, block_ops: BlockOps, batch: StepBatch, checked: bool = False) -> torch.Tensor | None:
+        """Block copies, forward, logits of the sampled rows: float32 [L, vocab] (None on tensor-parallel workers).
+
+        checked: `check_batch` has passed already (the driver checks before it sends a step to the workers).
+        A batch that fails the check raises before any block moves.
+        """
+        if not checked:
+            self.check_batch(batch)
         self.apply_block_ops(block_ops)
-        self.check_batch(batch)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         inputs = self.device_inputs(batch)
@@ -228,9 +233,10 @@ class ModelRunner:
         """Runs the step; returns the sequences whose next token was sampled, and those tokens (same order)."""
         block_ops = BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         batch, rows = self.build_batch(out)
+        self.check_batch(batch)  # before the workers see it: a bad batch stops here, on every rank
         if self.channel is not None:  # the workers start on the step while the driver does too
             self.channel.send_step(block_ops, batch)
-        logits = self.run_batch(block_ops, batch)
+        logits = self.run_batch(block_ops, batch, checked=True)
         if any(s.is_fork_point for s in rows):
             rows, repeats = self._expand_forks(rows)
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
