@@ -57,6 +57,11 @@ import torch
 import torch.nn.functional as F
 from pagedkv import ops, reference
 
+try:
+    from pagedkv import host_memory
+except ImportError:  # an older build of the package
+    host_memory = None
+
 HEAD_CONFIGS = [(9, 3, 64), (32, 8, 128)]  # (num_heads, num_kv_heads, head_size): SmolLM2-135M, Llama-3-8B
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCK_SIZE = 16
@@ -223,7 +228,9 @@ class VllmKernel:
     """
 
     def __init__(self, venv: str, threads: int, block_size: int) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        # THP_MEM_ALLOC_ENABLE: torch backs vLLM's cache with huge pages too, as pagedkv's
+        # (host_cache), so the two kernels read the same kind of memory.
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), THP_MEM_ALLOC_ENABLE="1")
         env.pop("PYTHONPATH", None)  # our package and its torch must not leak into vLLM's
         self.block_size = block_size
         self.proc = subprocess.Popen([os.path.join(venv, "bin", "python"), VLLM_RUNNER, str(threads)],
@@ -284,6 +291,15 @@ def start_vllm(args: argparse.Namespace) -> list[VllmKernel]:
 # ---- inputs ---------------------------------------------------------------------------------------
 
 
+def host_cache(values: torch.Tensor) -> torch.Tensor:
+    """A CPU cache in the memory the engine gives it (huge pages where the host allows); other devices unchanged."""
+    if values.device.type != "cpu" or host_memory is None:
+        return values
+    cache = host_memory.empty_huge_pages(tuple(values.shape), values.dtype)
+    cache.copy_(values)
+    return cache
+
+
 def make_decode_inputs(case: DecodeCase, device: str, seed: int, contiguous_kv: bool = True) -> DecodeInputs:
     # Random values are drawn on the device (fast on a GPU); the block permutation on the CPU.
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -291,8 +307,8 @@ def make_decode_inputs(case: DecodeCase, device: str, seed: int, contiguous_kv: 
     blocks_per_seq = math.ceil(case.context / case.block_size)
     num_blocks = case.batch * blocks_per_seq
     cache_shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_size)
-    key_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
-    value_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+    key_cache = host_cache(torch.randn(cache_shape, generator=gen, device=device, dtype=dtype))
+    value_cache = host_cache(torch.randn(cache_shape, generator=gen, device=device, dtype=dtype))
     block_tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
     inputs = DecodeInputs(
         query=torch.randn(case.batch, case.num_heads, case.head_size, generator=gen, device=device, dtype=dtype),
@@ -750,6 +766,10 @@ def machine_info(device: str) -> dict:
     capability = getattr(torch.ops.pagedkv, "cpu_capability", None)
     if capability is not None:
         info["pagedkv_cpu_kernels"] = capability()
+    if device == "cpu":
+        huge = host_memory is not None and host_memory.huge_pages_available()
+        info["cpu_kv_cache_pages"] = ("2 MiB transparent huge pages (madvise), pagedkv and vLLM alike" if huge
+                                      else "4 KiB (no transparent huge pages)")
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
