@@ -62,6 +62,28 @@ __device__ __forceinline__ SeqRange clamped_seq_range(const PrefillParams& p, in
   return {q_begin, q_end - q_begin, seq_len};
 }
 
+// One tile of a CTA's query rows: row r = (query token q0 + r / hc, query head
+// r % hc of the CTA's chunk of num_q_heads heads); both prefill kernels walk tiles alike.
+struct QueryTile {
+  int q0, q_len, qt, hc, num_q_heads;
+  int ctx_len;  // position of the sequence's first new token
+  int kv_end;  // keys [0, kv_end) are visible to some row of the tile
+
+  // Position of row r's token in its sequence, or -1 when r is not a row of the tile.
+  __device__ __forceinline__ int row_pos(int r) const {
+    const int qi = r / hc;
+    if (qi >= qt || r % hc >= num_q_heads || q0 + qi >= q_len) return -1;
+    return max(-1, ctx_len + q0 + qi);
+  }
+};
+
+__device__ __forceinline__ QueryTile query_tile(int q0, int q_len, int seq_len, int qt, int hc, int num_q_heads) {
+  const int ctx_len = seq_len - q_len;
+  const int last_q = min(q0 + qt, q_len) - 1;
+  const int kv_end = max(0, min(seq_len, ctx_len + last_q + 1));
+  return {q0, q_len, qt, hc, num_q_heads, ctx_len, kv_end};
+}
+
 template <int D>
 struct PrefillShape {
   // Accumulator registers per thread = 4 rows x D / (kPrefillThreads / (kRows / 4)) dims.
@@ -123,22 +145,14 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
     __syncthreads();  // the previous query tile is done with the shared buffers
     const int head0 = kv_head * p.group_size + chunk * hc;
     const int num_q_heads = min(hc, p.group_size - chunk * hc);
-    const int ctx_len = seq_len - q_len;  // position of the first new token
-    const int last_q = min(tile_q0 + qt, q_len) - 1;
-    const int kv_end = max(0, min(seq_len, ctx_len + last_q + 1));  // keys visible to some row
-
-    // Row r = (query token tile_q0 + r / hc, head head0 + r % hc); -1 = not a row.
-    auto row_pos = [&](int r) -> int {
-      const int qi = r / hc;
-      if (qi >= qt || r % hc >= num_q_heads || tile_q0 + qi >= q_len) return -1;
-      return max(-1, ctx_len + tile_q0 + qi);
-    };
+    const QueryTile tile = query_tile(tile_q0, q_len, seq_len, qt, hc, num_q_heads);
+    const int kv_end = tile.kv_end;
 
     for (int i = tid; i < kRows * D; i += kPrefillThreads) {
       const int r = i / D;
       const int d = i % D;
       float x = 0.f;
-      if (row_pos(r) >= 0) {
+      if (tile.row_pos(r) >= 0) {
         const T* q_row = static_cast<const T*>(p.query) + (q_begin + tile_q0 + r / hc) * p.query_stride +
                          int64_t(head0 + r % hc) * D;
         x = to_float(q_row[d]) * p.scale;
@@ -220,7 +234,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = irg + i * kRG;
-          const int qpos = row_pos(r);
+          const int qpos = tile.row_pos(r);
 #pragma unroll
           for (int j = 0; j < kKT; ++j) {
             const int t = itg + kKG * j;
@@ -296,7 +310,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = rg + i * kRG;
-      if (row_pos(r) < 0) continue;
+      if (tile.row_pos(r) < 0) continue;
       const float l = s_l[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0: every key masked (bad block ids): zeros
       T* o_row = static_cast<T*>(p.out) + (q_begin + tile_q0 + r / hc) * p.out_stride + int64_t(head0 + r % hc) * D;
@@ -403,7 +417,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
   const int hc = p.heads_per_chunk;
   const int head0 = kv_head * p.group_size + chunk * hc;
   const int num_q_heads = min(hc, p.group_size - chunk * hc);
-  const int ctx_len = seq_len - q_len;  // position of the first new token
 
   const int32_t* table = p.kv.block_tables + int64_t(seq) * p.kv.max_blocks_per_seq;
   const int64_t token_stride = int64_t(p.kv.num_kv_heads) * D;
@@ -413,15 +426,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
   // Query tiles are strided over the grid: a q_len above the max_query_len the grid was
   // sized for (index checks off) costs time, never unwritten rows.
   for (int tile_q0 = blockIdx.x * qt; tile_q0 < q_len; tile_q0 += gridDim.x * qt) {
-    const int last_q = min(tile_q0 + qt, q_len) - 1;
-    const int kv_end = max(0, min(seq_len, ctx_len + last_q + 1));  // keys visible to some row
-
-    // Row r = (query token tile_q0 + r / hc, head head0 + r % hc); -1 = not a row.
-    auto row_pos = [&](int r) -> int {
-      const int qi = r / hc;
-      if (qi >= qt || r % hc >= num_q_heads || tile_q0 + qi >= q_len) return -1;
-      return max(-1, ctx_len + tile_q0 + qi);
-    };
+    const QueryTile tile = query_tile(tile_q0, q_len, seq_len, qt, hc, num_q_heads);
+    const int kv_end = tile.kv_end;
 
     __syncthreads();  // the previous query tile is done with s_q / s_k / s_v
     if (kv_end > 0) {
@@ -432,7 +438,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
       const int r = i / Shape::kChunksPerRow;
       const int c = i % Shape::kChunksPerRow;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (row_pos(r) >= 0) {
+      if (tile.row_pos(r) >= 0) {
         const T* q_row = static_cast<const T*>(p.query) + (q_begin + tile_q0 + r / hc) * p.query_stride +
                          int64_t(head0 + r % hc) * D;
         v = load16_any(q_row + c * 8);
@@ -441,7 +447,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
     }
 
     const int r0 = warp * 16 + g;  // this lane's two rows
-    const int pos_r[2] = {row_pos(r0), row_pos(r0 + 8)};
+    const int pos_r[2] = {tile.row_pos(r0), tile.row_pos(r0 + 8)};
     float o[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
