@@ -202,7 +202,7 @@ inline float hmax(const Vec& v) {
 struct DecodeScratch {
   std::vector<float> q;       // [heads, D], pre-scaled, chunk order
   std::vector<float> acc;     // [heads, D], unnormalized output, chunk order
-  std::vector<float> logits;  // [G, kMaxBlockSize] of the kv head in progress; probabilities after the update
+  std::vector<float> logits;  // [heads, kMaxBlockSize] of the block in progress; probabilities after the update
   std::vector<float> m, l;    // [heads] running max and sum of exp
   volatile float sink = 0.f;  // keeps the loads of touch_lines (never read)
 };
