@@ -70,18 +70,49 @@ inline float hsum(const Vec& v) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Prefetches every cache line of [p, p + bytes) into L2. Decode calls it for the
-// next block once, as it starts a block: blocks are scattered, so the hardware
-// prefetchers only find a block's stream after its first misses, and a small
-// block (9/3x64 heads: 12 KiB of fp32 K) is half over by then. Measured on the
-// target rows, interleaved, LLC flushed (AMD Zen 3, 2026-11-30): without it decode
-// took 1.1-1.35x as long; prefetching 2 or 3 blocks ahead, or spreading the
-// prefetches over the arithmetic, was 3-25% slower than this.
-template <typename T>
-inline void prefetch_lines(const T* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
-}
+// Prefetches the K and V rows of the next block into L2, kLinesPerStep cache
+// lines at a time: decode calls step() after every tile of its arithmetic on the
+// current block, so memory keeps reading the next block while the core computes
+// instead of idling until the next block's first misses. Blocks are scattered,
+// so the hardware prefetchers only find a block's stream after those misses.
+// Measured on the target rows (interleaved, LLC flushed, AMD Zen 3, 2026-11-30):
+// against prefetching the whole next block at once as a block starts (the
+// prefetches then stall the core behind full miss buffers before it computes),
+// 1.0-1.3x faster on every row; 4 or 16 lines per step, prefetching only the first
+// lines of each 4 KiB page (to start the hardware streams), or prefetching the
+// current block's V during QK^T and the next block's K during PV were no faster.
+class BlockPrefetcher {
+ public:
+  static constexpr int kLinesPerStep = 8;
+  static constexpr int kStepBytes = 64 * kLinesPerStep;
+
+  BlockPrefetcher() = default;
+  // Rows of the next block: [k, k + bytes) and [v, v + bytes).
+  BlockPrefetcher(const void* k, const void* v, int64_t bytes) {
+    begin_[0] = static_cast<const char*>(k);
+    begin_[1] = static_cast<const char*>(v);
+    end_[0] = begin_[0] + bytes;
+    end_[1] = begin_[1] + bytes;
+    cur_ = begin_[0];
+    range_ = 0;
+  }
+
+  inline void step() {
+    if (range_ > 1) return;
+    // A step may run up to kStepBytes - 64 bytes past a range's end: a prefetch
+    // never faults, and the extra lines are the next rows of the cache at worst.
+#pragma GCC unroll 8
+    for (int i = 0; i < kLinesPerStep; ++i) __builtin_prefetch(cur_ + 64 * i, 0, 2);
+    cur_ += kStepBytes;
+    if (cur_ >= end_[range_] && ++range_ <= 1) cur_ = begin_[range_];
+  }
+
+ private:
+  const char* begin_[2] = {nullptr, nullptr};
+  const char* end_[2] = {nullptr, nullptr};
+  const char* cur_ = nullptr;
+  int range_ = 2;  // 0: K, 1: V, 2: done (or nothing to prefetch)
+};
 
 // Loads one vector from every 64-byte line of [p, p + bytes), in address order,
 // and returns a value made from them (the caller keeps it, so the loads stay).
@@ -246,16 +277,19 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits)
 // last odd head x 8 tokens. Rows up to round_up(n, 8) <= block_size exist in the
 // block (block sizes are multiples of 8); their extra logits are masked later.
 template <typename T, int D>
-inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits) {
+inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits,
+                     BlockPrefetcher& next) {
   int64_t g = 0;
   for (; g + 2 <= G; g += 2) {
     for (int t = 0; t < n; t += 4) {
       qk_tile<T, D, 2, 4>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
+      next.step();
     }
   }
   if (g < G) {
     for (int t = 0; t < n; t += 8) {
       qk_tile<T, D, 1, 8>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
+      next.step();
     }
   }
 }
@@ -264,7 +298,7 @@ inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, in
 // across the block's tokens, two vectors of head_size at a time, and each V chunk
 // is widened once for the NG heads.
 template <typename T, int D, int NG>
-inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc) {
+inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc, BlockPrefetcher& next) {
   constexpr int P = kParts<T>;
   constexpr int NC = P == 2 ? 1 : ((D / kW) % 2 == 0 ? 2 : 1);  // chunks per step
   constexpr int NV = NC * P;                                     // vectors per step
@@ -282,21 +316,23 @@ inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float*
     }
     for (int j = 0; j < NG; ++j)
       for (int i = 0; i < NV; ++i) a[j][i].store(acc + j * D + c + i * kW);
+    next.step();
   }
 }
 
 // PV for G heads in groups of up to 4 (registers: 4 heads x 2 vectors + the V row).
 template <typename T, int D>
-inline void pv_block(const float* p, int64_t G, const T* v, int64_t v_stride, int n, float* acc) {
+inline void pv_block(const float* p, int64_t G, const T* v, int64_t v_stride, int n, float* acc,
+                     BlockPrefetcher& next) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) pv_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+  for (; g + 4 <= G; g += 4) pv_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
   switch (G - g) {
     case 3:
-      return pv_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      return pv_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
     case 2:
-      return pv_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      return pv_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
     case 1:
-      return pv_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D);
+      return pv_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
     default:
       return;
   }
@@ -371,12 +407,14 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
     const T* k = key_cache + block_offset;
     const T* v = value_cache + block_offset;
     // Measured on the target rows (interleaved, LLC flushed, 2026-11-30): the sweep
-    // made fp32 9/3x64 decode 1.26-1.57x and bf16 1.13-1.36x faster, fp32 32/8x128 within noise.
+    // made fp32 9/3x64 decode 1.26-1.57x and bf16 1.13-1.36x faster, fp32 32/8x128 within
+    // noise; with the next block prefetched during the arithmetic, dropping it still
+    // lost 1.1-1.5x on the 9/3x64 rows.
     s.sink = touch_lines(k, block_bytes) + touch_lines(v, block_bytes);
+    BlockPrefetcher next;
     if (b + 1 < end_block) {
-      const int64_t next = static_cast<int64_t>(table[b + 1]) * bs * row_stride;
-      prefetch_lines(key_cache + next, block_bytes);
-      prefetch_lines(value_cache + next, block_bytes);
+      const int64_t next_offset = static_cast<int64_t>(table[b + 1]) * bs * row_stride;
+      next = BlockPrefetcher(key_cache + next_offset, value_cache + next_offset, block_bytes);
     }
     const int64_t token0 = b * bs;
     // A split task may start inside a block: tokens before w.begin are masked out.
@@ -386,10 +424,9 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
     // stretch of [num_kv_heads, D], so a pass over the rows for one head after
     // the other walks every row's memory in order and the hardware stream
     // prefetchers fetch all of the block's rows at once. Alternating K and V
-    // head by head (twice the streams) read ~1.4x slower from memory, and software
-    // prefetches of the next block gained nothing over this (AMD Zen 3, 2026-11-30).
+    // head by head (twice the streams) read ~1.4x slower from memory (AMD Zen 3, 2026-11-30).
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-      qk_block<T, D>(s.q.data() + h * G * D, G, k + h * D, row_stride, n, logits + h * G * kMaxBlockSize);
+      qk_block<T, D>(s.q.data() + h * G * D, G, k + h * D, row_stride, n, logits + h * G * kMaxBlockSize, next);
     }
     for (int64_t head = 0; head < heads; ++head) {
       float* row = logits + head * kMaxBlockSize;
@@ -401,7 +438,7 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
       softmax_update<D>(row, n, s.m[head], s.l[head], s.acc.data() + head * D);
     }
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-      pv_block<T, D>(logits + h * G * kMaxBlockSize, G, v + h * D, row_stride, n, s.acc.data() + h * G * D);
+      pv_block<T, D>(logits + h * G * kMaxBlockSize, G, v + h * D, row_stride, n, s.acc.data() + h * G * D, next);
     }
   }
 }
