@@ -83,7 +83,7 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // Measured on the target rows (interleaved, LLC flushed, AMD Zen 3, 2026-11-30):
 // against prefetching the whole next block at once as a block starts (the
 // prefetches then stall the core behind full miss buffers before it computes),
-// 1.0-1.3x faster on every row; 4 or 16 lines per step, prefetching only the first
+// 0.94-1.41x, most rows 1.1-1.3x; 4 or 16 lines per step, prefetching only the first
 // lines of each 4 KiB page (to start the hardware streams), or prefetching the
 // current block's V during QK^T and the next block's K during PV were no faster.
 class BlockPrefetcher {
