@@ -768,6 +768,12 @@ void pv_tile_rows(const float* vf, const float* probs, int64_t rp, int n_keys, f
   }
 }
 
+// Element offset of token `pos`'s row in a cache whose rows are row_stride apart,
+// through the sequence's block table.
+inline int64_t token_row_offset(const int32_t* table, int64_t bs, int64_t row_stride, int64_t pos) {
+  return (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+}
+
 // Prefetches the K and V rows of keys [k0, k0 + n) of one kv head into L2. The
 // rows are scattered over blocks and a tile's arithmetic takes far longer than
 // fetching them, so the next tile's rows are asked for while this tile computes.
@@ -775,8 +781,7 @@ template <typename T, int D>
 inline void prefetch_key_tile(const T* key_cache, const T* value_cache, const int32_t* table, int64_t bs,
                               int64_t row_stride, int64_t k0, int n) {
   for (int t = 0; t < n; ++t) {
-    const int64_t pos = k0 + t;
-    const int64_t offset = (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+    const int64_t offset = token_row_offset(table, bs, row_stride, k0 + t);
     for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(key_cache + offset) + byte, 0, 2);
       __builtin_prefetch(reinterpret_cast<const char*>(value_cache + offset) + byte, 0, 2);
@@ -789,8 +794,7 @@ template <typename T, int D>
 inline void load_key_tile(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t k0, int n,
                           float* dst) {
   for (int t = 0; t < n; ++t) {
-    const int64_t pos = k0 + t;
-    const T* row = cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+    const T* row = cache + token_row_offset(table, bs, row_stride, k0 + t);
     for (int c = 0; c < D; c += kW) load_f32(row + c).store(dst + t * D + c);
   }
 }
