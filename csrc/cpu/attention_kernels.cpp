@@ -44,11 +44,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kMaxBlockSize = 32;
 // Prefill: keys per tile, and query rows (tokens x heads) aimed at per tile. Every
 // query tile reads all of its keys once, so larger tiles read K/V fewer times.
-// Measured interleaved on one 2048-token prompt at 32/8x128 heads (AMD Zen 3,
-// 2026-11-30): without the next key tile prefetched (prefetch_key_tile), 64 rows
-// were 1.15-1.25x faster than 32; with it, 32 and 64 are within 3%, and 64 keeps
-// half the K/V traffic. 96-256 rows were no faster and slower on 512-token prompts
-// (fewer, longer tasks); the tile's Q and output ([D, rows] fp32 each) fit in L2.
+// Measured interleaved on 32/8x128 heads (AMD Zen 3, 2026-11-30): 64 rows were
+// 1.07-1.29x faster than 32 on one 2048-token prompt and on four 512-token ones;
+// 96-256 rows were no faster and slower on 512-token prompts (fewer, longer tasks);
+// the tile's Q and output ([D, rows] fp32 each) fit in L2. Prefetching the next key
+// tile's rows while a tile computes measured 0.93-1.13x (no gain) and was dropped.
 constexpr int kKeyTile = 32;
 constexpr int kPrefillRows = 64;
 
@@ -768,33 +768,13 @@ void pv_tile_rows(const float* vf, const float* probs, int64_t rp, int n_keys, f
   }
 }
 
-// Element offset of token `pos`'s row in a cache whose rows are row_stride apart,
-// through the sequence's block table.
-inline int64_t token_row_offset(const int32_t* table, int64_t bs, int64_t row_stride, int64_t pos) {
-  return (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
-}
-
-// Prefetches the K and V rows of keys [k0, k0 + n) of one kv head into L2. The
-// rows are scattered over blocks and a tile's arithmetic takes far longer than
-// fetching them, so the next tile's rows are asked for while this tile computes.
-template <typename T, int D>
-inline void prefetch_key_tile(const T* key_cache, const T* value_cache, const int32_t* table, int64_t bs,
-                              int64_t row_stride, int64_t k0, int n) {
-  for (int t = 0; t < n; ++t) {
-    const int64_t offset = token_row_offset(table, bs, row_stride, k0 + t);
-    for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(key_cache + offset) + byte, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(value_cache + offset) + byte, 0, 2);
-    }
-  }
-}
-
 // Copy keys [k0, k0 + n) of one kv head into a dense fp32 tile [kKeyTile, D].
 template <typename T, int D>
 inline void load_key_tile(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t k0, int n,
                           float* dst) {
   for (int t = 0; t < n; ++t) {
-    const T* row = cache + token_row_offset(table, bs, row_stride, k0 + t);
+    const int64_t pos = k0 + t;
+    const T* row = cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
     for (int c = 0; c < D; c += kW) load_f32(row + c).store(dst + t * D + c);
   }
 }
@@ -839,10 +819,6 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
     const int n = static_cast<int>(std::min<int64_t>(kKeyTile, task.key_end - k0));
     load_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, s.kf.data());
     load_key_tile<T, D>(value_cache, table, bs, row_stride, k0, n, s.vf.data());
-    if (k0 + kKeyTile < task.key_end) {
-      const int next = static_cast<int>(std::min<int64_t>(kKeyTile, task.key_end - k0 - kKeyTile));
-      prefetch_key_tile<T, D>(key_cache, value_cache, table, bs, row_stride, k0 + kKeyTile, next);
-    }
     // Keys up to round_up(n, 4) are multiplied; rows t >= n are never read afterwards.
     qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
     const bool needs_mask = k0 + n - 1 > min_pos;
