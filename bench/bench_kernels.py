@@ -86,6 +86,12 @@ TARGET_READ_BW_FRACTION = 0.8
 TOLERANCES = {"fp32": (2e-5, 1e-4), "fp16": (1e-3, 1e-3), "bf16": (1e-2, 1e-2)}
 # Read before every timed call: larger than the last-level cache (32 MiB here, 50 MiB on an H200).
 FLUSH_BYTES = 96 << 20
+# Idle time before every timed call on the CPU. After a parallel region, libgomp's worker
+# threads spin-wait for a few milliseconds; with vLLM's kernel in a second process, each
+# side's spinning workers took a core from the other's next call. Measured on B1 ctx 4096
+# 32/8x128 fp32 (2 cores, 2026-11-30): with no pause, pagedkv 4.9-5.3 ms and vLLM 4.9-6.4 ms;
+# with 5-50 ms, 3.2-3.4 ms and 4.0-4.4 ms, flat from 5 ms on.
+SETTLE_S = 0.01
 VLLM_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_kernel_runner.py")
 
 
@@ -158,8 +164,10 @@ class CacheFlusher:
 
 
 def timer(fn: Callable[[], object], device: str, flush: Callable[[], None] | None = None) -> Callable[[], float]:
-    """A contender for time_interleaved: flushes the cache (untimed), then times one call of fn."""
+    """A contender for time_interleaved: settles and flushes the cache (untimed), then times one call of fn."""
     def run() -> float:
+        if device == "cpu":
+            time.sleep(SETTLE_S)
         if flush is not None:
             flush()
         return time_once(fn, device)
@@ -271,6 +279,7 @@ class VllmKernel:
                     os.remove(path)
 
     def timer(self) -> float:
+        time.sleep(SETTLE_S)  # as `timer` does for the in-process contenders
         return self.request(cmd="time", reps=1)["times_s"][0]
 
     def close(self) -> None:
