@@ -373,8 +373,8 @@ def read_contender(inputs: DecodeInputs) -> Callable:
 
     Timed interleaved with the kernels, it follows the box's drift (its memory speed moves by
     a third within minutes, so one rate per run misjudges the rows timed later), and it reads
-    the same pages as the kernel: a separate buffer of the same size read anywhere from 12.9
-    to 21.4 GB/s from one row to the next, as placement in the VM's memory went.
+    the same pages as the kernel, where a separate buffer of the same size, timed in the row,
+    read anywhere from 12.9 to 21.4 GB/s from one run to the next.
     """
     key, value = inputs.key_cache.view(torch.float32), inputs.value_cache.view(torch.float32)
     return lambda: (key.sum(), value.sum())
