@@ -279,6 +279,26 @@ def test_decode_every_group_size(dtype, group, num_threads):
     assert_close(case.run_v2(256), expected, dtype)
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size",
+    [(16, 16, 128), (80, 16, 128), (48, 16, 256), (32, 32, 80), (32, 8, 128)],
+    ids=["mha", "gqa5", "gqa3", "mha80", "gqa4"],
+)
+def test_decode_wide_rows(num_heads, num_kv_heads, head_size, dtype, block_size, num_threads):
+    """Token rows of 4 KiB and more are streamed in groups of 8 rows (the rest are swept a block
+    at a time): every group size, partial blocks and groups, split sequences, ALiBi, v1 and v2."""
+    gen = make_generator("wide", num_heads, num_kv_heads, head_size, dtype, block_size, num_threads)
+    seq_lens = [1, 5, block_size, block_size + 3, 300, 1100]
+    case = DecodeCase(gen, dtype, num_heads, num_kv_heads, head_size=head_size, block_size=block_size,
+                      seq_lens=seq_lens, alibi=num_heads % 3 == 0)
+    expected = case.reference()
+    assert_close(case.run_v1(), expected, dtype)
+    if num_threads == 2:
+        assert_close(case.run_v2(256), expected, dtype)
+
+
 _SPLIT_VARIANT_SCRIPT = """
 import torch
 from pagedkv import ops, reference

@@ -142,6 +142,58 @@ inline float touch_lines(const void* p, int64_t bytes) {
   return lanes[0];
 }
 
+// Prefetches a task's blocks in the order the streamed decode consumes them (the K
+// rows of block b, then its V rows, then block b + 1), kLeadLines cache lines ahead
+// of the consumer, which reports how far it has got with advance_to. Wide token
+// rows (see kStreamRowBytes) are consumed in groups of whole rows, close to memory
+// order, so a fixed lead keeps the misses in flight while the core computes.
+// Measured on fp32 32/8x128 and 32/32x128 (interleaved, LLC flushed, AMD Zen 3,
+// 2026-12-01): a lead of 512 lines was 0.97-1.15x a lead of 256 and 1.13x one of 128.
+class StreamPrefetcher {
+ public:
+  static constexpr int64_t kLeadLines = 512;
+
+  // Blocks [first, end) of a task: block b's K rows are
+  // [k_cache + table[b] * block_bytes, + range_bytes), its V rows the same in v_cache.
+  StreamPrefetcher(const void* k_cache, const void* v_cache, const int32_t* table, int64_t first, int64_t end,
+                   int64_t block_bytes, int64_t range_bytes)
+      : cache_{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache)},
+        table_(table), block_(first), end_(end), block_bytes_(block_bytes), range_bytes_(range_bytes) {
+    if (block_ < end_) base_ = cache_[0] + table_[block_] * block_bytes_;
+  }
+
+  // The consumer has read the first `consumed` lines of the task's stream
+  // (block i of the task starts at line 2 * i * range_lines, its V rows range_lines later).
+  inline void advance_to(int64_t consumed) {
+    const int64_t target = consumed + kLeadLines;
+    while (pos_ < target && block_ < end_) {
+      __builtin_prefetch(base_ + offset_, 0, 3);
+      ++pos_;
+      offset_ += 64;
+      if (offset_ >= range_bytes_) next_range();
+    }
+  }
+
+ private:
+  inline void next_range() {
+    offset_ = 0;
+    if (which_ == 0) {
+      which_ = 1;
+    } else {
+      which_ = 0;
+      if (++block_ == end_) return;
+    }
+    base_ = cache_[which_] + table_[block_] * block_bytes_;
+  }
+
+  const char* cache_[2];
+  const int32_t* table_;
+  int64_t block_, end_, block_bytes_, range_bytes_;
+  const char* base_ = nullptr;
+  int64_t offset_ = 0, pos_ = 0;
+  int which_ = 0;  // 0: K rows of block_, 1: its V rows
+};
+
 // Runs f(task, scratch) for task in [0, num_tasks) on the intra-op thread pool,
 // handing tasks out one at a time; each thread builds one Scratch.
 template <typename Scratch, typename MakeScratch, typename F>
@@ -380,38 +432,61 @@ struct DecodeWork {
   int64_t begin, end;    // token range of the sequence
 };
 
-// Attention of the query heads of a group of kv heads over tokens [begin, end);
-// leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
-// in the scratch. A group of several kv heads reads each block as one
-// contiguous stretch (token rows are [num_kv_heads, head_size]), which the
-// stream prefetchers, the TLB and the DRAM pages prefer.
-template <typename T, int D>
-void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
-  const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t heads = w.num_kv_heads * G;
-  const int64_t bs = p.block_size;
-  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
-  const int64_t seq_len = p.seq_lens[w.seq];
-  const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t d = 0; d < D; ++d) s.q[h * D + chunk_pos<T>(d)] = to_f32(query[h * D + d]) * p.scale;
-  }
-  std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
-  std::fill(s.l.begin(), s.l.begin() + heads, 0.f);
+// Token rows of at least this many bytes are streamed (attend_blocks_streamed);
+// narrower ones are swept a block at a time (attend_blocks_swept). From 4 KiB on,
+// a kv head's slices of a block's rows all fall in the same few L1 sets, so
+// computing one head over the whole block reads its K/V from L2 again, while the
+// prefetches of the next block hold the L1 miss buffers (Zen 3 prefetches fill L1).
+// Measured interleaved against the sweep (B32 ctx 2048 unless said, LLC flushed,
+// AMD Zen 3, 2026-12-01): fp32 32/8x128 (4 KiB rows) 1.09-1.25x, B1 ctx 4096 1.12x,
+// fp32 16/16x64 1.15x, fp32 32/32x128 (16 KiB) 1.27-1.40x, bf16 32/32x128 1.26x;
+// narrower rows lost or tied: fp32 9/3x64 (768 B) 0.88-0.97x, bf16 28/4x128 (1 KiB)
+// 0.84-0.93x, bf16 32/8x128 and 16/16x64 (2 KiB) 0.94-1.09x.
+constexpr int64_t kStreamRowBytes = 4096;
+// Tokens per group in the streamed decode: a multiple of 8 (an odd head's logits
+// take 8 tokens at once) that divides every block size. 4-token groups (even
+// groups only) measured 0.86-1.07x of 8.
+constexpr int kStreamTokens = 8;
 
-  const T* key_cache = static_cast<const T*>(p.key_cache) + w.kv_head0 * D;
-  const T* value_cache = static_cast<const T*>(p.value_cache) + w.kv_head0 * D;
-  const int32_t* table = p.block_tables + w.seq * p.max_blocks_per_seq;
-  const float* slopes = p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr;
+// The state and block-independent inputs of one task's pass over its blocks.
+template <typename T>
+struct TaskView {
+  int64_t G, heads, bs, row_stride, seq_len;
+  const T* key_cache;    // at the task's first kv head
+  const T* value_cache;  // at the task's first kv head
+  const int32_t* table;  // the sequence's block table
+  const float* slopes;   // at the task's first head, or nullptr
+};
+
+// Turns one block's logits ([heads, kMaxBlockSize], tokens [0, n)) into
+// probabilities: masks the tokens before a split task's start (skip), adds ALiBi,
+// and runs the online-softmax update of every head.
+template <typename T, int D>
+inline void block_softmax(const TaskView<T>& tv, int64_t token0, int skip, int n, float* logits, DecodeScratch& s) {
+  for (int64_t head = 0; head < tv.heads; ++head) {
+    float* row = logits + head * kMaxBlockSize;
+    for (int t = 0; t < skip; ++t) row[t] = kNegInf;
+    if (tv.slopes) {
+      const float slope = tv.slopes[head];
+      for (int t = skip; t < n; ++t) row[t] += slope * static_cast<float>(token0 + t - (tv.seq_len - 1));
+    }
+    softmax_update<D>(row, n, s.m[head], s.l[head], s.acc.data() + head * D);
+  }
+}
+
+// Narrow rows: each block is swept into L1/L2 first, then QK^T runs over the whole
+// block one kv head after the other, then PV, while the next block is prefetched.
+template <typename T, int D>
+void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScratch& s) {
+  const int64_t G = tv.G, bs = tv.bs, row_stride = tv.row_stride;
   const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
   float* logits = s.logits.data();  // [heads, kMaxBlockSize]
   // Bytes of one block's K (or V) rows of this task: whole rows when the task has all kv heads.
   const int64_t block_bytes = ((bs - 1) * row_stride + w.num_kv_heads * D) * static_cast<int64_t>(sizeof(T));
   for (int64_t b = first_block; b < end_block; ++b) {
-    const int64_t block_offset = static_cast<int64_t>(table[b]) * bs * row_stride;
-    const T* k = key_cache + block_offset;
-    const T* v = value_cache + block_offset;
+    const int64_t block_offset = static_cast<int64_t>(tv.table[b]) * bs * row_stride;
+    const T* k = tv.key_cache + block_offset;
+    const T* v = tv.value_cache + block_offset;
     // Measured on the target rows (interleaved, LLC flushed, 2026-11-30): the sweep
     // made fp32 9/3x64 decode 1.26-1.57x and bf16 1.13-1.36x faster, fp32 32/8x128 within
     // noise; with the next block prefetched during the arithmetic, dropping it still
@@ -419,8 +494,8 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
     s.sink = touch_lines(k, block_bytes) + touch_lines(v, block_bytes);
     BlockPrefetcher next;
     if (b + 1 < end_block) {
-      const int64_t next_offset = static_cast<int64_t>(table[b + 1]) * bs * row_stride;
-      next = BlockPrefetcher(key_cache + next_offset, value_cache + next_offset, block_bytes);
+      const int64_t next_offset = static_cast<int64_t>(tv.table[b + 1]) * bs * row_stride;
+      next = BlockPrefetcher(tv.key_cache + next_offset, tv.value_cache + next_offset, block_bytes);
     }
     const int64_t token0 = b * bs;
     // A split task may start inside a block: tokens before w.begin are masked out.
@@ -434,19 +509,89 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
       qk_block<T, D>(s.q.data() + h * G * D, G, k + h * D, row_stride, n, logits + h * G * kMaxBlockSize, next);
     }
-    for (int64_t head = 0; head < heads; ++head) {
-      float* row = logits + head * kMaxBlockSize;
-      for (int t = 0; t < skip; ++t) row[t] = kNegInf;
-      if (slopes) {
-        const float slope = slopes[head];
-        for (int t = skip; t < n; ++t) row[t] += slope * static_cast<float>(token0 + t - (seq_len - 1));
-      }
-      softmax_update<D>(row, n, s.m[head], s.l[head], s.acc.data() + head * D);
-    }
+    block_softmax<T, D>(tv, token0, skip, n, logits, s);
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
       pv_block<T, D>(logits + h * G * kMaxBlockSize, G, v + h * D, row_stride, n, s.acc.data() + h * G * D, next);
     }
   }
+}
+
+// Wide rows (whole rows of at least kStreamRowBytes): each block is consumed in
+// groups of kStreamTokens whole rows, every kv head's part of a group before the
+// next group (QK^T over the K rows, then PV over the V rows), so the rows are read
+// close to memory order and a group's K or V is used while it is still in L1. The
+// StreamPrefetcher runs a fixed lead ahead, across block boundaries.
+template <typename T, int D>
+void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeScratch& s) {
+  const int64_t G = tv.G, bs = tv.bs, row_stride = tv.row_stride, nkv = w.num_kv_heads;
+  const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t range_bytes = bs * row_bytes;  // one block's K (or V) rows
+  const int64_t range_lines = (range_bytes + 63) / 64;
+  const int64_t group_bytes = kStreamTokens * row_bytes;
+  float* logits = s.logits.data();  // [heads, kMaxBlockSize]
+  StreamPrefetcher ahead(tv.key_cache, tv.value_cache, tv.table, first_block, end_block, range_bytes, range_bytes);
+  BlockPrefetcher none;  // the stream prefetcher does all of it
+  for (int64_t b = first_block; b < end_block; ++b) {
+    const int64_t block_offset = static_cast<int64_t>(tv.table[b]) * bs * row_stride;
+    const T* k = tv.key_cache + block_offset;
+    const T* v = tv.value_cache + block_offset;
+    const int64_t token0 = b * bs;
+    const int skip = static_cast<int>(std::max<int64_t>(0, w.begin - token0));
+    const int n = static_cast<int>(std::min(bs, w.end - token0));
+    const int64_t k_line = (b - first_block) * 2 * range_lines, v_line = k_line + range_lines;
+    ahead.advance_to(k_line);
+    // Rows up to round_up(n, 8) <= block_size exist; the extra logits are masked by softmax_update.
+    for (int t = 0; t < n; t += kStreamTokens) {
+      for (int64_t h = 0; h < nkv; ++h) {
+        qk_block<T, D>(s.q.data() + h * G * D, G, k + t * row_stride + h * D, row_stride, kStreamTokens,
+                       logits + h * G * kMaxBlockSize + t, none);
+        ahead.advance_to(k_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
+      }
+    }
+    block_softmax<T, D>(tv, token0, skip, n, logits, s);
+    for (int t = 0; t < n; t += kStreamTokens) {
+      const int tokens = std::min(kStreamTokens, n - t);
+      for (int64_t h = 0; h < nkv; ++h) {
+        pv_block<T, D>(logits + h * G * kMaxBlockSize + t, G, v + t * row_stride + h * D, row_stride, tokens,
+                       s.acc.data() + h * G * D, none);
+        ahead.advance_to(v_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
+      }
+    }
+  }
+}
+
+// Attention of the query heads of a group of kv heads over tokens [begin, end);
+// leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
+// in the scratch. A group of several kv heads reads each block as one
+// contiguous stretch (token rows are [num_kv_heads, head_size]), which the
+// stream prefetchers, the TLB and the DRAM pages prefer.
+template <typename T, int D>
+void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t heads = w.num_kv_heads * G;
+  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
+  const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < D; ++d) s.q[h * D + chunk_pos<T>(d)] = to_f32(query[h * D + d]) * p.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
+  std::fill(s.l.begin(), s.l.begin() + heads, 0.f);
+  const TaskView<T> tv{G,
+                       heads,
+                       p.block_size,
+                       row_stride,
+                       p.seq_lens[w.seq],
+                       static_cast<const T*>(p.key_cache) + w.kv_head0 * D,
+                       static_cast<const T*>(p.value_cache) + w.kv_head0 * D,
+                       p.block_tables + w.seq * p.max_blocks_per_seq,
+                       p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr};
+  const bool whole_rows = w.num_kv_heads == p.num_kv_heads;
+  if (whole_rows && row_stride * static_cast<int64_t>(sizeof(T)) >= kStreamRowBytes) {
+    return attend_blocks_streamed<T, D>(tv, w, s);
+  }
+  attend_blocks_swept<T, D>(tv, w, s);
 }
 
 // dst[d] = src[chunk position of d] * scale, in the output dtype.
