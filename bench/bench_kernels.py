@@ -81,6 +81,9 @@ TARGET_CUDA_BW_FRACTION = 0.8
 # read-only bandwidth at batch 32 x 2048 (the row's own interleaved `read` contender).
 TARGET_ROWS = [(32, 2048, 32, 8, 128), (32, 2048, 9, 3, 64), (1, 4096, 32, 8, 128), (8, 1024, 9, 3, 64)]
 TARGET_VS_VLLM = 1.0
+# Shown after the target rows, with no verdict: a wide-row shape (32/32x128, Llama-2-7B,
+# 32 KiB fp32 / 16 KiB bf16 token rows per K or V), which the CPU decode streams in row groups.
+WIDE_ROWS = [(8, 2048, 32, 32, 128)]
 TARGET_VS_SDPA_FP32 = 1.5
 TARGET_READ_BW_FRACTION = 0.8
 
@@ -537,6 +540,24 @@ def run_targets(args: argparse.Namespace, bandwidth: dict[str, float], vllm: lis
     return rows
 
 
+def run_wide(args: argparse.Namespace, bandwidth: dict[str, float], vllm: list[VllmKernel]) -> list[dict]:
+    """The target columns on WIDE_ROWS, with no verdict (printed after the targets)."""
+    rows = []
+    for dtype in args.target_dtypes:
+        for batch, context, heads, kv_heads, head_size in WIDE_ROWS:
+            case = DecodeCase(batch, context, heads, kv_heads, head_size, dtype)
+            log(f"wide {case}")
+            row = bench_decode_case(case, args, bandwidth, vllm, gather=False)
+            row["verdict"] = "" if row["within_tol"] else "FAIL (diff)"
+            rows.append(row)
+            gc.collect()
+    print("## CPU decode beyond the targets: a multi-head shape (32/32x128, Llama-2-7B), no verdict\n")
+    print("The same columns as the targets; token rows are 32 KiB (fp32) or 16 KiB (bf16) per K or V.\n")
+    print_table(rows, decode_columns(rows))
+    print()
+    return rows
+
+
 # ---- prefill --------------------------------------------------------------------------------------
 
 # (sequences, prompt tokens each, num_heads, num_kv_heads, head_size): whole prompts, no cached prefix.
@@ -945,6 +966,8 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             if "targets" in todo:
                 results["targets"] = run_targets(args, bandwidth, vllm)
+                if args.device == "cpu":
+                    results["wide"] = run_wide(args, bandwidth, vllm)
             if "decode" in todo:
                 results["decode"] = run_decode(args, bandwidth, vllm)
             if "v1_vs_v2" in todo:
