@@ -389,6 +389,17 @@ def test_prefill_gqa_ratios(num_heads, num_kv_heads, dtype):
     assert_close(case.run(), case.reference(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3], ids=["mha", "gqa3"])
+def test_prefill_every_row_vector_count(dtype, group):
+    """Query tiles of 1-8 row vectors (rows = tokens x group, 8 per vector): groups of three, then two or one."""
+    gen = make_generator("rowvec", dtype, group)
+    q_lens = [1, 9, 17, 25, 33, 41, 49, 57, 64, 70] if group == 1 else [1, 3, 6, 8, 11, 14, 16, 19, 21, 30]
+    case = PrefillCase(gen, dtype, num_heads=2 * group, num_kv_heads=2, head_size=64, block_size=16, q_lens=q_lens,
+                       seq_lens=[n + 5 for n in q_lens])
+    assert_close(case.run(), case.reference(), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_long_prompt_and_chunk(dtype):
     gen = make_generator("prefill_long", dtype)
