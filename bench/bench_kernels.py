@@ -81,11 +81,11 @@ TARGET_CUDA_BW_FRACTION = 0.8
 # read-only bandwidth at batch 32 x 2048 (the row's own interleaved `read` contender).
 TARGET_ROWS = [(32, 2048, 32, 8, 128), (32, 2048, 9, 3, 64), (1, 4096, 32, 8, 128), (8, 1024, 9, 3, 64)]
 TARGET_VS_VLLM = 1.0
+TARGET_VS_SDPA_FP32 = 1.5
+TARGET_READ_BW_FRACTION = 0.8
 # Shown after the target rows, with no verdict: a wide-row shape (32/32x128, Llama-2-7B,
 # 32 KiB fp32 / 16 KiB bf16 token rows per K or V), which the CPU decode streams in row groups.
 WIDE_ROWS = [(8, 2048, 32, 32, 128)]
-TARGET_VS_SDPA_FP32 = 1.5
-TARGET_READ_BW_FRACTION = 0.8
 
 # Kernel vs pagedkv.reference, the tolerances of tests/test_attention.py: |diff| <= atol + rtol * |ref|.
 TOLERANCES = {"fp32": (2e-5, 1e-4), "fp16": (1e-3, 1e-3), "bf16": (1e-2, 1e-2)}
@@ -512,16 +512,23 @@ def target_verdict(row: dict) -> tuple[str, list[str]]:
     return ("MISS" if misses else "PASS"), misses
 
 
-def run_targets(args: argparse.Namespace, bandwidth: dict[str, float], vllm: list[VllmKernel]) -> list[dict]:
+def bench_shapes(shapes: list[tuple], label: str, args: argparse.Namespace, bandwidth: dict[str, float],
+                 vllm: list[VllmKernel]) -> list[dict]:
+    """The target columns (no gather+SDPA) on (batch, context, heads, kv_heads, head_size) shapes, per dtype."""
     rows = []
     for dtype in args.target_dtypes:
-        for batch, context, heads, kv_heads, head_size in TARGET_ROWS:
+        for batch, context, heads, kv_heads, head_size in shapes:
             case = DecodeCase(batch, context, heads, kv_heads, head_size, dtype)
-            log(f"target {case}")
-            row = bench_decode_case(case, args, bandwidth, vllm, gather=False)
-            row["verdict"], row["misses"] = target_verdict(row)
-            rows.append(row)
+            log(f"{label} {case}")
+            rows.append(bench_decode_case(case, args, bandwidth, vllm, gather=False))
             gc.collect()
+    return rows
+
+
+def run_targets(args: argparse.Namespace, bandwidth: dict[str, float], vllm: list[VllmKernel]) -> list[dict]:
+    rows = bench_shapes(TARGET_ROWS, "target", args, bandwidth, vllm)
+    for row in rows:
+        row["verdict"], row["misses"] = target_verdict(row)
     vllm_note = (f"vLLM CPU's {vllm[0].isa!r} kernel timed at block sizes "
                  f"{', '.join(str(k.block_size) for k in vllm)}, the faster reported" if vllm else
                  "vLLM not run (no venv): that target is not checked")
@@ -542,15 +549,9 @@ def run_targets(args: argparse.Namespace, bandwidth: dict[str, float], vllm: lis
 
 def run_wide(args: argparse.Namespace, bandwidth: dict[str, float], vllm: list[VllmKernel]) -> list[dict]:
     """The target columns on WIDE_ROWS, with no verdict (printed after the targets)."""
-    rows = []
-    for dtype in args.target_dtypes:
-        for batch, context, heads, kv_heads, head_size in WIDE_ROWS:
-            case = DecodeCase(batch, context, heads, kv_heads, head_size, dtype)
-            log(f"wide {case}")
-            row = bench_decode_case(case, args, bandwidth, vllm, gather=False)
-            row["verdict"] = "" if row["within_tol"] else "FAIL (diff)"
-            rows.append(row)
-            gc.collect()
+    rows = bench_shapes(WIDE_ROWS, "wide", args, bandwidth, vllm)
+    for row in rows:
+        row["verdict"] = "" if row["within_tol"] else "FAIL (diff)"
     print("## CPU decode beyond the targets: a multi-head shape (32/32x128, Llama-2-7B), no verdict\n")
     print("The same columns as the targets; token rows are 32 KiB (fp32) or 16 KiB (bf16) per K or V.\n")
     print_table(rows, decode_columns(rows))

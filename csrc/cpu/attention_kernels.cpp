@@ -153,24 +153,24 @@ class StreamPrefetcher {
  public:
   static constexpr int64_t kLeadLines = 512;
 
-  // Blocks [first, end) of a task: block b's K rows are
-  // [k_cache + table[b] * block_bytes, + range_bytes), its V rows the same in v_cache.
+  // Blocks [first, end) of a task whose rows are whole token rows: block b's K rows are
+  // [k_cache + table[b] * block_bytes, + block_bytes), its V rows the same in v_cache.
   StreamPrefetcher(const void* k_cache, const void* v_cache, const int32_t* table, int64_t first, int64_t end,
-                   int64_t block_bytes, int64_t range_bytes)
+                   int64_t block_bytes)
       : cache_{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache)},
-        table_(table), block_(first), end_(end), block_bytes_(block_bytes), range_bytes_(range_bytes) {
+        table_(table), block_(first), end_(end), block_bytes_(block_bytes) {
     if (block_ < end_) base_ = cache_[0] + table_[block_] * block_bytes_;
   }
 
   // The consumer has read the first `consumed` lines of the task's stream
-  // (block i of the task starts at line 2 * i * range_lines, its V rows range_lines later).
+  // (block i of the task starts at line 2 * i * block_lines, its V rows block_lines later).
   inline void advance_to(int64_t consumed) {
     const int64_t target = consumed + kLeadLines;
     while (pos_ < target && block_ < end_) {
       __builtin_prefetch(base_ + offset_, 0, 3);
       ++pos_;
       offset_ += 64;
-      if (offset_ >= range_bytes_) next_range();
+      if (offset_ >= block_bytes_) next_range();
     }
   }
 
@@ -188,7 +188,7 @@ class StreamPrefetcher {
 
   const char* cache_[2];
   const int32_t* table_;
-  int64_t block_, end_, block_bytes_, range_bytes_;
+  int64_t block_, end_, block_bytes_;
   const char* base_ = nullptr;
   int64_t offset_ = 0, pos_ = 0;
   int which_ = 0;  // 0: K rows of block_, 1: its V rows
@@ -526,11 +526,11 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
   const int64_t G = tv.G, bs = tv.bs, row_stride = tv.row_stride, nkv = w.num_kv_heads;
   const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t range_bytes = bs * row_bytes;  // one block's K (or V) rows
-  const int64_t range_lines = (range_bytes + 63) / 64;
+  const int64_t block_bytes = bs * row_bytes;  // one block's K (or V) rows
+  const int64_t block_lines = (block_bytes + 63) / 64;
   const int64_t group_bytes = kStreamTokens * row_bytes;
   float* logits = s.logits.data();  // [heads, kMaxBlockSize]
-  StreamPrefetcher ahead(tv.key_cache, tv.value_cache, tv.table, first_block, end_block, range_bytes, range_bytes);
+  StreamPrefetcher ahead(tv.key_cache, tv.value_cache, tv.table, first_block, end_block, block_bytes);
   BlockPrefetcher none;  // the stream prefetcher does all of it
   for (int64_t b = first_block; b < end_block; ++b) {
     const int64_t block_offset = static_cast<int64_t>(tv.table[b]) * bs * row_stride;
@@ -539,7 +539,7 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
     const int64_t token0 = b * bs;
     const int skip = static_cast<int>(std::max<int64_t>(0, w.begin - token0));
     const int n = static_cast<int>(std::min(bs, w.end - token0));
-    const int64_t k_line = (b - first_block) * 2 * range_lines, v_line = k_line + range_lines;
+    const int64_t k_line = (b - first_block) * 2 * block_lines, v_line = k_line + block_lines;
     ahead.advance_to(k_line);
     // Rows up to round_up(n, 8) <= block_size exist; the extra logits are masked by softmax_update.
     for (int t = 0; t < n; t += kStreamTokens) {
