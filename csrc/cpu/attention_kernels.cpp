@@ -40,7 +40,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int kW = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Decode processes at most this many tokens per softmax update (the largest block size).
+// Decode processes at most this many tokens per softmax update (the largest block size,
+// and the span of the swept decode's units of blocks).
 constexpr int kMaxBlockSize = 32;
 // Prefill: keys per tile, and query rows (tokens x heads) aimed at per tile. Every
 // query tile reads all of its keys once, so larger tiles read K/V fewer times.
@@ -91,54 +92,51 @@ class BlockPrefetcher {
  public:
   static constexpr int kLinesPerStep = 8;
   static constexpr int kStepBytes = 64 * kLinesPerStep;
+  static constexpr int kMaxRanges = 8;
 
-  BlockPrefetcher() = default;
-  // Rows of the next block: [k, k + bytes) and [v, v + bytes).
-  BlockPrefetcher(const void* k, const void* v, int64_t bytes) {
-    begin_[0] = static_cast<const char*>(k);
-    begin_[1] = static_cast<const char*>(v);
-    end_[0] = begin_[0] + bytes;
-    end_[1] = begin_[1] + bytes;
-    cur_ = begin_[0];
-    range_ = 0;
+  // Appends the range [p, p + bytes); ranges are prefetched in the order added.
+  void add(const void* p, int64_t bytes) {
+    begin_[count_] = static_cast<const char*>(p);
+    end_[count_] = begin_[count_] + bytes;
+    if (count_++ == 0) cur_ = begin_[0];
   }
 
   inline void step() {
-    if (range_ > 1) return;
+    if (range_ >= count_) return;
     // A step may run up to kStepBytes - 64 bytes past a range's end: a prefetch
     // never faults, and the extra lines are the next rows of the cache at worst.
 #pragma GCC unroll 8
     for (int i = 0; i < kLinesPerStep; ++i) __builtin_prefetch(cur_ + 64 * i, 0, 2);
     cur_ += kStepBytes;
-    if (cur_ >= end_[range_] && ++range_ <= 1) cur_ = begin_[range_];
+    if (cur_ >= end_[range_] && ++range_ < count_) cur_ = begin_[range_];
   }
 
  private:
-  const char* begin_[2] = {nullptr, nullptr};
-  const char* end_[2] = {nullptr, nullptr};
+  const char* begin_[kMaxRanges] = {};
+  const char* end_[kMaxRanges] = {};
   const char* cur_ = nullptr;
-  int range_ = 2;  // 0: K, 1: V, 2: done (or nothing to prefetch)
+  int count_ = 0;
+  int range_ = 0;  // the range in progress; count_ when all are done (or none was added)
 };
 
-// Loads one vector from every 64-byte line of [p, p + bytes), in address order,
-// and returns a value made from them (the caller keeps it, so the loads stay).
-// Decode sweeps each block this way before its arithmetic: the block's rows
-// are then read in strided passes, one kv head at a time, a pattern the stream
-// prefetchers do not follow on small rows (9/3x64 heads: 768 B), while a
-// sequential sweep reads at the memory's rate and leaves the block in L1/L2.
-inline float touch_lines(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  Vec a(0.f), b(0.f);
-  int64_t off = 0;
-  for (; off + 128 <= bytes; off += 128) {
-    a = a + Vec::loadu(reinterpret_cast<const float*>(c + off));
-    b = b + Vec::loadu(reinterpret_cast<const float*>(c + off + 64));
-  }
-  for (; off + static_cast<int64_t>(sizeof(float)) * kW <= bytes; off += 64) {
-    a = a + Vec::loadu(reinterpret_cast<const float*>(c + off));
+// Loads one vector from every 64-byte line of the n ranges [p[i], p[i] + bytes),
+// line by line across the ranges (line 0 of each, then line 1, ...), and returns a
+// value made from them (the caller keeps it, so the loads stay). Decode sweeps the
+// K and V rows of its next blocks this way before their arithmetic: that
+// arithmetic reads the rows in strided passes, one kv head at a time, a pattern the
+// stream prefetchers do not follow on small rows (9/3x64 heads: 768 B), while the
+// sweep reads at close to the memory's rate and leaves the blocks in L1/L2.
+// Several ranges at once keep several hardware streams busy: a pure read of
+// scattered 12 KiB blocks (2 threads, AMD Zen 3, 2026-12-01) ran at 0.79x a
+// sequential read taking K then V, 0.91x interleaving K and V, 0.96x with the K and
+// V of two blocks (6 KiB blocks: 0.61x, 0.73x, 0.80x).
+inline float touch_ranges(const char* const* p, int n, int64_t bytes) {
+  Vec a(0.f);
+  for (int64_t off = 0; off + static_cast<int64_t>(sizeof(float)) * kW <= bytes; off += 64) {
+    for (int i = 0; i < n; ++i) a = a + Vec::loadu(reinterpret_cast<const float*>(p[i] + off));
   }
   float lanes[kW];
-  (a + b).store(lanes);
+  a.store(lanes);
   return lanes[0];
 }
 
@@ -283,6 +281,16 @@ __attribute__((always_inline)) inline void reduce8(const Vec* v, float* out) {
 #endif
 }
 
+// out[i] = the sum of the lanes of v[i], i < 4.
+__attribute__((always_inline)) inline void reduce4(const Vec* v, float* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = hsum(v[i]);
+#endif
+}
+
 inline float hmax(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
 }
@@ -291,21 +299,22 @@ inline float hmax(const Vec& v) {
 struct DecodeScratch {
   std::vector<float> q;       // [heads, D], pre-scaled, chunk order
   std::vector<float> acc;     // [heads, D], unnormalized output, chunk order
-  std::vector<float> logits;  // [heads, kMaxBlockSize] of the block in progress; probabilities after the update
+  std::vector<float> logits;  // [heads, kMaxBlockSize] of the block (or unit) in progress; probabilities after the update
   std::vector<float> m, l;    // [heads] running max and sum of exp
-  volatile float sink = 0.f;  // keeps the loads of touch_lines (never read)
+  volatile float sink = 0.f;  // keeps the loads of touch_ranges (never read)
 };
 
-// logits[h * kMaxBlockSize + t] = q_h . k_t for NH heads x NT tokens, NH * NT = 8
+// logits[h * kMaxBlockSize + t] = q_h . k_t for NH heads x NT tokens, NH * NT = 8 or 12
 // accumulators: every K chunk is loaded (and widened) once for the NH heads, and
-// the eight dot products are reduced together at the end.
+// the dot products are reduced together at the end.
 template <typename T, int D, int NH, int NT>
 inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits) {
-  static_assert(NH * NT == 8, "reduce8 takes eight accumulators");
+  constexpr int NA = NH * NT;
+  static_assert(NA == 8 || NA == 12, "reduce8 (and reduce4) take the accumulators");
   constexpr int P = kParts<T>;
-  Vec acc[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) acc[i] = Vec(0.f);
+  Vec acc[NA];
+#pragma GCC unroll 12
+  for (int i = 0; i < NA; ++i) acc[i] = Vec(0.f);
 #pragma GCC unroll 4
   for (int c = 0; c < D; c += kChunk<T>) {
     Vec qv[NH][P];
@@ -323,21 +332,32 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits)
         for (int i = 0; i < P; ++i) acc[h * NT + t] = at::vec::fmadd(qv[h][i], kv[i], acc[h * NT + t]);
     }
   }
-  float dots[8];
+  float dots[NA];
   reduce8(acc, dots);
+  if constexpr (NA == 12) reduce4(acc + 8, dots + 8);
 #pragma GCC unroll 8
   for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) logits[h * kMaxBlockSize + t] = dots[h * NT + t];
 }
 
-// logits for G heads x n tokens of one block: pairs of heads x 4 tokens, then a
-// last odd head x 8 tokens. Rows up to round_up(n, 8) <= block_size exist in the
-// block (block sizes are multiples of 8); their extra logits are masked later.
+// logits for G heads x n tokens of one block: an odd G >= 3 starts with three
+// heads x 4 tokens (12 accumulators), then pairs of heads x 4 tokens; one head
+// (MHA) takes 8 tokens at a time. Rows up to round_up(n, 8) <= block_size exist
+// in the block (block sizes are multiples of 8); their extra logits are masked later.
+// The three-head tile (no lone head x 8 tokens, whose K chunks serve one head)
+// measured 1.19x in-cache on bf16 9/3x64 and 1.04x on fp32 (1 thread, AMD Zen 3, 2026-12-01).
 template <typename T, int D>
 inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits,
                      BlockPrefetcher& next) {
   int64_t g = 0;
+  if (G % 2 == 1 && G >= 3) {
+    for (int t = 0; t < n; t += 4) {
+      qk_tile<T, D, 3, 4>(q, k + t * k_stride, k_stride, logits + t);
+      next.step();
+    }
+    g = 3;
+  }
   for (; g + 2 <= G; g += 2) {
     for (int t = 0; t < n; t += 4) {
       qk_tile<T, D, 2, 4>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
@@ -352,13 +372,25 @@ inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, in
   }
 }
 
+// Chunks of a V row per PV step for NG heads: the accumulators (NG x chunks x
+// parts vectors) stay in registers across the block's tokens, and each chunk
+// carries one FMA dependency chain per head, so more chunks hide the FMA latency
+// while the registers last. Three fp32 heads take four vectors (12 accumulators):
+// 1.04-1.10x in-cache on 9/3x64 against two (1 thread, AMD Zen 3, 2026-12-01).
+template <typename T, int D, int NG>
+constexpr int pv_chunks() {
+  if constexpr (kParts<T> == 2) return 1;
+  if constexpr (NG == 3 && (D / kW) % 4 == 0) return 4;
+  return (D / kW) % 2 == 0 ? 2 : 1;
+}
+
 // acc[j] += sum_t p[j][t] * v_t for NG heads; the accumulators stay in registers
-// across the block's tokens, two vectors of head_size at a time, and each V chunk
-// is widened once for the NG heads.
+// across the block's tokens, pv_chunks() chunks of head_size at a time, and each V
+// chunk is widened once for the NG heads.
 template <typename T, int D, int NG>
 inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc, BlockPrefetcher& next) {
   constexpr int P = kParts<T>;
-  constexpr int NC = P == 2 ? 1 : ((D / kW) % 2 == 0 ? 2 : 1);  // chunks per step
+  constexpr int NC = pv_chunks<T, D, NG>();  // chunks per step
   constexpr int NV = NC * P;                                     // vectors per step
   for (int c = 0; c < D; c += NC * kChunk<T>) {
     Vec a[NG][NV];
@@ -458,7 +490,8 @@ struct TaskView {
   const float* slopes;   // at the task's first head, or nullptr
 };
 
-// Turns one block's logits ([heads, kMaxBlockSize], tokens [0, n)) into
+// Turns the logits of one block or unit of blocks ([heads, kMaxBlockSize], tokens
+// [0, n), token0 the first) into
 // probabilities: masks the tokens before a split task's start (skip), adds ALiBi,
 // and runs the online-softmax update of every head.
 template <typename T, int D>
@@ -474,44 +507,64 @@ inline void block_softmax(const TaskView<T>& tv, int64_t token0, int skip, int n
   }
 }
 
-// Narrow rows: each block is swept into L1/L2 first, then QK^T runs over the whole
-// block one kv head after the other, then PV, while the next block is prefetched.
+// Blocks per softmax update in the swept decode: kMaxBlockSize tokens' worth (two
+// blocks of 16 tokens), so the sweep reads the K and V of several blocks at once and
+// the per-update costs (softmax, accumulator loads and stores) are shared.
+inline int64_t swept_unit(int64_t block_size) { return std::max<int64_t>(1, kMaxBlockSize / block_size); }
+
+// Narrow rows: the blocks are taken in units of swept_unit(); each unit's K and V
+// rows are swept into L1/L2 together (touch_ranges), then QK^T runs over the unit
+// one block and kv head after the other, one softmax update covers the unit, then
+// PV, while the next unit is prefetched. Against one block at a time (K swept,
+// then V), measured interleaved with the tiles above (LLC flushed, 2 threads, AMD
+// Zen 3, 2026-12-01): fp32 9/3x64 1.10-1.20x (B32 ctx 2048, block sizes 8/16/32)
+// and 1.10-1.18x (B8 ctx 1024); bf16 9/3x64 1.07-1.16x and 1.04-1.06x; bf16
+// 32/8x128 1.08x (B32 ctx 2048) and 1.05x (B1 ctx 4096) from the units alone.
 template <typename T, int D>
 void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScratch& s) {
   const int64_t G = tv.G, bs = tv.bs, row_stride = tv.row_stride;
   const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
+  const int64_t unit = swept_unit(bs);
   float* logits = s.logits.data();  // [heads, kMaxBlockSize]
   // Bytes of one block's K (or V) rows of this task: whole rows when the task has all kv heads.
   const int64_t block_bytes = ((bs - 1) * row_stride + w.num_kv_heads * D) * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = first_block; b < end_block; ++b) {
-    const int64_t block_offset = static_cast<int64_t>(tv.table[b]) * bs * row_stride;
-    const T* k = tv.key_cache + block_offset;
-    const T* v = tv.value_cache + block_offset;
-    // Measured on the target rows (interleaved, LLC flushed, 2026-11-30): the sweep
-    // made fp32 9/3x64 decode 1.26-1.57x and bf16 1.13-1.36x faster, fp32 32/8x128 within
-    // noise; with the next block prefetched during the arithmetic, dropping it still
-    // lost 1.1-1.5x on the 9/3x64 rows.
-    s.sink = touch_lines(k, block_bytes) + touch_lines(v, block_bytes);
-    BlockPrefetcher next;
-    if (b + 1 < end_block) {
-      const int64_t next_offset = static_cast<int64_t>(tv.table[b + 1]) * bs * row_stride;
-      next = BlockPrefetcher(tv.key_cache + next_offset, tv.value_cache + next_offset, block_bytes);
+  auto keys = [&](int64_t b) { return tv.key_cache + static_cast<int64_t>(tv.table[b]) * bs * row_stride; };
+  auto values = [&](int64_t b) { return tv.value_cache + static_cast<int64_t>(tv.table[b]) * bs * row_stride; };
+  for (int64_t b0 = first_block; b0 < end_block; b0 += unit) {
+    const int64_t b1 = std::min(end_block, b0 + unit), b2 = std::min(end_block, b1 + unit);
+    const char* rows[BlockPrefetcher::kMaxRanges];
+    int num_rows = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      rows[num_rows++] = reinterpret_cast<const char*>(keys(b));
+      rows[num_rows++] = reinterpret_cast<const char*>(values(b));
     }
-    const int64_t token0 = b * bs;
+    s.sink = touch_ranges(rows, num_rows, block_bytes);
+    // The next unit in the order its arithmetic reads it: K rows, then V rows.
+    BlockPrefetcher next;
+    for (int64_t b = b1; b < b2; ++b) next.add(keys(b), block_bytes);
+    for (int64_t b = b1; b < b2; ++b) next.add(values(b), block_bytes);
+    const int64_t token0 = b0 * bs;
     // A split task may start inside a block: tokens before w.begin are masked out.
     const int skip = static_cast<int>(std::max<int64_t>(0, w.begin - token0));
-    const int n = static_cast<int>(std::min(bs, w.end - token0));
-    // The whole K block first, then the whole V block. Each token row is one
-    // stretch of [num_kv_heads, D], so a pass over the rows for one head after
-    // the other walks every row's memory in order and the hardware stream
-    // prefetchers fetch all of the block's rows at once. Alternating K and V
-    // head by head (twice the streams) read ~1.4x slower from memory (AMD Zen 3, 2026-11-30).
-    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-      qk_block<T, D>(s.q.data() + h * G * D, G, k + h * D, row_stride, n, logits + h * G * kMaxBlockSize, next);
+    const int n = static_cast<int>(std::min(unit * bs, w.end - token0));  // tokens of the unit
+    // The unit's K rows first, then its V rows. Each token row is one stretch of
+    // [num_kv_heads, D], so a pass over the rows for one head after the other walks
+    // every row's memory in order. Alternating K and V head by head (twice the
+    // streams) read ~1.4x slower from memory (AMD Zen 3, 2026-11-30).
+    for (int64_t b = b0; b < b1; ++b) {
+      const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
+      for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+        qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + h * D, row_stride, nb,
+                       logits + h * G * kMaxBlockSize + t0, next);
+      }
     }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
-    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-      pv_block<T, D>(logits + h * G * kMaxBlockSize, G, v + h * D, row_stride, n, s.acc.data() + h * G * D, next);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
+      for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+        pv_block<T, D>(logits + h * G * kMaxBlockSize + t0, G, values(b) + h * D, row_stride, nb,
+                       s.acc.data() + h * G * D, next);
+      }
     }
   }
 }
