@@ -287,8 +287,8 @@ def test_decode_every_group_size(dtype, group, num_threads):
     ids=["mha", "gqa5", "gqa3", "mha80", "gqa4"],
 )
 def test_decode_wide_rows(num_heads, num_kv_heads, head_size, dtype, block_size, num_threads):
-    """Token rows of 4 KiB and more are streamed in groups of 8 rows (the rest are swept a block
-    at a time): every group size, partial blocks and groups, split sequences, ALiBi, v1 and v2."""
+    """Token rows of 4 KiB and more are streamed in groups of 8 rows (the rest are swept in units of
+    blocks): every group size, partial blocks and groups, split sequences, ALiBi, v1 and v2."""
     gen = make_generator("wide", num_heads, num_kv_heads, head_size, dtype, block_size, num_threads)
     seq_lens = [1, 5, block_size, block_size + 3, 300, 1100]
     case = DecodeCase(gen, dtype, num_heads, num_kv_heads, head_size=head_size, block_size=block_size,
