@@ -179,12 +179,13 @@ def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_di
         if warm.prompts:
             generate(warm)
         before, comm_before = llm.get_stats(), comm_stats()
-        first_step = len(llm.llm_engine.counters.step_times)
+        first_step = llm.llm_engine.counters.num_steps
         start = time.perf_counter()
         result.token_ids = generate(wl)
         result.elapsed_s = time.perf_counter() - start
         stats, comm = llm.get_stats(), comm_stats()
-        steps = llm.llm_engine.counters.step_times[first_step:]
+        counters = llm.llm_engine.counters
+        steps = list(counters.step_times)[-(counters.num_steps - first_step) or len(counters.step_times):]
         threads = torch.get_num_threads()  # per rank: the ranks share the cores
     result.generated_tokens = wl.output_tokens
     result.notes.append(f"KV {stats.num_gpu_blocks * args.block_size} tokens (block {args.block_size}), "

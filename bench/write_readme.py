@@ -64,6 +64,14 @@ redraws it from an earlier `--json` without running anything."""),
 vLLM's serving benchmark, run against `pagedkv serve` and vLLM's OpenAI server from its CPU backend on the
 same requests (random token ids, streamed, greedy, ignore_eos) at several Poisson rates: TTFT, TPOT, ITL and
 end-to-end latency. The client runs on the same 2 cores as the server."""),
+    ("Soak: hostile, dropped and ordinary requests (`bench/bench_soak.py`)", "soak_cpu.md", [], """\
+Thousands of requests against one `pagedkv serve` (prefix caching on, an API key), from concurrent clients:
+ordinary completions and chats, streamed or not, stop strings with logprobs, a shared prefix; clients that
+leave after the first chunk or give up after 0.3 s; and hostile requests (huge or NaN values, out-of-vocabulary
+ids, lone surrogates, 10,000-deep JSON, a 64 MiB body, empty salts, wrong keys). Each kind's answers are
+classified (expected, unexpected 4xx, 5xx, dropped); the server's RSS and free KV blocks are read before and
+after, and a greedy canary must answer the same text at both ends. PASS: no 5xx, the same canary, no block
+left in use, a live server."""),
     ("Tensor parallelism (`bench/bench_throughput.py --tensor-parallel-size 2`)", "tensor_parallel_cpu.md", [],
      """\
 The throughput workload at size 1 and sharded over 2 ranks (gloo, on the same 2 cores): step times and what the

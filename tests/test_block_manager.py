@@ -358,3 +358,103 @@ def test_block_ref_count_error_for_foreign_prefix_block():
         bm.core.allocate(2, 9, [0])
     with pytest.raises(ValueError, match="at most 7"):
         bm.core.allocate(2, 8, [0, 1])
+
+
+# --- step journal: what a failed engine step takes back from the prefix cache ---
+
+EARLIER = list(range(100, 108)) + [1]  # 2 full blocks, cached in an earlier step
+PROMPT = list(range(100, 108)) + list(range(200, 208)) + [2]  # EARLIER's blocks, then 2 new full blocks
+
+
+def test_uncache_step_blocks_drops_only_this_steps_blocks(backend):
+    bm = make(backend, enable_caching=True)
+    bm.begin_step()
+    bm.allocate(1, EARLIER)
+    bm.begin_step()  # the step that fails
+    assert bm.core.step_cached_blocks() == []
+    assert bm.allocate(2, PROMPT) == 8  # hits EARLIER's blocks: shared, not newly cached
+    table = bm.get_block_table(2)
+    assert bm.core.step_cached_blocks() == table[2:4]
+    assert bm.num_cached_tokens(PROMPT) == 16
+    assert bm.uncache_step_blocks() == 2
+    assert bm.core.step_cached_blocks() == []
+    assert bm.num_cached_tokens(PROMPT) == 8  # a retry recomputes what the failed step was to write
+    assert bm.num_cached_tokens(EARLIER) == 8  # the earlier step's blocks stay
+    assert bm.core.num_cached_blocks == 2
+    assert bm.uncache_step_blocks() == 0  # the journal is empty now
+    assert bm.get_block_table(2) == table  # the sequence keeps its blocks
+    bm.check_invariants()
+
+
+def test_uncached_blocks_are_plain_free_blocks_after_free(backend):
+    bm = make(backend, enable_caching=True)
+    bm.allocate(1, EARLIER)
+    bm.begin_step()
+    bm.allocate(2, PROMPT)
+    table = bm.get_block_table(2)
+    bm.uncache_step_blocks()
+    bm.free(2)
+    # only EARLIER's blocks are still held (by sequence 1): nothing is evictable
+    assert bm.num_evictable_gpu_blocks == 0
+    assert bm.core.gpu_free_list()[:3] == table[2:]  # uncached: handed out first
+    bm.check_invariants()
+    assert bm.allocate(3, PROMPT) == 8
+    assert bm.core.num_evictions == 0
+    bm.check_invariants()
+
+
+def test_uncache_step_blocks_of_a_freed_sequence(backend):
+    """Blocks of a sequence freed in the failed step are evictable: uncaching makes them plain free blocks."""
+    bm = make(backend, enable_caching=True)
+    bm.begin_step()
+    bm.allocate(1, PROMPT)
+    table = bm.get_block_table(1)
+    bm.free(1)
+    assert bm.num_evictable_gpu_blocks == 4
+    assert bm.uncache_step_blocks() == 4
+    assert bm.num_evictable_gpu_blocks == 0 and bm.core.num_cached_blocks == 0
+    assert bm.num_cached_tokens(PROMPT) == 0 and bm.num_cached_tokens(EARLIER) == 0
+    free = bm.core.gpu_free_list()
+    assert sorted(free[:5]) == sorted(table) and len(free) == 16
+    assert bm.core.num_evictions == 0
+    bm.check_invariants()
+
+
+def test_step_journal_records_blocks_filled_by_appends(backend):
+    bm = make(backend, enable_caching=True)
+    bm.allocate(1, [5, 6])
+    bm.begin_step()
+    bm.append_slots(1, 3, token_ids=[7, 8, 9])  # fills block 0
+    bm.append_slots_batch([1], 1, token_ids=[[10]])
+    assert bm.core.step_cached_blocks() == [bm.get_block_table(1)[0]]
+    assert bm.num_cached_tokens([5, 6, 7, 8, 9]) == 4
+    assert bm.uncache_step_blocks() == 1
+    assert bm.num_cached_tokens([5, 6, 7, 8, 9]) == 0
+    bm.check_invariants()
+
+
+def test_begin_step_and_reset_clear_the_journal(backend):
+    bm = make(backend, enable_caching=True)
+    bm.begin_step()
+    bm.allocate(1, EARLIER)
+    bm.begin_step()  # that step succeeded
+    assert bm.uncache_step_blocks() == 0 and bm.num_cached_tokens(EARLIER) == 8
+    bm.allocate(2, PROMPT)
+    assert len(bm.core.step_cached_blocks()) == 2
+    bm.reset_prefix_cache()
+    assert bm.core.step_cached_blocks() == []
+    assert bm.uncache_step_blocks() == 0
+    bm.check_invariants()
+
+
+def test_step_journal_is_a_no_op_without_caching(backend):
+    bm = make(backend)
+    bm.begin_step()
+    bm.allocate(1, 9)
+    bm.append_slots(1, 7)
+    free_list = bm.core.gpu_free_list()
+    assert bm.core.step_cached_blocks() == []
+    assert bm.uncache_step_blocks() == 0
+    assert bm.core.gpu_free_list() == free_list and bm.get_block_table(1) == [0, 1, 2, 3]
+    assert bm.num_evictable_gpu_blocks == 0 and bm.core.num_cached_blocks == 0
+    bm.check_invariants()

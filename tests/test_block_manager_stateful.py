@@ -2,8 +2,9 @@
 
 Hypothesis drives allocate / append / batch append / fork / free / swap out /
 swap in / prefix hits (prompts drawn from a few shared prefixes) / cache
-reset on both backends. After every step it checks that both agree exactly
-(block tables, free-list order, counters, results and error types) and that:
+reset / step journal (begin_step, uncache_step_blocks) on both backends.
+After every step it checks that both agree exactly (block tables, free-list
+order, counters, step journal, results and error types) and that:
   - free + used == total, in both pools;
   - no block is both free and referenced;
   - every ref count equals the number of block tables holding the block (the
@@ -178,6 +179,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if roll == 0:  # rare: a reset wipes out the hits the other rules build up
             self.both("reset_prefix_cache")
 
+    @rule()
+    def begin_step(self):
+        self.both("begin_step")
+
+    @rule(roll=st.integers(0, 2))
+    def uncache_step_blocks(self, roll):
+        """A failed step: exactly the blocks newly cached since begin_step leave the index."""
+        if roll != 0:  # a third of the time: uncaching, like a reset, takes hits away
+            return
+        journal = set(self.cpp.core.step_cached_blocks())
+        cached = {b for b in range(NUM_GPU) if self.cpp.core.gpu_is_cached(b)}
+        _, dropped = self.both("uncache_step_blocks")
+        assert dropped == len(journal & cached)
+        still = {b for b in range(NUM_GPU) if self.cpp.core.gpu_is_cached(b)}
+        assert still == cached - journal, f"journal {journal}: cached {cached} became {still}"
+        assert self.cpp.core.step_cached_blocks() == []
+
     @precondition(lambda self: self.running())
     @rule(data=st.data())
     def metadata(self, data):
@@ -204,6 +222,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert cpp.core.cpu_free_list() == model.core.cpu_free_list()
         assert cpp.num_evictable_gpu_blocks == model.num_evictable_gpu_blocks
         assert cpp.core.num_evictions == model.core.num_evictions
+        assert cpp.core.step_cached_blocks() == model.core.step_cached_blocks()
+        assert cpp.core.num_cached_blocks == model.core.num_cached_blocks
         s1, s2 = cpp.prefix_cache_stats, model.prefix_cache_stats
         assert (s1.queries, s1.hits) == (s2.queries, s2.hits)
 

@@ -84,7 +84,7 @@ def test_share_free_uncached_block(make_pool):
 
 def test_out_of_range(make_pool):
     pool = make_pool(2)
-    for op in (pool.incref, pool.decref, pool.free, pool.ref_count, pool.is_free, pool.is_cached):
+    for op in (pool.incref, pool.decref, pool.free, pool.ref_count, pool.is_free, pool.is_cached, pool.uncache):
         with pytest.raises(ValueError, match="out of range"):
             op(2)
         with pytest.raises(ValueError, match="out of range"):
@@ -133,6 +133,43 @@ def test_cache_key_rules(make_pool):
         pool.cache_block(2, b"z")
     pool.clear_cache()
     assert pool.num_cached == 0 and pool.lookup(b"x") == -1
+    check(pool)
+
+
+def test_uncache_free_block_moves_it_to_the_front(make_pool):
+    pool = make_pool(4)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert pool.cache_block(a, b"a") and pool.cache_block(b, b"b")
+    for blk in (a, b, c):
+        pool.free(blk)
+    assert pool.free_list() == [c, 3, a, b] and pool.num_evictable == 2
+    assert pool.uncache(b)
+    # b's contents are worthless now: it is handed out before everything else
+    assert pool.free_list() == [b, c, 3, a]
+    assert pool.num_evictable == 1 and pool.num_cached == 1
+    assert pool.lookup(b"b") == -1 and not pool.is_cached(b) and pool.is_free(b)
+    assert not pool.uncache(b) and not pool.uncache(c)  # nothing (left) to drop
+    assert pool.free_list() == [b, c, 3, a]
+    check(pool)
+    assert pool.allocate() == b
+    assert pool.num_evictions == 0  # uncaching is not an eviction, nor is reusing the block
+    check(pool)
+
+
+def test_uncache_held_block_frees_it_as_uncached(make_pool):
+    pool = make_pool(3)
+    a = pool.allocate()
+    pool.incref(a)
+    assert pool.cache_block(a, b"a")
+    assert pool.uncache(a)
+    assert pool.ref_count(a) == 2 and not pool.is_free(a) and pool.lookup(b"a") == -1
+    assert pool.num_free == 2 and pool.num_evictable == 0
+    pool.decref(a)
+    pool.free(a)
+    assert pool.free_list()[0] == a and pool.num_evictable == 0
+    with pytest.raises(BlockRefCountError, match="not cached"):
+        pool.incref(a)  # no longer shareable once free
+    assert pool.num_evictions == 0
     check(pool)
 
 

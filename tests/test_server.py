@@ -14,34 +14,26 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pagedkv
 import pytest
-import uvicorn
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.llm_engine import EngineArgs
 from prometheus_client.parser import text_string_to_metric_families
+from server_util import bound_socket, running_server, wait_idle, wait_until
 
 MODEL = "smol-test"
 API_KEY = "test-key"
+SECOND_KEY = "second-key"  # the server takes either (comma-separated keys, as vLLM accepts)
 MAX_MODEL_LEN = 512
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three prime numbers."}]
-
-
-def _bound_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +42,9 @@ def server(loaded_model):
 
     args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=256 << 20, max_model_len=MAX_MODEL_LEN,
                       max_num_seqs=48)
-    app = build_app(args, served_model_names=[MODEL], api_key=API_KEY, loaded=loaded_model)
-    sock = _bound_socket()  # handed to uvicorn: no race for the port
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    port = sock.getsockname()[1]
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app, engine=app.state.engine,
-                          async_engine=app.state.async_engine)
-    srv.should_exit = True
-    thread.join(30)
-    sock.close()
+    app = build_app(args, served_model_names=[MODEL], api_key=f"{API_KEY},{SECOND_KEY}", loaded=loaded_model)
+    with running_server(app) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +66,9 @@ def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-def wait_idle(server, timeout: float = 30.0) -> None:
-    """Until the engine thread reports no running request and no block in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = server.async_engine.stats
-        if s.num_used_gpu_blocks == 0 and s.num_running == 0 and s.num_waiting == 0:
-            return
-        assert time.monotonic() < deadline, f"the engine did not become idle: {s}"
-        time.sleep(0.05)
-
-
 def metric_samples(server) -> dict[tuple[str, tuple], float]:
     """/metrics parsed with prometheus_client's parser: {(sample name, sorted labels): value}."""
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics").text  # open without a key (no --protect-metrics)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -117,7 +86,7 @@ def test_models_health_version(server, client):
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json() == {"version": pagedkv.__version__}
+    assert httpx.get(server.url + "/version", headers=auth()).json() == {"version": pagedkv.__version__}
 
 
 def test_completion_matches_llm_generate(client, llm, loaded_model):
@@ -128,6 +97,7 @@ def test_completion_matches_llm_generate(client, llm, loaded_model):
     num_prompt = len(loaded_model.tokenizer.encode(PROMPT))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (num_prompt, len(ref.token_ids))
     assert r.usage.total_tokens == num_prompt + len(ref.token_ids)
+    assert r.usage.prompt_tokens_details is None  # only with --enable-prompt-tokens-details
     assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
 
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
@@ -247,22 +217,30 @@ def test_concurrent_streams_get_their_own_tokens(server, llm):
     wait_idle(server)
 
 
-def test_stream_holds_back_what_may_start_a_stop_string():
-    """CUMULATIVE outputs of a request with stop string "\n\nUser": nothing that may begin it is sent until the
-    engine has decided (here it completes, and the engine cuts it out of the final text)."""
-    from pagedkv.outputs import CompletionOutput
-    from pagedkv.server.serving import ChoiceState
-
-    state = ChoiceState(holdback=len("\n\nUser") - 1)
-    # The step that completes the stop string is the one that finishes (the engine cuts it there).
-    steps = [("Hello", None), ("Hello\n\nUs", None), ("Hello", "stop")]
-    sent = []
-    for i, (text, finish) in enumerate(steps):
-        delta = state.update(CompletionOutput(0, text, list(range(i + 1)), finish_reason=finish), cumulative=True)
-        sent.append(delta.text)
-    assert sent == ["", "Hell", "o"] and state.text == "Hello" and state.finish_reason == "stop"
-    assert state.token_ids == [0, 1, 2]
-    assert state.update(CompletionOutput(0, "Hello", [0, 1, 2], finish_reason="stop"), True) is None
+def test_stream_never_sends_text_a_stop_string_will_cut(server, llm):
+    """Streamed deltas with a stop string: what was sent is a prefix of the final (cut) text at every chunk,
+    including a stop string whose first characters arrive in one token and the rest in the next."""
+    ref = llm.generate(PROMPT, greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    # A stop string spanning a token boundary: the last 2 characters of token 2's text and the first 2 of token 3.
+    tok = server.engine.tokenizer
+    pieces = [tok.decode(ref.token_ids[:i]) for i in range(1, 6)]
+    boundary = len(pieces[2])
+    stop = ref.text[boundary - 2:boundary + 2]
+    assert len(stop) == 4 and ref.text.index(stop) == boundary - 2
+    expected = ref.text[:boundary - 2]
+    for stream in (True, False):
+        r = httpx.post(server.url + "/v1/completions", headers=auth(), timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": [stop],
+            "ignore_eos": True, "stream": stream})
+        if not stream:
+            assert r.json()["choices"][0]["text"] == expected
+            continue
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        sent = ""
+        for e in events:
+            sent += "".join(c["text"] for c in e["choices"])
+            assert expected.startswith(sent), (sent, expected)  # nothing that the stop string later cuts
+        assert sent == expected and events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 # --- bad input and faults -------------------------------------------------------------------------------------
@@ -314,28 +292,37 @@ def test_unknown_model_is_404(server, client):
     assert _post(server, {"model": "x", "messages": CHAT}, "/v1/chat/completions").status_code == 404
 
 
-def test_api_key_guards_every_v1_route(server):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+def test_api_key_guards_every_route_but_health_and_metrics(server):
+    routes = (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/openapi.json"),
+              ("GET", "/docs"))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "Bearer"},
+                    {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}):
+        for method, path in routes:
             r = httpx.request(method, server.url + path, headers=headers, json={"model": MODEL, "prompt": "hi"})
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert httpx.get(server.url + "/health").status_code == 200  # outside /v1: no key needed
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    # Either key, and the scheme in any case.
+    for header in (f"Bearer {API_KEY}", f"bearer {SECOND_KEY}", f"BEARER {API_KEY}"):
+        assert httpx.get(server.url + "/version", headers={"Authorization": header}).status_code == 200
+        r = httpx.post(server.url + "/tokenize", headers={"Authorization": header}, json={"prompt": "hi"})
+        assert r.status_code == 200 and r.json()["count"] >= 1
+    assert httpx.get(server.url + "/health").status_code == 200  # open: load balancers probe it
+    assert httpx.get(server.url + "/metrics").status_code == 200  # open unless --protect-metrics
 
 
 def test_engine_error_fails_its_requests_with_500_and_the_server_lives_on(server, client):
     runner = server.engine.runner
     calls = []
 
-    def broken_execute(*args, **kwargs):
-        del runner.execute  # only this step fails (the instance attribute shadows the method once)
+    def broken_execute_model(*args, **kwargs):
+        del runner.execute_model  # only this step fails (the instance attribute shadows the method once)
         calls.append(1)
         raise RuntimeError("injected fault")
 
-    runner.execute = broken_execute
+    runner.execute_model = broken_execute_model
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
     assert calls == [1]
@@ -344,6 +331,38 @@ def test_engine_error_fails_its_requests_with_500_and_the_server_lives_on(server
     wait_idle(server)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens >= 1
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_request_that_breaks_sampling_fails_alone(server, llm):
+    """A fault in one row's sampling (here: injected for seed 666) fails that request only; the requests
+    batched with it in the same steps get their own, correct outputs."""
+    runner = server.engine.runner
+    real_sample = runner.sample
+
+    def sample(rows, logits):
+        if any(s.request.params.seed == 666 for s in rows):
+            raise RuntimeError("injected sampling fault")
+        return real_sample(rows, logits)
+
+    ref = llm.generate(PROMPT, greedy(12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    runner.sample = sample
+    try:
+        async def run():
+            aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+            try:
+                good = [aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                   extra_body={"ignore_eos": True}) for _ in range(3)]
+                bad = aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, seed=666)
+                return await asyncio.gather(*good, bad, return_exceptions=True)
+            finally:
+                await aclient.close()
+
+        *good, bad = asyncio.run(run())
+    finally:
+        del runner.sample
+    assert isinstance(bad, openai.InternalServerError) and "injected sampling fault" in bad.body["message"]
+    assert [g.choices[0].text for g in good] == [ref] * 3
+    wait_idle(server)
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
@@ -396,18 +415,29 @@ def test_metrics_move_as_requests_run(server, client, loaded_model):
     assert delta("vllm:request_generation_tokens_sum") == 6
 
 
+def _read_stream(response: httpx.Response, events: list, first: threading.Event) -> None:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append(line[6:])
+            first.set()
+
+
 @pytest.mark.slow
-def test_pagedkv_serve_cli_starts_serves_and_stops_on_sigterm(default_model_dir, tmp_path):
-    """The command line as users run it, in its own process: the key from $PAGEDKV_API_KEY; SIGTERM exits 0."""
-    with _bound_socket() as sock:
+def test_pagedkv_serve_cli_drains_on_sigterm(default_model_dir, tmp_path):
+    """The command line as users run it, in its own process (the key from $PAGEDKV_API_KEY). SIGTERM with
+    streams in flight: new requests get 503, a short stream finishes normally, a long one gets a final error
+    event and [DONE] when --shutdown-timeout runs out, and the process exits 0."""
+    with bound_socket() as sock:
         port = sock.getsockname()[1]
     env = dict(os.environ, PAGEDKV_API_KEY="env-key")
     cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(default_model_dir), "--port", str(port),
-           "--kv-cache-memory", str(64 << 20), "--max-model-len", "256", "--served-model-name", "cli-test"]
+           "--kv-cache-memory", str(64 << 20), "--max-model-len", "512", "--served-model-name", "cli-test",
+           "--shutdown-timeout", "4"]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": "Bearer env-key"}
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -421,7 +451,29 @@ def test_pagedkv_serve_cli_starts_serves_and_stops_on_sigterm(default_model_dir,
         assert httpx.get(url + "/v1/models").status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0)
         assert c.completions.create(model="cli-test", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
-        proc.send_signal(signal.SIGTERM)
+        with httpx.Client(timeout=60, headers=headers) as http:
+            streams = []
+            for max_tokens in (400, 6):  # 400 tokens cannot finish within the 4 s drain on these cores
+                body = {"model": "cli-test", "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
+                        "stream": True}
+                response = http.send(http.build_request("POST", url + "/v1/completions", json=body), stream=True)
+                events, first = [], threading.Event()
+                reader = threading.Thread(target=_read_stream, args=(response, events, first), daemon=True)
+                reader.start()
+                assert first.wait(60)
+                streams.append((events, reader))
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(url + "/health").status_code == 503, 10, "/health to answer 503")
+            late = httpx.post(url + "/v1/completions", headers=headers, json={"model": "cli-test", "prompt": "hi"})
+            assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
+            for _, reader in streams:
+                reader.join(60)
+        (long_events, _), (short_events, _) = streams
+        assert short_events[-1] == "[DONE]"
+        assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+        assert long_events[-1] == "[DONE]"
+        final = json.loads(long_events[-2])
+        assert "shutting down" in final["error"]["message"], final
         assert proc.wait(60) == 0, log_path.read_text()
         assert "engine stopped" in log_path.read_text()
     finally:

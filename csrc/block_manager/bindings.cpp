@@ -114,6 +114,7 @@ PYBIND11_MODULE(_block_manager, m) {
       .def("cache_block", [](BlockPool& p, int32_t b, const py::bytes& key) { return p.cache_block(b, key); },
            py::arg("block"), py::arg("key"))
       .def("lookup", [](const BlockPool& p, const py::bytes& key) { return p.lookup(key); }, py::arg("key"))
+      .def("uncache", &BlockPool::uncache, py::arg("block"))
       .def("is_cached", &BlockPool::is_cached, py::arg("block"))
       .def("clear_cache", &BlockPool::clear_cache)
       .def("ref_count", &BlockPool::ref_count, py::arg("block"))
@@ -155,6 +156,9 @@ PYBIND11_MODULE(_block_manager, m) {
            },
            py::arg("seq_id"), py::arg("first_block"), py::arg("keys"))
       .def("reset_prefix_cache", &BlockManager::reset_prefix_cache)
+      .def("begin_step", &BlockManager::begin_step)
+      .def("uncache_step_blocks", &BlockManager::uncache_step_blocks)
+      .def("step_cached_blocks", &BlockManager::step_cached_blocks)
       .def("fill_metadata", &fill_metadata, py::arg("seq_ids"), py::arg("query_lens"), py::arg("block_tables"),
            py::arg("slot_mapping"), py::arg("seq_lens"), py::arg("pad_value") = 0)
       .def("block_table", [](const BlockManager& bm, int64_t id) { return bm.seq(id).table; }, py::arg("seq_id"))

@@ -304,11 +304,27 @@ int32_t BlockManager::cache_blocks(SeqId seq_id, int64_t first_block, const std:
                                 std::to_string(num_full) + " full blocks (partial blocks are never cached)");
   }
   int32_t added = 0;
-  for (size_t i = 0; i < keys.size(); ++i) added += gpu_.cache_block(s.table[first_block + i], keys[i]) ? 1 : 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const BlockId b = s.table[first_block + i];
+    if (gpu_.cache_block(b, keys[i])) {
+      step_cached_.push_back(b);
+      ++added;
+    }
+  }
   return added;
 }
 
-void BlockManager::reset_prefix_cache() { gpu_.clear_cache(); }
+void BlockManager::reset_prefix_cache() {
+  gpu_.clear_cache();
+  step_cached_.clear();
+}
+
+int32_t BlockManager::uncache_step_blocks() {
+  int32_t dropped = 0;
+  for (BlockId b : step_cached_) dropped += gpu_.uncache(b) ? 1 : 0;
+  step_cached_.clear();
+  return dropped;
+}
 
 // --- batch metadata --------------------------------------------------------
 

@@ -79,7 +79,24 @@ class BlockManager {
   // under `keys`. Returns how many were newly cached (a key already present
   // elsewhere keeps its block).
   int32_t cache_blocks(SeqId seq_id, int64_t first_block, const std::vector<std::string>& keys);
+  // Also empties the step journal (nothing is left to uncache).
   void reset_prefix_cache();
+
+  // --- step journal -----------------------------------------------------
+  // Blocks enter the index when they get slots, before the forward pass
+  // writes their KV. If that pass fails, the index would offer garbage to a
+  // retry of the same prompt. So the manager journals every block that
+  // cache_blocks newly caches: the engine calls begin_step() before
+  // scheduling a step and, if the step fails, uncache_step_blocks().
+  // Without caching the journal stays empty and both calls do nothing.
+  // The journal grows by one id per newly cached block until begin_step().
+  void begin_step() { step_cached_.clear(); }
+  // Drops every journaled block from the index (free ones become plain free
+  // blocks, see BlockPool::uncache) and empties the journal. Returns how many
+  // were still cached (a journaled block evicted since is skipped).
+  int32_t uncache_step_blocks();
+  // GPU blocks newly cached since the last begin_step(), in caching order.
+  const std::vector<BlockId>& step_cached_blocks() const { return step_cached_; }
 
   // --- batch metadata ---------------------------------------------------
   // For the i-th sequence: block_tables[i, :] = its table padded with
@@ -121,6 +138,7 @@ class BlockManager {
   bool enable_caching_;
   std::unordered_map<SeqId, SeqState> seqs_;
   uint64_t batch_counter_ = 0;
+  std::vector<BlockId> step_cached_;  // the step journal, see begin_step()
 };
 
 }  // namespace pagedkv

@@ -132,6 +132,20 @@ bool BlockPool::cache_block(BlockId block, const std::string& key) {
   return true;
 }
 
+bool BlockPool::uncache(BlockId block) {
+  check_block(block, "uncache");
+  if (key_[block].empty()) return false;
+  index_.erase(key_[block]);
+  key_[block].clear();
+  if (ref_count_[block] == 0) {
+    // Evictable until now: it joins the uncached blocks at the front.
+    unlink(block);
+    push_front(block);
+    --num_evictable_;
+  }
+  return true;
+}
+
 BlockId BlockPool::lookup(const std::string& key) const {
   auto it = index_.find(key);
   return it == index_.end() ? -1 : it->second;

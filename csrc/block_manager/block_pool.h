@@ -50,6 +50,11 @@ class BlockPool {
   // Returns false (and caches nothing) if the key is already present or the
   // block already carries a key.
   bool cache_block(BlockId block, const std::string& key);
+  // Drops the block's cache key, if any; returns whether it had one. A free
+  // block becomes a plain free block and moves to the front of the list
+  // (its contents are worthless now). Not an eviction: num_evictions stays.
+  // For KV that was never written (a failed step, see BlockManager::begin_step).
+  bool uncache(BlockId block);
   // The block cached under `key`, or -1.
   BlockId lookup(const std::string& key) const;
   bool is_cached(BlockId block) const;

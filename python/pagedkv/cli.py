@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no captured decode graphs)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for (vLLM's)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (vLLM's), "
+                        "or a folder holding a generation_config.json")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (GPUs, or processes on the CPU); under torchrun, "
                         "its WORLD_SIZE")
@@ -52,7 +56,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "enable_prefix_caching": ns.enable_prefix_caching, "swap_space": ns.swap_space,
             "preemption_mode": ns.preemption_mode, "seed": ns.seed,
             "long_prefill_token_threshold": ns.long_prefill_token_threshold,
-            "tensor_parallel_size": ns.tensor_parallel_size, "enforce_eager": ns.enforce_eager}
+            "tensor_parallel_size": ns.tensor_parallel_size, "enforce_eager": ns.enforce_eager,
+            "max_logprobs": ns.max_logprobs, "generation_config": ns.generation_config}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -152,8 +157,19 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first labels the metrics (default: MODEL as given)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY)")
+    p.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics; several keys "
+                        "(space- or comma-separated) are all accepted (default: $PAGEDKV_API_KEY)")
+    p.add_argument("--protect-metrics", action="store_true", help="with --api-key: /metrics wants a key too")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--max-json-nesting-depth", type=int, default=64,
+                   help="request bodies nesting JSON arrays/objects deeper get 400 (default 64)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (off by default: it tells one tenant "
+                        "which prompt prefixes another sent)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds the requests in flight get after SIGTERM/SIGINT before they are ended")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)

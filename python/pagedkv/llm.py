@@ -59,6 +59,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation-config sampling defaults (vLLM's where it sets none): what
+        `generate(prompts)` uses without SamplingParams."""
+        return self.llm_engine.get_default_sampling_params()
+
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
@@ -76,7 +81,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

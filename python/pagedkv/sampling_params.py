@@ -1,8 +1,70 @@
-"""SamplingParams: how to pick each token and when to stop (vLLM's names and defaults)."""
+"""SamplingParams: how to pick each token and when to stop (vLLM's names and defaults).
+
+Everything that can be checked without the model is checked here, so an
+offline user gets the same refusals as a server client; what needs the
+model (top_k and stop token ids against the vocabulary, logprobs against
+`max_logprobs`, n against `max_num_seqs`) is checked by the engine when the
+request is added. A refusal is a `SamplingParamsError` (a ValueError) that
+names the field.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# A temperature this low overflows float32 logits (x / 1e-30 is inf): vLLM raises such values to 0.01 too.
+MIN_TEMPERATURE = 1e-2
+# Bounds on what one request may ask for: each stop string is searched for after every token, and the
+# stop token ids are banned per row before min_tokens, so their sizes are per-step costs.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; `param` names the field (the server's 400 reports it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite(name: str, x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise SamplingParamsError(name, f"{name} must be a finite number, got {x!r}")
+    return float(x)
+
+
+def _stop_strings(stop: list[str] | str | None) -> list[str]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP_STRINGS:
+        raise SamplingParamsError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+    for s in strings:
+        if not isinstance(s, str) or not s:
+            raise SamplingParamsError("stop", f"stop strings must be non-empty strings, got {s!r}")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise SamplingParamsError("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, "
+                                              f"got one of {len(s)}")
+    return strings
+
+
+def _stop_token_ids(ids: list[int] | None) -> list[int]:
+    ids = list(ids or [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(ids)}")
+    bad = next((t for t in ids if not _is_int(t) or not 0 <= t <= INT64_MAX), None)
+    if bad is not None:
+        raise SamplingParamsError("stop_token_ids", f"stop token ids must be ints >= 0, got {bad!r}")
+    return ids
 
 
 @dataclass(slots=True)
@@ -10,15 +72,16 @@ class SamplingParams:
     """Per-request sampling and stopping rules.
 
     n: samples per prompt (they share the prompt's KV blocks, copy-on-write).
-    temperature: 0 is greedy. top_p in (0, 1], top_k (0 or -1: off), min_p in [0, 1]:
-    filters applied after the temperature. seed: a per-request generator, so the
-    output does not depend on the rest of the batch. max_tokens: new tokens at
-    most (None: up to max_model_len). stop: strings that end the output (not
-    included in the text); stop_token_ids: tokens that end it (included in
-    token_ids, left out of the text). ignore_eos: keep going past EOS.
-    logprobs: also return the log-probabilities of the top-`logprobs` tokens and
-    of the sampled one. repetition_penalty > 1 discourages tokens already in the
-    prompt or output (as in HF/vLLM).
+    temperature: 0 is greedy (values in (0, 0.01) are raised to 0.01, as in
+    vLLM). top_p in (0, 1], top_k (0 or -1: off), min_p in [0, 1]:
+    filters applied after the temperature. seed: a per-request generator (an
+    int64), so the output does not depend on the rest of the batch.
+    max_tokens: new tokens at most (None: up to max_model_len). stop: strings
+    that end the output (not included in the text); stop_token_ids: tokens
+    that end it (included in token_ids, left out of the text). ignore_eos:
+    keep going past EOS. logprobs: also return the log-probabilities of the
+    top-`logprobs` tokens and of the sampled one. repetition_penalty > 1
+    discourages tokens already in the prompt or output (as in HF/vLLM).
     """
 
     n: int = 1
@@ -37,36 +100,57 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: list[str] = field(init=False, default_factory=list)
+    # Set lookups for the per-token stop check (stop_token_ids stays the list the user gave).
+    all_stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise SamplingParamsError("n", f"n must be an int >= 1, got {self.n!r}")
+        self._check_floats()
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (off) or a positive int, got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise SamplingParamsError("top_k", f"top_k must be 0 or -1 (off) or a positive int, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise SamplingParamsError("seed", f"seed must be an int64 ([{INT64_MIN}, {INT64_MAX}]) or None, "
+                                              f"got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise SamplingParamsError("max_tokens",
+                                      f"max_tokens must be an int >= 1 (or None), got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise SamplingParamsError("min_tokens", f"min_tokens must be an int in [0, max_tokens="
+                                                    f"{self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise SamplingParamsError("logprobs", f"logprobs must be an int >= 0 (or None), got {self.logprobs!r}")
+        self.stop_strings = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        self.all_stop_token_ids = frozenset(self.stop_token_ids)
+
+    def _check_floats(self) -> None:
+        self.temperature = _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, where float32 logits overflow: using %g", self.temperature,
+                           MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+        self.top_p = _finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.min_p = _finite("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1 (or None), got {self.max_tokens!r}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an int >= 0 (or None), got {self.logprobs!r}")
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        self.repetition_penalty = _finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        self.stop_strings = stop
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            raise SamplingParamsError("repetition_penalty",
+                                      f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a streamed output keeps back while unfinished: they may be the start of a stop string."""
+        return max((len(s) for s in self.stop_strings), default=1) - 1

@@ -263,6 +263,26 @@ class BlockManager:
         if self.prefix_cache is not None:
             self.prefix_cache.stats.reset()
 
+    def begin_step(self) -> None:
+        """Starts a new step journal: call it before scheduling each engine step.
+
+        Blocks enter the prefix-cache index when they get slots, before the
+        forward pass writes their KV; the journal records the ones newly cached
+        from here on, so that `uncache_step_blocks` can take them back if the
+        step fails. Does nothing useful without caching (the journal stays empty).
+        """
+        self.core.begin_step()
+
+    def uncache_step_blocks(self) -> int:
+        """After a failed step: drops every block newly cached since `begin_step` from the index.
+
+        Their KV was never written, so no later prompt may reuse them. Blocks
+        cached in earlier steps stay cached; sequences keep their blocks (free
+        ones among the dropped become plain free blocks, reused first). Returns
+        how many blocks were still cached and got dropped (0 without caching).
+        """
+        return self.core.uncache_step_blocks()
+
     # --- introspection ------------------------------------------------------------
     def get_block_table(self, seq_id: int) -> list[int]:
         return self.core.block_table(seq_id)

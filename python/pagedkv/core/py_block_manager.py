@@ -95,6 +95,18 @@ class PyBlockPool:
         self._key[block] = key
         return True
 
+    def uncache(self, block: int) -> bool:
+        """Drops the block's cache key; a free block moves to the front (uncached). Not an eviction."""
+        self._check(block, "uncache")
+        key = self._key[block]
+        if key is None:
+            return False
+        del self._index[key]
+        self._key[block] = None
+        if block in self._free:
+            self._free.move_to_end(block, last=False)
+        return True
+
     def lookup(self, key: bytes) -> int:
         return self._index.get(key, -1)
 
@@ -151,6 +163,8 @@ class PyBlockManager:
     watermark: float
     enable_caching: bool
     _seqs: dict[int, _Seq] = field(default_factory=dict)
+    # GPU blocks newly cached since the last begin_step(): see block_manager.h.
+    _step_cached: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -338,10 +352,29 @@ class PyBlockManager:
         if first_block < 0 or first_block + len(keys) > seq.num_tokens // self.block_size:
             raise ValueError(f"cache_blocks: blocks [{first_block}, {first_block + len(keys)}) of sequence "
                              f"{seq_id} are not all full")
-        return sum(self.gpu.cache_block(seq.table[first_block + i], k) for i, k in enumerate(keys))
+        added = 0
+        for i, key in enumerate(keys):
+            block = seq.table[first_block + i]
+            if self.gpu.cache_block(block, key):
+                self._step_cached.append(block)
+                added += 1
+        return added
 
     def reset_prefix_cache(self) -> None:
         self.gpu.clear_cache()
+        self._step_cached.clear()
+
+    # --- step journal -------------------------------------------------------
+    def begin_step(self) -> None:
+        self._step_cached.clear()
+
+    def uncache_step_blocks(self) -> int:
+        dropped = sum(self.gpu.uncache(b) for b in self._step_cached)
+        self._step_cached.clear()
+        return dropped
+
+    def step_cached_blocks(self) -> list[int]:
+        return list(self._step_cached)
 
     # --- batch metadata -----------------------------------------------------
     def fill_metadata(self, seq_ids, query_lens, block_tables: np.ndarray, slot_mapping: np.ndarray,

@@ -96,7 +96,8 @@ class Request:
     output_kind: OutputKind = OutputKind.CUMULATIVE
     extra_keys: tuple = ()
     seqs: list[Sequence] = field(default_factory=list)
-    error: str | None = None
+    error: str | None = None  # why the engine failed it (its finish reason is then "error")
+    banned_before_min_tokens: list[int] | None = None  # the model runner's cache: EOS and stop ids, sorted
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.distributed.step_channel import StepChannel
+from pagedkv.errors import EngineDeadError
 from pagedkv.model.parallel_state import init_tensor_parallel, reset_tensor_parallel
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ _DEATH_GRACE_S = 5.0
 _JOIN_TIMEOUT_S = 15.0
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(EngineDeadError):
     """A tensor-parallel rank stopped: the engine cannot run another step (the server answers 503)."""
 
 

@@ -14,8 +14,10 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,12 +31,20 @@ from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import find_stop_string, update_text
 from pagedkv.engine.memory_pool import plan_kv_cache
 from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import load_model, load_tokenizer, resolve_model
 from pagedkv.model.sampler import SamplerOutput
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
+
+MAX_STEP_TIMES = 1 << 16
+MAX_CACHE_SALT_CHARS = 1024
+# Keys of generation_config.json that set sampling defaults, with HF's own defaults (a value equal to HF's
+# default is not a choice of the checkpoint's authors: vLLM skips those too).
+_GENERATION_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                    "max_new_tokens": None}
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -62,6 +72,10 @@ class EngineArgs:
     skip_tokenizer_init: bool = False  # token-id prompts only, no output text (checkpoints without a tokenizer)
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one per GPU; processes on the CPU)
     enforce_eager: bool = False  # CUDA: no captured decode graphs (every step launched kernel by kernel)
+    max_logprobs: int = 20  # most logprobs a request may ask for (vLLM's default)
+    # Sampling defaults for what a request leaves out: "auto" reads the checkpoint's generation_config.json,
+    # "vllm" uses vLLM's own defaults, anything else is a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -103,7 +117,11 @@ class _Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     peak_used_blocks: int = 0
-    step_times: list[float] = field(default_factory=list)
+    num_steps: int = 0
+    num_failed_steps: int = 0
+    # The latest steps' forward + sampling times (bounded: a server steps forever). Benchmarks take the last
+    # `num_steps - before` entries of a run.
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_STEP_TIMES))
 
 
 def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
@@ -144,6 +162,29 @@ def _eos_token_ids(source_path, cfg: ModelConfig, tokenizer) -> set[int]:
     return ids
 
 
+def generation_defaults(folder: Path | None) -> dict[str, Any]:
+    """SamplingParams defaults set by `folder`/generation_config.json (vLLM's `--generation-config`).
+
+    Only the sampling keys the checkpoint sets to something other than HF's
+    own default count; `max_new_tokens` becomes `max_tokens`. A missing or
+    unreadable file sets nothing.
+    """
+    path = folder / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring %s: %s", path, e)
+        return {}
+    out = {}
+    for key, hf_default in _GENERATION_KEYS.items():
+        value = config.get(key)
+        if value is not None and value != hf_default:
+            out["max_tokens" if key == "max_new_tokens" else key] = value
+    return out
+
+
 @dataclass(slots=True)
 class LoadedModel:
     """A model and its tokenizer, loaded once; several engines (e.g. tests of different cache settings) can share it."""
@@ -154,6 +195,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: set[int]
+    source_path: Path | None = None  # the checkpoint folder (its generation_config.json gives sampling defaults)
 
     @classmethod
     def load(cls, args: EngineArgs, device: torch.device | None = None, with_tokenizer: bool = True) -> LoadedModel:
@@ -168,7 +210,8 @@ class LoadedModel:
         tokenizer = None if args.skip_tokenizer_init or not with_tokenizer else load_tokenizer(source, args.tokenizer)
         name = str(args.model) if args.model else source.name
         logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)
-        return cls(model, tokenizer, name, dtype, device, _eos_token_ids(source.path, model.config, tokenizer))
+        return cls(model, tokenizer, name, dtype, device, _eos_token_ids(source.path, model.config, tokenizer),
+                   Path(source.path))
 
 
 class LLMEngine:
@@ -176,6 +219,8 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         """loaded: a model already in memory (not with tensor parallelism, where each rank loads its shard)."""
+        if not isinstance(args.max_logprobs, int) or args.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {args.max_logprobs!r}")
         self.args = args
         self.tp = _start_tensor_parallel(args, loaded)
         try:
@@ -192,6 +237,7 @@ class LLMEngine:
         self.model_config = self.model.config
         self.cache_config = args.cache_config()
         self.scheduler_config = args.scheduler_config(self.model_config)
+        self.default_sampling = self._sampling_defaults(args, loaded)
         if self.tp is not None:
             self.tp.barrier()  # every rank has its shard
         self._init_cache()
@@ -201,6 +247,23 @@ class LLMEngine:
         self.counters = _Counters()
         self.prefix_diagnostics = (PrefixDivergenceDetector(self.cache_config.block_size)
                                    if self.cache_config.enable_prefix_caching else None)
+
+    @staticmethod
+    def _sampling_defaults(args: EngineArgs, loaded: LoadedModel) -> dict[str, Any]:
+        if args.generation_config == "vllm":
+            return {}
+        folder = loaded.source_path if args.generation_config == "auto" else Path(args.generation_config)
+        if args.generation_config != "auto" and not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config={args.generation_config!r}: no generation_config.json there "
+                             f"(use 'auto' for the checkpoint's, 'vllm' for vLLM's defaults, or a folder)")
+        defaults = generation_defaults(folder)
+        if defaults:
+            logger.info("sampling defaults from %s/generation_config.json: %s", folder, defaults)
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation-config defaults (vLLM's defaults where it sets none)."""
+        return SamplingParams(**self.default_sampling)
 
     # --- set-up -----------------------------------------------------------------
     def _init_cache(self) -> None:
@@ -240,12 +303,31 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True): pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except (UnicodeError, TypeError) as e:  # e.g. a lone surrogate, which no tokenizer can encode
+                raise ValueError(f"the prompt is not valid text: {e}") from e
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams) -> None:
+        """Refuses what the model or the engine's limits rule out (SamplingParams checked the rest itself)."""
+        vocab, limit = self.model_config.vocab_size, self.scheduler_config.max_num_seqs
+        if params.top_k > vocab:
+            raise SamplingParamsError("top_k", f"top_k must be -1, 0 or in [1, {vocab}] (the vocabulary), "
+                                               f"got {params.top_k}")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise SamplingParamsError("stop_token_ids", f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise SamplingParamsError("logprobs", f"requested {params.logprobs} logprobs, more than the "
+                                                  f"{self.args.max_logprobs} allowed (max_logprobs)")
+        if params.n > limit:
+            raise SamplingParamsError("n", f"n={params.n} is more than max_num_seqs={limit}")
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                  cache_salt: str | None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not token_ids:
@@ -258,23 +340,29 @@ class LLMEngine:
         if len(token_ids) >= limit:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {limit}: it must be at "
                              f"most {limit - 1} to leave room for one output token")
+        self.validate_params(params)
+        salt_ok = isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS
+        if cache_salt is not None and not salt_ok:
+            raise SamplingParamsError("cache_salt", f"cache_salt must be a non-empty string of at most "
+                                                    f"{MAX_CACHE_SALT_CHARS} characters, got {cache_salt!r:.80}")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> Request:
         """Queues a prompt. Raises ValueError (and queues nothing) for a request that can never run."""
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, token_ids = self.tokenize(prompt)
-        self._validate(request_id, token_ids, params)
+        self._validate(request_id, token_ids, params, cache_salt)
+        extra = (cache_salt,) if cache_salt is not None else ()
         if self.prefix_diagnostics is not None:
-            self.prefix_diagnostics.observe(token_ids, (cache_salt,) if cache_salt else ())
+            self.prefix_diagnostics.observe(token_ids, extra)
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()),
-                      output_kind, (cache_salt,) if cache_salt else ())
+                      output_kind, extra)
         for i in range(params.n):
             gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            if params.seed is not None:  # seed + i may pass INT64_MAX: the generator takes any uint64
+                gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % (1 << 64))
             seq = Sequence(next(self._seq_ids), req, i, list(token_ids), gen)
             if i:
                 seq.status = SequenceStatus.FORK_PENDING
@@ -288,13 +376,15 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)
-                    seq.finish_reason = "abort"
-            req.metrics.finished_time = time.time()
+            if req is not None:
+                self._finish_request(req, "abort")
+
+    def _finish_request(self, req: Request, reason: str) -> None:
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+                seq.finish_reason = reason
+        req.metrics.finished_time = time.time()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -304,24 +394,86 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the outputs of the requests that produced tokens (per their output kind)."""
+        """Runs one batch; returns the outputs of the requests that produced tokens (per their output kind).
+
+        A step that fails fails only its own requests (their outputs come back
+        finished with reason "error" and `.error` set) and drops the blocks it
+        had offered to the prefix cache, whose KV it never wrote; the engine
+        goes on. Raises EngineDeadError when the engine cannot step again (a
+        dead tensor-parallel rank, a device that no longer runs anything).
+        """
         if self.tp is not None:
             self.tp.check_workers()
+        self.block_manager.begin_step()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         t0 = time.perf_counter()
         try:
-            rows, sampled = self.runner.execute(out)
+            rows, logits = self.runner.execute_model(out)
         except Exception as e:
             died = self.tp.diagnose(e) if self.tp is not None else None
             if died is not None:
                 raise died from e
-            raise
+            return self._fail_step(out, e)
+        sampled, errors = self._sample(rows, logits)
+        self.counters.num_steps += 1
         self.counters.step_times.append(time.perf_counter() - t0)
-        return self._postprocess(out, rows, sampled)
+        return self._postprocess(out, rows, sampled, errors)
 
-    def _postprocess(self, out: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[SamplerOutput, list[Exception | None]]:
+        try:
+            return self.runner.sample(rows, logits), [None] * len(rows)
+        except Exception:
+            logger.exception("sampling a batch of %d rows failed; sampling row by row to find the rows at fault",
+                             len(rows))
+            return self.runner.sample_each(rows, logits)
+
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The forward failed: its requests fail, the rest go on (the cause is unknown, so all of this step's)."""
+        self.counters.num_failed_steps += 1
+        dropped = self.block_manager.uncache_step_blocks()
+        failed = {s.request.request_id: s.request for s in (*out.decode_seqs, *out.prefill_seqs)}
+        # Sequences swapped out or in this step: their blocks' bytes moved (or not) in the failed step.
+        for s in out.preempted:
+            if s.status is SequenceStatus.SWAPPED:
+                failed[s.request.request_id] = s.request
+        logger.error("engine step failed (%d requests failed, %d blocks dropped from the prefix cache)",
+                     len(failed), dropped, exc_info=error)
+        outputs = self._fail_requests(list(failed.values()), f"the engine failed while running this request: "
+                                                             f"{error!r}")
+        self.check_health()
+        return outputs
+
+    def _fail_requests(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        outputs = []
+        for req in requests:
+            if self.requests.pop(req.request_id, None) is None:
+                continue
+            req.error = message
+            self._finish_request(req, "error")
+            output = self._make_output(req)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError unless the engine can still step: the ranks are alive, the device syncs, and
+        (on one device) a one-token forward runs. It writes no KV (its slot is -1)."""
+        try:
+            if self.tp is not None:
+                self.tp.check_workers()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # a device-side assert stays raised from here on
+            if self.tp is None:
+                self.runner.profile_run(1, 1)
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            raise EngineDeadError(f"the engine cannot run a step any more: {e!r}") from e
+
+    def _postprocess(self, out: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput,
+                     errors: list[Exception | None]) -> list[RequestOutput]:
         now = time.time()
         for seq in out.decode_seqs:
             seq.num_computed_tokens += 1
@@ -337,17 +489,20 @@ class LLMEngine:
             if seq.status is SequenceStatus.FORK_PENDING:
                 self._fork(seq)
         touched: dict[str, Request] = {}
-        for seq, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                seq.logprobs = (seq.logprobs or []) + [logprobs]
-                seq.cumulative_logprob += logprobs[token].logprob
+        faulty: dict[str, tuple[Request, Exception]] = {}
+        for seq, token, logprobs, error in zip(rows, sampled.token_ids, sampled.logprobs, errors, strict=True):
             req = seq.request
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            self._check_stop(seq, token)
+            if error is None and req.request_id not in faulty:
+                error = self._append_token(seq, token, logprobs, now)
+            if error is not None:
+                faulty.setdefault(req.request_id, (req, error))
+                continue
             touched[req.request_id] = req
         outputs = []
+        for req, error in faulty.values():
+            logger.error("request %s failed in this step", req.request_id, exc_info=error)
+            touched.pop(req.request_id, None)
+            outputs.extend(self._fail_requests([req], f"the engine failed while running this request: {error!r}"))
         for req in touched.values():
             if req.finished:
                 req.metrics.finished_time = now
@@ -356,6 +511,23 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> Exception | None:
+        """Appends a sampled token and applies the stop rules; returns the error if that raised (its request
+        alone fails: e.g. its tokenizer could not decode the text)."""
+        try:
+            seq.token_ids.append(token)
+            if logprobs is not None:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.append(logprobs)
+                seq.cumulative_logprob += logprobs[token].logprob
+            if seq.request.metrics.first_token_time is None:
+                seq.request.metrics.first_token_time = now
+            self._check_stop(seq, token)
+        except Exception as e:
+            return e
+        return None
 
     def _fork(self, child: Sequence) -> None:
         """Sample i > 0 of a prompt just computed: share sample 0's blocks (copy-on-write from here on)."""
@@ -377,7 +549,7 @@ class LLMEngine:
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
-            elif token in p.stop_token_ids:
+            elif token in p.all_stop_token_ids:
                 reason, stop_reason = "stop", token
         if reason is None and self._needs_text(seq.request):
             new = update_text(self.tokenizer, seq, p.skip_special_tokens)
@@ -407,13 +579,24 @@ class LLMEngine:
             ids, text, logprobs = seq.output_token_ids, seq.text, seq.logprobs
             if kind is OutputKind.DELTA:
                 ids, logprobs = ids[seq.num_emitted_tokens:], logprobs[seq.num_emitted_tokens:] if logprobs else None
-                text = text[seq.num_emitted_chars:]
-                seq.num_emitted_tokens, seq.num_emitted_chars = seq.num_output_tokens, len(seq.text)
+                text = self._delta_text(seq)
+                seq.num_emitted_tokens = seq.num_output_tokens
             completions.append(CompletionOutput(
                 seq.index, text, list(ids), seq.cumulative_logprob if seq.logprobs is not None else None,
                 list(logprobs) if logprobs is not None else None, seq.finish_reason, seq.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
                              req.metrics, req.metrics.num_cached_tokens, req.error)
+
+    @staticmethod
+    def _delta_text(seq: Sequence) -> str:
+        """The text a DELTA output may send now. Until the sequence finishes, the last len(longest stop) - 1
+        characters are kept back: they may be the start of a stop string that the engine would cut out."""
+        end = len(seq.text)
+        if not seq.is_finished:
+            end = max(seq.num_emitted_chars, end - seq.request.params.stop_holdback)
+        text = seq.text[seq.num_emitted_chars:end]
+        seq.num_emitted_chars = end
+        return text
 
     # --- stats ---------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -193,10 +193,17 @@ class ModelRunner:
         )
 
     def _banned(self, p, seq: Sequence) -> list[int] | None:
-        """Before min_tokens, the tokens that would end the sequence may not be sampled (as in vLLM)."""
+        """Before min_tokens, the tokens that would end the sequence may not be sampled (as in vLLM).
+
+        The list is built once per request (it is the same every step until min_tokens).
+        """
         if seq.num_output_tokens >= p.min_tokens:
             return None
-        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
+        req = seq.request
+        if req.banned_before_min_tokens is None:
+            eos = frozenset() if p.ignore_eos else self.eos_token_ids
+            req.banned_before_min_tokens = sorted(p.all_stop_token_ids | eos)
+        return req.banned_before_min_tokens
 
     # --- one step --------------------------------------------------------------
     def check_batch(self, batch: StepBatch) -> None:
@@ -235,8 +242,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
-        """Runs the step; returns the sequences whose next token was sampled, and those tokens (same order)."""
+    def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
+        """Runs the step's forward; returns the sequences whose next token is due and their float32 logits
+        [len(rows), vocab] (a prompt forking n > 1 samples has one row per sample)."""
         block_ops = BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         batch, rows = self.build_batch(out)
         self.check_batch(batch)  # before the workers see it: a bad batch stops here, on every rank
@@ -246,7 +254,34 @@ class ModelRunner:
         if any(s.is_fork_point for s in rows):
             rows, repeats = self._expand_forks(rows)
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
-        return rows, self.sampler(logits, self.sampling_batch(rows))
+        return rows, logits
+
+    @torch.inference_mode()
+    def sample(self, rows: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        """One token per row of `logits` (float32 [len(rows), vocab])."""
+        return self.sampler(logits, self.sampling_batch(rows))
+
+    @torch.inference_mode()
+    def sample_each(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[SamplerOutput, list[Exception | None]]:
+        """Samples row by row, after a batched `sample` raised: finds the rows at fault.
+
+        Returns the tokens (a failed row gets -1, and None logprobs) and, per row, the error it raised or None.
+        """
+        tokens: list[int] = []
+        logprobs: list = []
+        errors: list[Exception | None] = []
+        for i, seq in enumerate(rows):
+            try:
+                one = self.sample([seq], logits[i:i + 1])
+            except Exception as e:  # this row's own parameters or state: only its request fails
+                tokens.append(-1)
+                logprobs.append(None)
+                errors.append(e)
+                continue
+            tokens.extend(one.token_ids)
+            logprobs.extend(one.logprobs)
+            errors.append(None)
+        return SamplerOutput(tokens, logprobs), errors
 
     @staticmethod
     def _expand_forks(rows: list[Sequence]) -> tuple[list[Sequence], list[int]]:

@@ -3,6 +3,6 @@
 Importing this package needs the server extras (fastapi, uvicorn, prometheus_client); `import pagedkv` does not.
 """
 
-from pagedkv.server.api_server import build_app, run_server
+from pagedkv.server.api_server import ServerOptions, build_app, run_server, serve
 
-__all__ = ["build_app", "run_server"]
+__all__ = ["ServerOptions", "build_app", "run_server", "serve"]

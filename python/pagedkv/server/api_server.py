@@ -1,27 +1,47 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncEngine.
 
     pagedkv serve [MODEL] [--host 127.0.0.1] [--port 8000] [engine flags] [--served-model-name NAME]
-                  [--api-key KEY]
+                  [--api-key KEY[,KEY...]] [--protect-metrics] [--max-request-body-bytes N]
+                  [--max-json-nesting-depth N] [--enable-prompt-tokens-details] [--shutdown-timeout S]
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (streamed as server-sent events with `stream: true`), GET /health,
 GET /version, GET /metrics (Prometheus, vLLM's metric names), and vLLM's
 POST /tokenize and /detokenize. Every error is an OpenAI error body
-({"error": {"message", "type", "param", "code"}}); with an API key, every
-/v1 route wants `Authorization: Bearer KEY`.
+({"error": {"message", "type", "param", "code"}}), never a 5xx for a bad
+request.
+
+What guards the server, outermost first (plain ASGI middlewares, so
+streaming passes through untouched):
+- the API key(s), on every route but /health (and /metrics unless
+  --protect-metrics), checked before the body is read;
+- the drain: once SIGTERM came, 503 for every new request;
+- the body: more than --max-request-body-bytes is a 413 (before reading it,
+  when Content-Length says so), JSON nested deeper than
+  --max-json-nesting-depth a 400.
+A dead engine turns /health to 503 and stops the server with exit status 1
+once the requests in flight have their answer (as vLLM does); SIGTERM drains:
+in-flight requests get up to --shutdown-timeout seconds, then a final error
+event, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import logging
 import os
+import re
 import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +61,7 @@ from pagedkv.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagedkv.server.serving import ServingOptions
 from pagedkv.server.serving_chat import OpenAIServingChat
 from pagedkv.server.serving_completion import OpenAIServingCompletion
 
@@ -49,29 +70,143 @@ logger = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-                 500: "server_error", 503: "server_error"}
+                 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    """`pagedkv serve`'s own settings (the engine's are EngineArgs)."""
+
+    api_keys: tuple[str, ...] = ()  # any of them is accepted; none: no authentication
+    protect_metrics: bool = False  # with api_keys: /metrics wants a key too
+    max_request_body_bytes: int = 16 << 20
+    max_json_nesting_depth: int = 64
+    enable_prompt_tokens_details: bool = False
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1 or self.max_json_nesting_depth < 1 or self.shutdown_timeout < 0:
+            raise ValueError(f"max_request_body_bytes and max_json_nesting_depth must be >= 1 and shutdown_timeout "
+                             f">= 0, got {self.max_request_body_bytes}, {self.max_json_nesting_depth}, "
+                             f"{self.shutdown_timeout}")
+        if any(not k for k in self.api_keys):
+            raise ValueError("an API key must not be empty")
+
+
+def parse_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
+    """Keys from --api-key (repeatable, each comma-separated, as vLLM accepts) or $PAGEDKV_API_KEY."""
+    if isinstance(values, str):
+        values = [values]
+    return tuple(k.strip() for v in values or () for k in v.split(",") if k.strip())
 
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.response_body(), status_code=e.status_code)
 
 
-class APIKeyMiddleware:
-    """401 for a /v1 request without `Authorization: Bearer <key>` (a plain ASGI middleware: streaming passes
-    through untouched, and the key is checked before the body is even read)."""
+def json_nesting_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in a JSON text (brackets inside strings do not count)."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if not brackets.size:
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max())
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+class APIKeyMiddleware:
+    """401 without `Authorization: Bearer <one of the keys>` (scheme case-insensitive, keys compared in constant
+    time), on every route but the open ones; checked before the body is read."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], open_paths: frozenset[str]) -> None:
+        self.app, self.keys, self.open_paths = app, [k.encode() for k in api_keys], open_paths
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        token = token.strip()
+        ok = False
+        for key in self.keys:  # every key is compared: the time says nothing about which one was close
+            ok |= secrets.compare_digest(token, key)
+        return ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths and scope["method"] != "OPTIONS":
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not self._authorized(header):
                 err = APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
                                type="invalid_request_error", code="invalid_api_key")
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestGuardMiddleware:
+    """503 while draining; 413 for a body over the limit; 400 for JSON nested over the limit.
+
+    The body is read here (at most limit + one chunk) and replayed to the app; later receive() calls go to
+    the client again, so disconnects are still seen.
+    """
+
+    def __init__(self, app: ASGIApp, options: ServerOptions, is_draining: Callable[[], bool]) -> None:
+        self.app, self.options, self.is_draining = app, options, is_draining
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.is_draining() and scope["path"] not in ("/health", "/metrics"):
+            err = APIError("The server is shutting down.", 503, type="server_error", code="shutting_down")
+            await error_response(err)(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        body, error = await self._read_body(scope, receive)
+        if error is not None:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, scope: Scope, receive: Callable) -> tuple[bytes, APIError | None]:
+        limit = self.options.max_request_body_bytes
+        too_large = APIError(f"The request body is larger than the server's limit of {limit} bytes "
+                             f"(--max-request-body-bytes).", 413, code="request_too_large")
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return b"", too_large if length.isdigit() else APIError("Content-Length is not a number.")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", APIError("The client disconnected.", 499, code="client_disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return b"", too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        depth_limit = self.options.max_json_nesting_depth
+        # Depth cannot exceed the number of opening brackets: most bodies need no scan at all.
+        if body.count(b"[") + body.count(b"{") > depth_limit and json_nesting_depth(body) > depth_limit:
+            return body, APIError(f"The request body nests JSON arrays/objects deeper than the server's limit of "
+                                  f"{depth_limit} (--max-json-nesting-depth).", code="json_too_deep")
+        return body, None
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -84,7 +219,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                         code="invalid_json")
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors[:5])
-    return APIError(message or "invalid request", param=".".join(loc) or None)
+    return APIError(message[:2000] or "invalid request", param=".".join(loc)[:200] or None)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -107,14 +242,19 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(f"internal server error: {exc!r}", 500, type="server_error"))
 
 
-def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics, model_names: list[str]) -> None:
-    completions = OpenAIServingCompletion(async_engine, model_names)
-    chat = OpenAIServingChat(async_engine, model_names)
+def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics, model_names: list[str],
+                options: ServerOptions) -> None:
+    serving = ServingOptions(enable_prompt_tokens_details=options.enable_prompt_tokens_details)
+    completions = OpenAIServingCompletion(async_engine, model_names, serving)
+    chat = OpenAIServingChat(async_engine, model_names, serving, executor=completions.executor,
+                             tokenizer=completions.tokenizer)
     engine = async_engine.engine
     root = str(engine.args.model) if engine.args.model else engine.model_name
 
     @app.get("/health")
     async def health() -> Response:
+        if async_engine.draining:
+            return error_response(APIError("the server is shutting down", 503, type="server_error"))
         if not async_engine.is_alive:
             return error_response(APIError(async_engine.dead_reason or "the engine is not running", 503,
                                            type="server_error"))
@@ -150,9 +290,10 @@ def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
     async def tokenize(req: TokenizeRequest) -> dict:
         completions.check_model(req.model)
         if req.messages is not None:
-            ids = chat.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = await chat.off_loop(chat.chat_prompt, req.messages, req.add_generation_prompt)
         elif req.prompt is not None and completions.tokenizer is not None:
-            ids = completions.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tok = completions.tokenizer
+            ids = await completions.off_loop(lambda: tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
             raise APIError("tokenize needs a prompt or messages (and a tokenizer).", param="prompt")
         return {"count": len(ids), "max_model_len": completions.max_model_len, "tokens": ids}
@@ -160,18 +301,27 @@ def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         completions.check_model(req.model)
-        if completions.tokenizer is None:
+        tok = completions.tokenizer
+        if tok is None:
             raise APIError("detokenize needs a tokenizer.")
-        return {"prompt": completions.tokenizer.decode(req.tokens)}
-
+        size = len(tok)
+        bad = next((t for t in req.tokens if t >= size), None)
+        if bad is not None:
+            raise APIError(f"Token id {bad} is out of vocabulary [0, {size}).", param="tokens")
+        return {"prompt": await completions.off_loop(tok.decode, req.tokens)}
 
 
 def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               loaded: LoadedModel | None = None, engine: LLMEngine | None = None,
-              log_interval_s: float = 10.0) -> FastAPI:
+              log_interval_s: float = 10.0, options: ServerOptions | None = None) -> FastAPI:
     """Builds the engine (loading the model, or reusing `loaded`, a model already in memory; or takes `engine`)
     and returns the app. The engine thread starts with the app (its lifespan) and stops with it.
+
+    api_key: one key or several comma-separated (added to options.api_keys).
     """
+    options = options or ServerOptions()
+    if api_key:
+        options = dataclasses.replace(options, api_keys=options.api_keys + parse_api_keys(api_key))
     engine = engine or LLMEngine(args, loaded)
     model_names = list(served_model_names or [str(args.model) if args.model else engine.model_name])
     metrics = ServerMetrics(model_names[0], engine.scheduler_config.max_model_len, log_interval_s)
@@ -190,27 +340,97 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
 
     app = FastAPI(title="pagedkv OpenAI-compatible server", version=pagedkv.__version__, lifespan=lifespan)
     app.state.engine, app.state.async_engine, app.state.metrics = engine, async_engine, metrics
+    app.state.options = options
     _add_error_handlers(app)
-    _add_routes(app, async_engine, metrics, model_names)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_routes(app, async_engine, metrics, model_names, options)
+    app.add_middleware(RequestGuardMiddleware, options=options, is_draining=lambda: async_engine.draining)
+    if options.api_keys:  # added last: the outermost, so no body is read for an unauthenticated request
+        open_paths = frozenset({"/health"} if options.protect_metrics else {"/health", "/metrics"})
+        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys, open_paths=open_paths)
     return app
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server with pagedkv's shutdown: SIGTERM/SIGINT drain first, a dead engine stops it with 1.
+
+    First signal: new requests get 503 and /health 503; the requests in
+    flight get up to `shutdown_timeout` seconds; whatever is still running
+    then ends with an error (a stream's last event) and the server stops.
+    A second signal stops at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.async_engine: AsyncEngine = app.state.async_engine
+        self.shutdown_timeout = app.state.options.shutdown_timeout
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.async_engine.on_dead = self._engine_died
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # Not recorded for uvicorn to re-raise after serve(): pagedkv's own exit status stands.
+        if self._drain_task is None and not self.should_exit and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+        else:
+            self.should_exit = self.force_exit = True
+
+    def _start_drain(self, why: str) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain(why))
+
+    async def drain(self, why: str = "shutdown") -> None:
+        """Stops admitting, waits for the requests in flight (up to shutdown_timeout), ends the rest, stops."""
+        engine = self.async_engine
+        logger.info("%s: draining %d requests in flight (up to %.0f s; new requests get 503)", why,
+                    engine.num_active, self.shutdown_timeout)
+        engine.begin_drain()
+        if not await engine.wait_idle(self.shutdown_timeout):
+            logger.warning("%d requests still running after %.0f s: ending them", engine.num_active,
+                           self.shutdown_timeout)
+            engine.abort_all("the server is shutting down (the drain's --shutdown-timeout ran out)")
+            await engine.wait_idle(5.0)
+        await asyncio.sleep(0.1)  # the last events leave the sockets before uvicorn closes them
+        self.should_exit = True
+
+    def _engine_died(self, reason: str) -> None:
+        """From the engine thread: answer what is in flight (already failed with 503), then exit 1."""
+        logger.error("the engine is dead (%s): the server stops", reason)
+        self.exit_code = 1
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop_after_dead)
+
+    def _stop_after_dead(self) -> None:
+        async def stop() -> None:
+            await self.async_engine.wait_idle(5.0)
+            self.should_exit = True
+
+        asyncio.ensure_future(stop())
+
+
+def serve(app: FastAPI, config: uvicorn.Config, sockets: list | None = None) -> int:
+    """Runs `app` until it is stopped; returns the exit status (0, or 1 after the engine died)."""
+    server = Server(config, app)
+    app.state.server = server
+    server.run(sockets=sockets)
+    return server.exit_code
+
+
 def run_server(args: EngineArgs, ns: argparse.Namespace) -> int:
-    """`pagedkv serve`: builds the app and runs uvicorn until SIGINT/SIGTERM (uvicorn handles both)."""
-    import uvicorn
-
-    api_key = ns.api_key or os.environ.get("PAGEDKV_API_KEY") or None
-    app = build_app(args, served_model_names=ns.served_model_name, api_key=api_key)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found: make
-    # that an exit with status 0 rather than a KeyboardInterrupt traceback or death by SIGTERM.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_cleanly)
-    # Streams still open at shutdown get a few seconds, then are cut; the lifespan then stops the engine.
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=5)
-    return 0
-
-
-def _exit_cleanly(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+    """`pagedkv serve`: builds the app and serves it until SIGINT/SIGTERM (drained) or the engine dies."""
+    keys = parse_api_keys(ns.api_key) or parse_api_keys(os.environ.get("PAGEDKV_API_KEY"))
+    options = ServerOptions(api_keys=keys, protect_metrics=ns.protect_metrics,
+                            max_request_body_bytes=ns.max_request_body_bytes,
+                            max_json_nesting_depth=ns.max_json_nesting_depth,
+                            enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+                            shutdown_timeout=ns.shutdown_timeout)
+    if options.protect_metrics and not keys:
+        raise ValueError("--protect-metrics needs --api-key (or $PAGEDKV_API_KEY)")
+    app = build_app(args, served_model_names=ns.served_model_name, options=options)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                            timeout_graceful_shutdown=5)
+    return serve(app, config)

@@ -3,16 +3,24 @@
     asyncio side                          engine thread
     generate() -> inbox.append(add) --->  drain inbox: add_request / abort_request
                                           engine.step() while requests are unfinished
-    per-request asyncio.Queue  <-------   one loop.call_soon_threadsafe per step with every output
+    RequestOutputCollector  <---------    one loop.call_soon_threadsafe per step with every output
     generate() exits early -> abort --->  (a client that went away frees its blocks)
 
 Only the engine thread touches the engine after `start()`; the asyncio side
 talks to it through a deque guarded by a Condition (the thread sleeps on it
 when there is nothing to do) and reads `stats`, a snapshot the thread
-replaces after every step. A failing step fails the requests it held (they
-get an EngineStepError, the server answers 500) and the thread goes on
-serving new ones; a tensor-parallel worker that died ends the thread (every
-request then gets an EngineDeadError: 503).
+replaces after every step. Outputs are DELTA and go into one collector per
+HTTP request, which merges what its client has not read yet, so a slow
+reader costs no memory per step.
+
+Faults: a step that fails fails only its own requests (the engine says
+which: they get an EngineStepError, the server answers 500) and the thread
+goes on. An engine that cannot step again (EngineDeadError: a dead
+tensor-parallel rank, an unusable device, an error outside a step) ends the
+thread: every request in flight, and every later one, gets an
+EngineDeadError (503), and `on_dead` is called once so the server can exit.
+Draining (SIGTERM): new requests get EngineDraining (503), the ones in
+flight run to the end or until `abort_all`.
 """
 
 from __future__ import annotations
@@ -21,32 +29,40 @@ import asyncio
 import logging
 import threading
 import time
-import traceback
+import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.sequence import OutputKind
-from pagedkv.distributed.runtime import WorkerDiedError
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine
+from pagedkv.errors import EngineDeadError
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.output_collector import RequestOutputCollector
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineDraining", "EngineRequest", "EngineStepError",
+           "RequestRefused"]
+
 
 class RequestRefused(ValueError):
-    """The engine refused the request at add_request (answered with 400)."""
+    """The engine refused the request at add_request (answered with 400). param: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineStepError(RuntimeError):
-    """The step that held the request raised (answered with 500); the traceback is in the server log."""
+    """The step that held the request failed (answered with 500); the traceback is in the server log."""
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shutdown or a crash outside a step)."""
+class EngineDraining(RuntimeError):
+    """The server is shutting down: no new requests (503), or one still running when the drain ran out."""
 
 
 @dataclass(slots=True)
@@ -58,25 +74,29 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None
     cache_salt: str | None = None
-    output_kind: OutputKind = OutputKind.DELTA
     arrival_time: float = field(default_factory=time.time)
     tag: int = 0
 
 
 @dataclass(slots=True)
 class _Stream:
-    """Where the engine thread sends one request's outputs."""
+    """Where the engine thread sends one engine request's outputs."""
 
-    queue: asyncio.Queue
+    collector: RequestOutputCollector
     tag: int
+
+
+Delivery = tuple[RequestOutputCollector, int, str, Any]
 
 
 class AsyncEngine:
     """Runs `engine` in a background thread; `generate` streams a request's outputs to a coroutine."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, idle_wake_s: float = 1.0) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, idle_wake_s: float = 1.0,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.on_dead = on_dead  # called once, from the engine thread, when the engine can no longer step
         self.stats: EngineStats = engine.get_stats()  # replaced (never mutated) by the engine thread
         self._idle_wake_s = idle_wake_s  # the periodic stats log runs even when idle
         self._inbox: deque[tuple[Any, ...]] = deque()
@@ -86,6 +106,13 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_reason: str | None = None
+        self.crashed = False  # dead for a fault, not for a shutdown
+        # asyncio side: generate() calls in flight, for the drain.
+        self.draining = False
+        self._num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._collectors: weakref.WeakSet[RequestOutputCollector] = weakref.WeakSet()  # for pending_outputs()
 
     # --- life cycle (asyncio side) -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +133,37 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
 
+    @property
+    def has_work(self) -> bool:
+        """Commands not yet applied, or requests in the engine (a cheap read from any thread)."""
+        return bool(self._inbox) or self.engine.has_unfinished_requests()
+
+    @property
+    def num_active(self) -> int:
+        """HTTP requests with engine requests in flight."""
+        return self._num_active
+
+    def pending_outputs(self) -> list[tuple[int, int]]:
+        """Per HTTP request in flight: (unread outputs, unread tokens). At most one output per engine request,
+        however many steps its client has not read: that is all a slow reader costs."""
+        return [(c.num_pending, c.pending_tokens()) for c in list(self._collectors)]
+
+    def begin_drain(self) -> None:
+        """From now on generate() refuses new requests (EngineDraining); those in flight go on."""
+        self.draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is in flight; False if `timeout` seconds passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def abort_all(self, message: str) -> None:
+        """Ends every request in flight with EngineDraining(message) (streams get it as their last event)."""
+        self._submit(("abort_all", message))
+
     def _submit(self, *commands: tuple[Any, ...]) -> None:
         with self._cond:
             self._inbox.extend(commands)
@@ -113,30 +171,40 @@ class AsyncEngine:
 
     # --- requests (asyncio side) ------------------------------------------------------------------------------
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yields (tag, output) for every step output of `requests`, until all have finished.
+        """Yields (tag, output) for the DELTA outputs of `requests` (merged while unread), until all finish.
 
-        Raises RequestRefused / EngineStepError / EngineDeadError for the first
-        request that fails. Leaving early (the client went away: the task is
-        cancelled, or the consumer stops) aborts the unfinished requests, which
-        frees their blocks.
+        Raises RequestRefused / EngineStepError / EngineDeadError /
+        EngineDraining for the first request that fails (the others are
+        aborted). Leaving early (the client went away: the task is cancelled,
+        or the consumer stops) aborts the unfinished requests, which frees
+        their blocks.
         """
+        if self.draining:
+            raise EngineDraining("the server is shutting down and takes no new requests")
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
-        queue: asyncio.Queue = asyncio.Queue()
+        collector = RequestOutputCollector()
+        self._collectors.add(collector)
         pending = {r.request_id for r in requests}
-        self._submit(*(("add", r, queue) for r in requests))
+        self._num_active += 1
+        self._idle.clear()
+        self._submit(*(("add", r, collector) for r in requests))
         try:
             while pending:
-                tag, request_id, item = await queue.get()
-                if isinstance(item, BaseException):
-                    pending.discard(request_id)  # the engine thread has dropped it already
-                    raise item
-                if item.finished:
-                    pending.discard(request_id)
-                yield tag, item
+                for tag, request_id, item in await collector.get():
+                    if isinstance(item, BaseException):
+                        pending.discard(request_id)  # the engine thread has dropped it already
+                        raise item
+                    if item.finished:
+                        pending.discard(request_id)
+                    yield tag, item
         finally:
             if pending:
                 self._submit(*(("abort", rid) for rid in pending))
+            self._collectors.discard(collector)
+            self._num_active -= 1
+            if not self._num_active:
+                self._idle.set()
 
     # --- the engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -145,14 +213,14 @@ class AsyncEngine:
                 pass
         except BaseException as e:  # a bug outside step(): fail everyone rather than hang them
             logger.exception("the engine thread died")
-            self.dead_reason = f"the engine thread died: {e!r}"
-            self._fail_all(EngineDeadError(self.dead_reason), "error")
+            self._die(f"the engine thread died: {e!r}", [])
         else:
             self.dead_reason = self.dead_reason or "the server is shutting down"
         with self._cond:  # requests that came in while the thread was stopping: nobody will run them
             late = [c for c in self._inbox if c[0] == "add"]
             self._inbox.clear()
-        self._deliver([(queue, (req.tag, req.request_id, EngineDeadError(self.dead_reason))) for _, req, queue in late])
+        error = EngineDeadError(self.dead_reason)
+        self._deliver([(collector, req.tag, req.request_id, error) for _, req, collector in late])
 
     def _loop_once(self) -> bool:
         """Applies queued commands, runs one step, delivers its outputs. False once shutting down."""
@@ -163,12 +231,9 @@ class AsyncEngine:
             commands = list(self._inbox)
             self._inbox.clear()
             stopping = self._stopping
-        deliveries: list[tuple[asyncio.Queue, tuple[int, str, Any]]] = []
+        deliveries: list[Delivery] = []
         for command in commands:
-            if command[0] == "add":
-                self._add(command[1], command[2], deliveries)
-            else:
-                self._abort(command[1])
+            self._apply(command, deliveries)
         if stopping:
             self._deliver(deliveries)
             self._fail_all(EngineDeadError("the server is shutting down"), "abort")
@@ -186,17 +251,26 @@ class AsyncEngine:
         self._deliver(deliveries)
         return True
 
-    def _add(self, req: EngineRequest, queue: asyncio.Queue, deliveries: list) -> None:
+    def _apply(self, command: tuple[Any, ...], deliveries: list[Delivery]) -> None:
+        if command[0] == "add":
+            self._add(command[1], command[2], deliveries)
+        elif command[0] == "abort":
+            self._abort(command[1])
+        else:  # abort_all: the drain ran out of time
+            self._fail_all(EngineDraining(command[1]), "abort", deliveries)
+
+    def _add(self, req: EngineRequest, collector: RequestOutputCollector, deliveries: list[Delivery]) -> None:
         prompt = {"prompt_token_ids": req.prompt_token_ids, "prompt": req.prompt}
         try:
             self.engine.add_request(req.request_id, prompt, req.params, arrival_time=req.arrival_time,
-                                    cache_salt=req.cache_salt, output_kind=req.output_kind)
+                                    cache_salt=req.cache_salt, output_kind=OutputKind.DELTA)
         except ValueError as e:
-            deliveries.append((queue, (req.tag, req.request_id, RequestRefused(str(e)))))
+            refused = RequestRefused(str(e), getattr(e, "param", "prompt"))
+            deliveries.append((collector, req.tag, req.request_id, refused))
             return
-        self._streams[req.request_id] = _Stream(queue, req.tag)
+        self._streams[req.request_id] = _Stream(collector, req.tag)
         if self.metrics is not None:
-            self.metrics.request_started(req.request_id, req.output_kind is OutputKind.CUMULATIVE)
+            self.metrics.request_started(req.request_id, False)
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is None:
@@ -205,32 +279,45 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.request_ended(request_id, "abort")
 
-    def _step(self, deliveries: list) -> None:
+    def _step(self, deliveries: list[Delivery]) -> None:
         try:
             outputs = self.engine.step()
-        except WorkerDiedError as e:  # the engine cannot run again: everyone, now and later, gets a 503
+        except EngineDeadError as e:
             logger.error("%s", e)
-            self.dead_reason = str(e)
-            self._fail_all(EngineDeadError(self.dead_reason), "error", deliveries)
+            self._die(str(e), deliveries)
             return
-        except Exception as e:
-            logger.error("engine step failed; failing the %d requests in the engine:\n%s", len(self._streams),
-                         traceback.format_exc())
-            self._fail_all(EngineStepError(f"the engine failed while running this request: {e!r}"), "error",
-                           deliveries)
+        except Exception as e:  # the engine's own bookkeeping failed: its state can no longer be trusted
+            logger.exception("the engine failed outside a model step")
+            self._die(f"the engine failed outside a model step: {e!r}", deliveries)
             return
         now = time.time()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            if output.error is not None:  # the engine failed this request (and only the step's requests)
+                del self._streams[output.request_id]
+                if self.metrics is not None:
+                    self.metrics.request_ended(output.request_id, "error")
+                deliveries.append((stream.collector, stream.tag, output.request_id, EngineStepError(output.error)))
+                continue
             if self.metrics is not None:
                 self.metrics.request_output(output, now)
-            deliveries.append((stream.queue, (stream.tag, output.request_id, output)))
+            deliveries.append((stream.collector, stream.tag, output.request_id, output))
             if output.finished:
                 del self._streams[output.request_id]
 
-    def _fail_all(self, error: BaseException, reason: str, deliveries: list | None = None) -> None:
+    def _die(self, reason: str, deliveries: list[Delivery]) -> None:
+        """The engine cannot step again: everyone gets EngineDeadError, and the server is told."""
+        self.dead_reason, self.crashed = reason, True
+        self._fail_all(EngineDeadError(reason), "error", deliveries)
+        if self.on_dead is not None:
+            try:
+                self.on_dead(reason)
+            except Exception:
+                logger.exception("on_dead failed")
+
+    def _fail_all(self, error: BaseException, reason: str, deliveries: list[Delivery] | None = None) -> None:
         """Aborts every request in the engine and hands `error` to each of their streams."""
         out = deliveries if deliveries is not None else []
         for request_id, stream in list(self._streams.items()):
@@ -240,7 +327,7 @@ class AsyncEngine:
                 logger.exception("abort of %s failed", request_id)
             if self.metrics is not None:
                 self.metrics.request_ended(request_id, reason)
-            out.append((stream.queue, (stream.tag, request_id, error)))
+            out.append((stream.collector, stream.tag, request_id, error))
         self._streams.clear()
         if deliveries is None:
             self._deliver(out)
@@ -249,7 +336,7 @@ class AsyncEngine:
         except Exception:
             logger.exception("get_stats failed")
 
-    def _deliver(self, deliveries: list) -> None:
+    def _deliver(self, deliveries: list[Delivery]) -> None:
         """Hands a step's outputs to the event loop in one wake-up (not one per request)."""
         if not deliveries or self._loop is None:
             return
@@ -259,6 +346,6 @@ class AsyncEngine:
             pass
 
 
-def _put_all(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in deliveries:
-        queue.put_nowait(item)
+def _put_all(deliveries: list[Delivery]) -> None:
+    for collector, tag, request_id, item in deliveries:
+        collector.put(tag, request_id, item)

@@ -5,22 +5,41 @@ fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `skip_special_tokens`,
 `include_stop_str_in_output`, `cache_salt`), so that the official `openai`
 client and vLLM's benchmark client work unchanged. Range checks live on the
-fields, so a bad value comes back as a 400 naming its field. Unknown fields are
-accepted and ignored (as vLLM does), and the server logs them.
+fields, so a bad value comes back as a 400 naming its field: floats must be
+finite (JSON's NaN / Infinity extensions are refused), ints of seeds fit int64,
+strings must be valid Unicode (a lone surrogate, which JSON can spell as
+"\ud800", is refused: no tokenizer can encode it). Checks that need the model
+or the server's settings (top_k and token ids against the vocabulary,
+logprobs against --max-logprobs, n against max_num_seqs) are made by the
+serving layer. Unknown fields are accepted and ignored (as vLLM does); the
+server logs each new name once, at debug level.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the string is not valid Unicode (a lone surrogate at character {e.start})") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -32,52 +51,52 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class _SamplingFields(OpenAIBaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. None: the checkpoint's generation config, else vLLM's."""
 
-    model: str | None = None  # None: the first served model name (vLLM accepts that too)
+    model: Text | None = None  # None: the first served model name (vLLM accepts that too)
     n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0.0)  # None: 1.0, OpenAI's default
+    temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM's extra sampling fields.
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. prompt: a string, a list of strings, token ids, or a list of token-id lists."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; None: up to max_model_len
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked by the server)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
 
 
 class ContentPart(OpenAIBaseModel):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -87,7 +106,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked by the server)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
@@ -96,16 +115,16 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(OpenAIBaseModel):
     """POST /tokenize (vLLM's extra route; its benchmark client uses it to check prompt lengths)."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 # --- responses ------------------------------------------------------------------------------------------------
@@ -252,5 +271,7 @@ class APIError(Exception):
         self.status_code, self.type, self.param, self.code = status_code, type, param, code
 
     def response_body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=str(self), type=self.type, param=self.param, code=self.code)
+        # A message may quote the client's input: escape what UTF-8 cannot carry, so the answer always encodes.
+        message = str(self).encode("utf-8", "backslashreplace").decode("utf-8")
+        info = ErrorInfo(message=message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()

@@ -1,37 +1,58 @@
 """What completions and chat completions share: request checks, SamplingParams, streaming state, SSE.
 
 A request becomes one engine request per prompt (`EngineRequest`), all
-streaming into one queue (`AsyncEngine.generate`). Outputs are DELTA (only the
-new tokens and text of each step), except for requests with stop strings: the
-engine cuts a stop string out of the text only once it is complete, so those
-run CUMULATIVE and `ChoiceState` holds back the last len(stop) - 1 characters
-until it knows they are not the start of a stop string.
+streaming DELTA outputs into one collector (`AsyncEngine.generate`): only
+what each step added, merged while the client has not read it. The engine
+keeps back the text that may start a stop string until it knows, so every
+delta can be sent as it comes.
+
+Tokenization and chat templates run on a worker thread with the front end's
+own copy of the tokenizer, never on the event loop (a long prompt must not
+stall every other client) and never on the engine thread's tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagedkv.core.sequence import OutputKind
 from pagedkv.outputs import CompletionOutput, Logprob
-from pagedkv.sampling_params import SamplingParams
-from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, EngineStepError, RequestRefused
+from pagedkv.sampling_params import SamplingParams, SamplingParamsError
+from pagedkv.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDraining,
+    EngineRequest,
+    EngineStepError,
+    RequestRefused,
+)
 from pagedkv.server.protocol import APIError, PromptTokensDetails, UsageInfo, _SamplingFields
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+ENGINE_ERRORS = (RequestRefused, EngineStepError, EngineDeadError, EngineDraining)
+_MAX_LOGGED_FIELDS = 256  # distinct unknown field names logged (once each), so logging them is bounded too
+
+
+@dataclass(slots=True)
+class ServingOptions:
+    """Server settings the request checks use (pagedkv serve's flags)."""
+
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
+    max_prompts_per_request: int = 1024  # prompts in one /v1/completions request
 
 
 def random_id(prefix: str) -> str:
@@ -41,10 +62,10 @@ def random_id(prefix: str) -> str:
 def engine_error(e: Exception) -> APIError:
     """The API error for an exception out of AsyncEngine.generate."""
     if isinstance(e, RequestRefused):
-        return APIError(str(e), 400, param="prompt")
+        return APIError(str(e), 400, param=e.param)
     if isinstance(e, EngineStepError):
         return APIError(str(e), 500, type="server_error")
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, EngineDraining)):
         return APIError(str(e), 503, type="server_error")
     raise e
 
@@ -62,43 +83,39 @@ class ChoiceDelta:
 
 @dataclass(slots=True)
 class ChoiceState:
-    """One choice's progress across step outputs: what was sent, and whether it has finished."""
+    """One choice's progress across DELTA outputs: what was sent, and whether it has finished.
 
-    holdback: int = 0  # characters kept back while unfinished (stop strings, CUMULATIVE outputs only)
+    keep: hold the whole text, token ids and logprobs (a non-streamed answer
+    needs them); a stream keeps only counts, so it holds nothing per token.
+    """
+
+    keep: bool = True
     num_tokens: int = 0
-    num_chars: int = 0
     text_offset: int = 0  # completions logprobs: offset of the next token's text
     finished: bool = False
-    token_ids: list[int] = field(default_factory=list)  # everything sent (for usage and the non-streamed body)
+    token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def update(self, c: CompletionOutput, cumulative: bool) -> ChoiceDelta | None:
-        """The delta that `c` (this choice in one step output) brings; None when there is nothing new."""
+    def update(self, c: CompletionOutput) -> ChoiceDelta | None:
+        """The delta that `c` (this choice in one output) brings; None when there is nothing new."""
         if self.finished:
             return None  # finished samples of an n > 1 request keep appearing in its outputs
         done = c.finish_reason is not None
-        if cumulative:
-            ids = c.token_ids[self.num_tokens:]
-            logprobs = c.logprobs[self.num_tokens:] if c.logprobs is not None else None
-            end = len(c.text) if done else max(self.num_chars, len(c.text) - self.holdback)
-            text = c.text[self.num_chars:end]
-        else:
-            ids, logprobs, text = c.token_ids, c.logprobs, c.text
-        if not ids and not text and not done:
+        if not c.token_ids and not c.text and not done:
             return None
-        self.num_tokens += len(ids)
-        self.num_chars += len(text)
-        self.token_ids.extend(ids)
-        self.text_parts.append(text)
-        if logprobs:
-            self.logprobs.extend(logprobs)
+        self.num_tokens += len(c.token_ids)
+        if self.keep:
+            self.token_ids.extend(c.token_ids)
+            self.text_parts.append(c.text)
+            if c.logprobs:
+                self.logprobs.extend(c.logprobs)
         if done:
             self.finished, self.finish_reason, self.stop_reason = True, c.finish_reason, c.stop_reason
-        return ChoiceDelta(text, list(ids), list(logprobs) if logprobs is not None else None,
-                           c.finish_reason if done else None, c.stop_reason if done else None)
+        return ChoiceDelta(c.text, c.token_ids, c.logprobs, c.finish_reason if done else None,
+                           c.stop_reason if done else None)
 
     @property
     def text(self) -> str:
@@ -108,37 +125,55 @@ class ChoiceState:
 class OpenAIServing:
     """Checks a request against the served model and turns it into engine requests."""
 
-    def __init__(self, async_engine: AsyncEngine, model_names: list[str]) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_names: list[str], options: ServingOptions | None = None,
+                 executor: ThreadPoolExecutor | None = None, tokenizer: Any = None) -> None:
+        """executor, tokenizer: the tokenizer thread and the front end's tokenizer copy, shared by the routes
+        (default: new ones)."""
         engine = async_engine.engine
         self.async_engine = async_engine
         self.model_names = model_names
-        # Read-only from here on: the tokenizer (encode/decode do not mutate it) and fixed configs.
-        self.tokenizer = engine.tokenizer
+        self.options = options or ServingOptions()
+        # The front end's own tokenizer: the engine thread decodes with the other one at the same time.
+        if tokenizer is None and engine.tokenizer is not None:
+            tokenizer = copy.deepcopy(engine.tokenizer)
+        self.tokenizer = tokenizer
         self.max_model_len = engine.scheduler_config.max_model_len
         self.max_num_seqs = engine.scheduler_config.max_num_seqs
         self.vocab_size = engine.model_config.vocab_size
-        self._tokenize = engine.tokenize  # a pure function of the tokenizer
+        self.validate_params = engine.validate_params  # pure: reads fixed configs only
+        self.defaults = dict(engine.default_sampling)
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer")
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+        self._logged_fields: set[str] = set()
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs tokenizer work on the tokenizer thread, so the event loop keeps serving everyone else."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
-            raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+            raise APIError(f"The model `{model:.200}` does not exist.", 404, param="model", code="model_not_found")
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (on the tokenizer thread: see `off_loop`)."""
+        if self.tokenizer is None:
+            raise APIError("text prompts need a tokenizer; this server runs without one: send token ids.",
+                           param="prompt")
         try:
-            return self._tokenize(prompt)[1]
-        except ValueError as e:
-            raise APIError(str(e), param="prompt") from e
+            return self.tokenizer.encode(prompt)
+        except (UnicodeError, TypeError, ValueError) as e:
+            raise APIError(f"the prompt could not be tokenized: {e}", param="prompt") from e
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
-        """Refuses prompts the engine could never run; returns max_tokens (None: what max_model_len leaves)."""
+        """Refuses prompts the engine could never run; returns max_tokens (None: what max_model_len leaves,
+        capped by the generation config's max_new_tokens, as in vLLM)."""
         if not token_ids:
             raise APIError("The prompt is empty (0 tokens).", param=param)
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -154,10 +189,11 @@ class OpenAIServing:
                            f"requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the prompt, "
                            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
-        return room if max_tokens is None else max_tokens
+        limits = [v for v in (room, max_tokens, self.defaults.get("max_tokens")) if v is not None]
+        return min(limits)
 
     def check_common(self, req: _SamplingFields) -> None:
-        """Fields pagedkv does not implement are refused rather than silently ignored."""
+        """Fields pagedkv does not implement are refused rather than silently ignored; model-dependent ranges."""
         self.check_model(req.model)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
@@ -168,53 +204,82 @@ class OpenAIServing:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
         if req.n > self.max_num_seqs:
             raise APIError(f"n={req.n} is more than max_num_seqs={self.max_num_seqs}.", param="n")
-        if req.ignored_fields:
-            logger.warning("ignoring unsupported request fields: %s", ", ".join(req.ignored_fields))
+        if req.top_k is not None and req.top_k > self.vocab_size:
+            raise APIError(f"top_k must be -1, 0 or in [1, {self.vocab_size}] (the vocabulary), got {req.top_k}.",
+                           param="top_k")
+        bad = next((t for t in req.stop_token_ids or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"stop token id {bad} is out of vocabulary [0, {self.vocab_size}).",
+                           param="stop_token_ids")
+        self._log_ignored(req.ignored_fields)
 
-    @staticmethod
-    def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _log_ignored(self, names: list[str]) -> None:
+        """Unknown fields, each name once at debug level, escaped: a client cannot forge or flood the log."""
+        new = [n for n in names if n not in self._logged_fields]
+        if not new or len(self._logged_fields) >= _MAX_LOGGED_FIELDS:
+            return
+        self._logged_fields.update(new[:_MAX_LOGGED_FIELDS - len(self._logged_fields)])
+        logger.debug("ignoring unsupported request fields: %s", ", ".join(ascii(n[:64]) for n in new[:16]))
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                        logprobs_param: str = "logprobs") -> SamplingParams:
+        """The request's SamplingParams: what it leaves out (None) comes from the generation config, else vLLM's
+        defaults. A refusal names its field."""
+        d = self.defaults
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return d.get(name, fallback) if value is None else value
+
         try:
-            return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            params = SamplingParams(
+                n=req.n, temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
+                top_k=pick(req.top_k, "top_k", 0), min_p=pick(req.min_p, "min_p", 0.0), seed=req.seed,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, logprobs=logprobs,
+                repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output)
-        except ValueError as e:
-            raise APIError(str(e)) from e
+            self.validate_params(params)
+        except SamplingParamsError as e:
+            raise APIError(str(e), param=logprobs_param if e.param == "logprobs" else e.param) from e
+        return params
 
     @staticmethod
     def engine_requests(base_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
                         cache_salt: str | None, arrival_time: float) -> list[EngineRequest]:
-        """One engine request per prompt; stop strings need CUMULATIVE outputs (see the module docstring)."""
-        return [EngineRequest(f"{base_id}-{i}", ids, p, text, cache_salt,
-                              OutputKind.CUMULATIVE if p.stop_strings else OutputKind.DELTA, arrival_time, i)
+        """One engine request per prompt."""
+        return [EngineRequest(f"{base_id}-{i}", ids, p, text, cache_salt, arrival_time, i)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))]
 
-    @staticmethod
-    def holdback(params: SamplingParams) -> int:
-        return max((len(s) for s in params.stop_strings), default=1) - 1
-
     def usage(self, prompt_lens: list[int], states: list[ChoiceState], cached: int) -> UsageInfo:
-        completion = sum(len(s.token_ids) for s in states)
+        completion = sum(s.num_tokens for s in states)
         prompt = sum(prompt_lens)
+        # Cached-token counts tell a tenant which prefixes someone else sent: only when the operator asks.
+        details = (PromptTokensDetails(cached_tokens=cached) if self.options.enable_prompt_tokens_details
+                   else None)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                         prompt_tokens_details=details)
 
     def logprob_value(self, lp: float) -> float:
         return max(lp, MIN_LOGPROB) if lp == lp else MIN_LOGPROB  # NaN (lp != lp) too
 
-
-async def prime(agen: AsyncIterator[T]) -> tuple[T, AsyncIterator[T]]:
-    """Waits for the first item, so that errors before the first token get a real HTTP status."""
-    try:
-        first = await anext(agen)
-    except BaseException:
-        await agen.aclose()
-        raise
-    return first, agen
+    async def start(self, raw: Request, requests: list[EngineRequest],
+                    stream: bool) -> AsyncIterator[tuple[int, Any]]:
+        """The engine's outputs for `requests`; for a stream, after its first one has come (so an error before
+        the first token gets a real HTTP status). A client that leaves while its requests wait for their first
+        token (queued or prefilling) aborts them."""
+        agen = self.async_engine.generate(requests)
+        if not stream:
+            return agen
+        try:
+            first = await unless_disconnected(raw, functools.partial(anext, agen))
+        except ENGINE_ERRORS as e:
+            await agen.aclose()
+            raise engine_error(e) from e
+        except BaseException:
+            await agen.aclose()
+            raise
+        return chain_first(first, agen)
 
 
 async def chain_first(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -238,7 +303,7 @@ async def sse_stream(events: AsyncIterator[Any]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield sse(event)
-    except (RequestRefused, EngineStepError, EngineDeadError) as e:
+    except ENGINE_ERRORS as e:
         yield sse(engine_error(e).response_body())
     yield sse("[DONE]")
 
@@ -251,7 +316,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
-    """Runs `work` (a non-streamed request) but cancels it, aborting its engine requests, if the client leaves."""
+    """Runs `work` but cancels it (which aborts its engine requests) if the client leaves first."""
     task = asyncio.ensure_future(work())
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:

@@ -9,9 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedkv.core.sequence import OutputKind
 from pagedkv.outputs import Logprob
-from pagedkv.server.async_engine import EngineDeadError, EngineStepError, RequestRefused
 from pagedkv.server.protocol import (
     APIError,
     ChatChoice,
@@ -27,11 +25,10 @@ from pagedkv.server.protocol import (
     TopLogprob,
 )
 from pagedkv.server.serving import (
+    ENGINE_ERRORS,
     ChoiceState,
     OpenAIServing,
-    chain_first,
     engine_error,
-    prime,
     random_id,
     sse_stream,
     unless_disconnected,
@@ -56,7 +53,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 class OpenAIServingChat(OpenAIServing):
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Token ids of the conversation under the chat template (400 if the template refuses it)."""
+        """Token ids of the conversation under the chat template (400 if the template refuses it).
+
+        Runs on the tokenizer thread (`off_loop`): templates are Python and can be slow on long conversations.
+        """
         if self.tokenizer is None:
             raise APIError("chat needs a tokenizer; this server runs without one.")
         try:
@@ -77,30 +77,27 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("only response_format {'type': 'text'} is supported.", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true.", param="top_logprobs")
-        ids = self.chat_prompt(req.messages, req.add_generation_prompt)
+        ids = await self.off_loop(self.chat_prompt, req.messages, req.add_generation_prompt)
         max_tokens = self.check_prompt(ids, req.max_completion_tokens or req.max_tokens, param="messages")
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                      logprobs_param="top_logprobs")
         request_id = random_id("chatcmpl")
         requests = self.engine_requests(request_id, [(None, ids)], [params], req.cache_salt, arrival)
-        cumulative = requests[0].output_kind is OutputKind.CUMULATIVE
-        states = [ChoiceState(self.holdback(params)) for _ in range(req.n)]
+        states = [ChoiceState(keep=not req.stream) for _ in range(req.n)]
+        outputs = await self.start(raw, requests, req.stream)
         if req.stream:
-            try:
-                first, rest = await prime(self.async_engine.generate(requests))
-            except (RequestRefused, EngineStepError, EngineDeadError) as e:
-                raise engine_error(e) from e
-            chunks = self._chunks(req, request_id, chain_first(first, rest), states, cumulative, len(ids))
+            chunks = self._chunks(req, request_id, outputs, states, len(ids))
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
 
         async def run() -> ChatCompletionResponse:
             cached = 0
             try:
-                async with contextlib.aclosing(self.async_engine.generate(requests)) as outputs:
+                async with contextlib.aclosing(outputs):
                     async for _, out in outputs:
                         for c in out.outputs:
-                            states[c.index].update(c, cumulative)
+                            states[c.index].update(c)
                         cached += out.num_cached_tokens if out.finished else 0
-            except (RequestRefused, EngineStepError, EngineDeadError) as e:
+            except ENGINE_ERRORS as e:
                 raise engine_error(e) from e
             choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text),
                                   logprobs=self._logprobs(s.token_ids, s.logprobs, req) if req.logprobs else None,
@@ -113,8 +110,7 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
-                      states: list[ChoiceState], cumulative: bool,
-                      prompt_len: int) -> AsyncIterator[ChatCompletionChunk]:
+                      states: list[ChoiceState], prompt_len: int) -> AsyncIterator[ChatCompletionChunk]:
         created, cached = int(time.time()), 0
 
         def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
@@ -124,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
         async for _, out in outputs:
             for c in out.outputs:
-                delta = states[c.index].update(c, cumulative)
+                delta = states[c.index].update(c)
                 if delta is None:
                     continue
                 logprobs = self._logprobs(delta.token_ids, delta.logprobs, req) if req.logprobs else None

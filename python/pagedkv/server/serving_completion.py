@@ -14,9 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedkv.core.sequence import OutputKind
 from pagedkv.outputs import Logprob
-from pagedkv.server.async_engine import EngineDeadError, EngineStepError, RequestRefused
 from pagedkv.server.protocol import (
     APIError,
     CompletionChoice,
@@ -25,12 +23,11 @@ from pagedkv.server.protocol import (
     CompletionResponse,
 )
 from pagedkv.server.serving import (
+    ENGINE_ERRORS,
     ChoiceDelta,
     ChoiceState,
     OpenAIServing,
-    chain_first,
     engine_error,
-    prime,
     random_id,
     sse_stream,
     unless_disconnected,
@@ -47,31 +44,27 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("suffix is not supported.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (no beam search or best-of selection).", param="best_of")
-        prompts = self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt)
         params = [self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs)
                   for _, ids in prompts]
         request_id = random_id("cmpl")
         requests = self.engine_requests(request_id, prompts, params, req.cache_salt, arrival)
-        states = [ChoiceState(self.holdback(p)) for p in params for _ in range(req.n)]
-        cumulative = [r.output_kind is OutputKind.CUMULATIVE for r in requests]
+        states = [ChoiceState(keep=not req.stream) for _ in params for _ in range(req.n)]
         prompt_lens = [len(ids) for _, ids in prompts]
+        outputs = await self.start(raw, requests, req.stream)
         if req.stream:
-            try:
-                first, rest = await prime(self.async_engine.generate(requests))
-            except (RequestRefused, EngineStepError, EngineDeadError) as e:
-                raise engine_error(e) from e
-            chunks = self._chunks(req, request_id, chain_first(first, rest), states, cumulative, prompt_lens)
+            chunks = self._chunks(req, request_id, outputs, states, prompt_lens)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
 
         async def run() -> CompletionResponse:
             cached = 0
             try:
-                async with contextlib.aclosing(self.async_engine.generate(requests)) as outputs:
+                async with contextlib.aclosing(outputs):
                     async for tag, out in outputs:
                         for c in out.outputs:
-                            states[tag * req.n + c.index].update(c, cumulative[tag])
+                            states[tag * req.n + c.index].update(c)
                         cached += out.num_cached_tokens if out.finished else 0
-            except (RequestRefused, EngineStepError, EngineDeadError) as e:
+            except ENGINE_ERRORS as e:
                 raise engine_error(e) from e
             choices = [CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason,
                                         stop_reason=s.stop_reason,
@@ -84,27 +77,31 @@ class OpenAIServingCompletion(OpenAIServing):
         response = await unless_disconnected(raw, run)
         return JSONResponse(response.model_dump())
 
-    def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int]]]:
-        """(text, token ids) of every prompt in the request."""
+    async def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of every prompt in the request (text is tokenized off the event loop)."""
         if isinstance(prompt, str):
-            return [(prompt, self.tokenize(prompt))]
+            return [(prompt, await self.off_loop(self.encode, prompt))]
         if not prompt:
             raise APIError("prompt must not be empty.", param="prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
+        limit = self.options.max_prompts_per_request
+        if len(prompt) > limit:
+            raise APIError(f"at most {limit} prompts in one request, got {len(prompt)}.", param="prompt")
         if isinstance(prompt[0], str):
-            return [(p, self.tokenize(p)) for p in prompt]
+            ids = await self.off_loop(lambda texts: [self.encode(p) for p in texts], prompt)
+            return list(zip(prompt, ids, strict=True))
         return [(None, list(p)) for p in prompt]
 
     async def _chunks(self, req: CompletionRequest, request_id: str, outputs: AsyncIterator, states: list[ChoiceState],
-                      cumulative: list[bool], prompt_lens: list[int]) -> AsyncIterator[CompletionResponse]:
+                      prompt_lens: list[int]) -> AsyncIterator[CompletionResponse]:
         created, cached = int(time.time()), 0
         async for tag, out in outputs:
             for c in out.outputs:
                 index = tag * req.n + c.index
                 state = states[index]
                 offset = state.text_offset
-                delta = state.update(c, cumulative[tag])
+                delta = state.update(c)
                 if delta is not None:
                     yield CompletionResponse(id=request_id, created=created, model=self.model_name,
                                              choices=[self._choice(index, delta, state, offset, req.logprobs)])
