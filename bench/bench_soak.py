@@ -484,8 +484,12 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: Spec, timeout_s: 
         return Outcome(spec.kind, "transport", None, f"{type(e).__name__}: {e}"[:200])
 
 
-async def run_soak(server: SoakServer, specs: list[Spec], args: argparse.Namespace) -> tuple[list[Outcome], float]:
-    """--concurrency workers take the next spec until all are sent, --max-seconds pass, or the server exits."""
+async def run_soak(server: SoakServer, specs: list[Spec], args: argparse.Namespace,
+                   timeline: list[tuple[int, float]] | None = None) -> tuple[list[Outcome], float]:
+    """--concurrency workers take the next spec until all are sent, --max-seconds pass, or the server exits.
+
+    timeline: gets (requests done, server RSS MiB) at every tenth of the run, to tell warm-up from a leak.
+    """
     outcomes: list[Outcome] = []
     queue = iter(specs)
     big = asyncio.Semaphore(1)  # one 64 MiB body in flight at a time: bounds the memory both sides spend on them
@@ -507,6 +511,8 @@ async def run_soak(server: SoakServer, specs: list[Spec], args: argparse.Namespa
                     outcomes.append(await send(client, server.base_url, spec, args.request_timeout))
                 if len(outcomes) % step == 0:
                     log(f"  {len(outcomes)}/{len(specs)} requests done ({time.monotonic() - start:.0f} s)")
+                    if timeline is not None:
+                        timeline.append((len(outcomes), round(tree_rss_mib(server.proc.pid)[0], 1)))
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     return outcomes, time.monotonic() - start
@@ -558,7 +564,8 @@ def soak(server: SoakServer, args: argparse.Namespace) -> dict[str, Any]:
     log(f"START: {res['start']}; canary {res['canary_start']!r}")
     specs = plan(args.num_requests, args.seed)
     log(f"sending {len(specs)} requests, {args.concurrency} at a time (at most {args.max_seconds:.0f} s) ...")
-    outcomes, res["duration_s"] = asyncio.run(run_soak(server, specs, args))
+    res["rss_timeline"] = []
+    outcomes, res["duration_s"] = asyncio.run(run_soak(server, specs, args, res["rss_timeline"]))
     res["sent"], res["kinds"], res["examples"] = len(outcomes), tally(outcomes, specs), examples(outcomes)
     res["idle"], res["drain_s"] = wait_idle(server.base_url, args.drain_timeout)
     time.sleep(2.0)  # let the engine thread publish its last stats and the allocator settle
@@ -659,10 +666,23 @@ def result_lines(res: dict[str, Any]) -> list[str]:
     return ["## Requests", "", kinds_table(res), "",
             "## Server state", "", state_table(start, end), "",
             f"- RSS growth: {growth:+.1f} MiB ({pct:+.1f}%); the KV cache's pages count once first touched",
+            *rss_second_half(res),
             f"- duration {res['duration_s']:.1f} s, {res['sent'] / res['duration_s']:.2f} requests/s; "
             f"drained to 0 running / 0 waiting: {'yes' if res['idle'] else 'NO'} after {res['drain_s']:.1f} s",
             f"- canary: START {res['canary_start']!r}, END {res['canary_end']!r}; equal: {'yes' if same else 'no'}",
             f"- server alive at the end (GET /health 200): {'yes' if res['alive_at_end'] else 'no'}"]
+
+
+def rss_second_half(res: dict[str, Any]) -> list[str]:
+    """RSS over the run: a leak keeps growing in the second half, warm-up (pages touched once) does not."""
+    timeline = res.get("rss_timeline") or []
+    if len(timeline) < 2:
+        return []
+    half = timeline[len(timeline) // 2 - 1]
+    points = ", ".join(f"{n}: {rss}" for n, rss in timeline)
+    return [f"- RSS during the run (requests done: MiB): {points}",
+            f"- growth over the second half ({half[0]} -> {res['sent']} requests): "
+            f"{res['end']['rss_mib'] - half[1]:+.1f} MiB"]
 
 
 def example_lines(res: dict[str, Any]) -> list[str]:

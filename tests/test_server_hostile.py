@@ -477,3 +477,17 @@ def test_offline_sampling_params_refuse_what_the_server_refuses(llm):
                         use_tqdm=False)
     alone = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert outs[0].error and outs[1].error is None and outs[1].outputs[0].text == alone.outputs[0].text
+
+
+def test_nothing_is_left_behind(guarded):
+    """After every request above (refused, failed, dropped, aborted, finished): no per-request state remains."""
+    wait_idle(guarded)
+    engine, async_engine = guarded.engine, guarded.async_engine
+    wait_until(lambda: not async_engine._streams, 10, "the engine thread to drop its streams")
+    assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.swapped
+    assert all(s.is_finished for s in engine.scheduler.running)
+    assert engine.block_manager.seq_ids() == [] and engine.block_manager.num_used_gpu_blocks == 0
+    assert not engine.block_manager.prefix_cache._seqs  # per-sequence hash state
+    assert not guarded.app.state.metrics._timings  # per-request metric timings
+    assert async_engine.pending_outputs() == [] and async_engine.num_active == 0
+    engine.block_manager.check_invariants()
