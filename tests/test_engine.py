@@ -260,6 +260,71 @@ def test_stop_conditions(loaded_model, prompts, hf_reference):
     assert_no_leak(llm)
 
 
+def test_min_tokens_keeps_stop_tokens_out_of_the_first_min_tokens(loaded_model, prompts, hf_reference):
+    """Greedy decoding would emit ref[1] second and EOS never (ignore_eos off): with min_tokens=4 and ref[1] as a
+    stop token, none of the first 4 tokens may be ref[1] or EOS."""
+    llm = make_llm(loaded_model)
+    ref = hf_reference[1][0]
+    eos = llm.llm_engine.eos_token_ids
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[1]], min_tokens=4)
+    c = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids[0] == ref[0]  # nothing is banned that greedy would not have produced
+    assert len(c.token_ids) >= 4 and not {ref[1], *eos} & set(c.token_ids[:4]), c.token_ids
+    assert_no_leak(llm)
+
+
+def test_stop_string_across_a_token_boundary(loaded_model, prompts, hf_reference):
+    """A stop string whose first characters end one token and the rest begin the next: cut exactly, in FINAL,
+    CUMULATIVE and DELTA outputs; a DELTA stream never sends text that the cut removes."""
+    from pagedkv.core.sequence import OutputKind
+
+    tok = loaded_model.tokenizer
+    ref = hf_reference[1][0]
+    boundary = len(tok.decode(ref[:3]))
+    full = tok.decode(ref)
+    stop = full[boundary - 2:boundary + 2]
+    assert full.index(stop) == boundary - 2
+    expected = full[:boundary - 2]
+    llm = make_llm(loaded_model)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    c = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (expected, "stop", stop)
+    engine = llm.llm_engine
+    for kind in (OutputKind.CUMULATIVE, OutputKind.DELTA):
+        engine.add_request(f"stop-{kind.value}", {"prompt_token_ids": prompts[1]}, params, output_kind=kind)
+        sent, last = "", None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                sent = sent + text if kind is OutputKind.DELTA else text
+                if kind is OutputKind.DELTA:
+                    assert expected.startswith(sent), (sent, expected)
+                last = out
+        assert last.finished and last.outputs[0].finish_reason == "stop"
+        assert sent == expected, kind
+    assert_no_leak(llm)
+
+
+def test_failed_forward_fails_only_its_step(loaded_model, prompts, hf_reference):
+    """One sequence per step: the step of the first request fails; that request ends with "error", the one
+    waiting behind it runs to its greedy output, and the engine goes on."""
+    llm = make_llm(loaded_model, max_num_seqs=1)
+    engine = llm.llm_engine
+    runner = engine.runner
+
+    def broken(*args, **kwargs):
+        del runner.execute_model  # once
+        raise RuntimeError("injected")
+
+    runner.execute_model = broken
+    outs = llm.generate([{"prompt_token_ids": prompts[1]}, {"prompt_token_ids": prompts[2]}], greedy(),
+                        use_tqdm=False)
+    assert outs[0].error and "injected" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
+    check_against_hf(outs[1:], hf_reference[2:3], "after a failed step")
+    assert engine.counters.num_failed_steps == 1
+    assert_no_leak(llm)
+
+
 def test_abort_frees_blocks(loaded_model, prompts):
     llm = make_llm(loaded_model)
     engine = llm.llm_engine
