@@ -35,6 +35,7 @@ bench-all: install
 	# kernels_cpu.md carries hand-written notes on its run: the fresh table goes beside it.
 	$(PYTHON) bench/bench_kernels.py --all --json bench/results/kernels_cpu.json --plot bench/results/kernels_cpu.png \
 		> bench/results/kernels_cpu_latest.md
+	$(PYTHON) bench/bench_sampler.py --out bench/results/sampler_cpu.md --json bench/results/sampler_cpu.json
 	$(PYTHON) bench/bench_soak.py --num-requests 4000 --out bench/results/soak_cpu.md --json bench/results/soak_cpu.json
 	$(PYTHON) bench/write_readme.py
 

@@ -64,6 +64,11 @@ redraws it from an earlier `--json` without running anything."""),
 vLLM's serving benchmark, run against `pagedkv serve` and vLLM's OpenAI server from its CPU backend on the
 same requests (random token ids, streamed, greedy, ignore_eos) at several Poisson rates: TTFT, TPOT, ITL and
 end-to-end latency. The client runs on the same 2 cores as the server."""),
+    ("Sampler (`bench/bench_sampler.py`)", "sampler_cpu.md", [], """\
+One step's draw for a decode batch (48 rows, the default model's 49k vocabulary), greedy and sampled, with
+pagedkv's draw (one uniform per row, inverted through the cumulative weights) beside the exponential race it
+replaced (a random number per vocabulary entry), interleaved in one process. top-p and top-k rows are
+dominated by the full sort of the vocabulary that both share."""),
     ("Soak: hostile, dropped and ordinary requests (`bench/bench_soak.py`)", "soak_cpu.md", [], """\
 Thousands of requests against one `pagedkv serve` (prefix caching on, an API key), from concurrent clients:
 ordinary completions and chats, streamed or not, stop strings with logprobs, a shared prefix; clients that

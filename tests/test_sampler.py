@@ -269,6 +269,15 @@ def test_draws_follow_the_filtered_distribution(params):
     assert chi2 < CHI2_BOUND, f"chi2 {chi2:.1f}: counts {counts.tolist()}, expected {expected.tolist()}"
 
 
+def test_draw_never_picks_a_filtered_token_at_the_extremes_of_u():
+    from pagedkv.model.sampler import draw_from_cdf
+
+    weights = torch.tensor([[0.0, 0.0, 3.0, 0.0, 1.0, 0.0, 0.0]] * 4)  # zeros before, between and after
+    cdf = weights.cumsum(-1)
+    u = torch.tensor([[0.0], [0.75], [0.7501], [1.0 - 2.0 ** -24]])  # token 2 owns (0, 3], token 4 (3, 4]
+    assert draw_from_cdf(cdf, u).tolist() == [2, 2, 4, 4]
+
+
 def test_draws_depend_on_the_generator():
     """Sanity for the tests above: another engine seed gives other draws, the same seed the same ones."""
     logits = LOGITS5.expand(200, 5).contiguous()

@@ -2,10 +2,14 @@
 
 Rows are sequences whose next token is due this step. Greedy batches take
 one argmax. Otherwise, per row: repetition penalty, temperature, then the
-top-k / top-p / min-p filters, then a draw. The draw is the exponential race
-(argmax of p / E with E ~ Exp(1)), which samples from p exactly; a row with
-its own seed draws its E from its own generator, so its tokens do not depend
-on what else is in the batch. Log-probabilities are of the model's raw
+top-k / top-p / min-p filters, then a draw. The draw inverts each row's
+cumulative distribution at one uniform number (the first token whose running
+sum of exp(logit - max) passes u times the total), which samples from p
+exactly and costs one random number per row: drawing a random number per
+vocabulary entry (the exponential race, or Gumbel-max) took 18x the time of a
+greedy step on the CPU (48 rows x 49k: 48 ms against 2.6 ms). A row with its
+own seed draws its u from its own generator, so its tokens do not depend on
+what else is in the batch. Log-probabilities are of the model's raw
 distribution (before penalties, temperature and filters), as in vLLM.
 """
 
@@ -87,6 +91,16 @@ def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def draw_from_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token at which the cumulative weights `cdf` [n, vocab] reach u [n, 1] in [0, 1) of the total.
+
+    The first j with cdf[j] >= x for x = u * total, with 0 < x <= total (u < 1, and x kept off 0): then
+    cdf[j-1] < x <= cdf[j], so token j has weight > 0 and a filtered-out token is never picked, whatever u is.
+    """
+    x = (u * cdf[:, -1:]).clamp_(min=torch.finfo(cdf.dtype).tiny)
+    return torch.searchsorted(cdf, x).squeeze(1).clamp_(max=cdf.shape[1] - 1)  # the clamp: NaN rows only
+
+
 def _logprob_dicts(raw_logprobs: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]):
     out: list[dict[int, Logprob] | None] = []
     for row, k in enumerate(wanted):
@@ -137,11 +151,12 @@ class Sampler:
         use_k, use_p, use_min = batch.needs_filters
         if use_k or use_p or use_min:
             scaled = filter_logits(scaled, batch.top_ks, batch.top_ps, batch.min_ps, use_k, use_p, use_min)
-        probs = scaled.softmax(-1)
-        race = torch.empty_like(probs)
-        race.exponential_(generator=self.generator)
+        # Unnormalized weights are enough: u is scaled by each row's total instead.
+        weights = (scaled - scaled.amax(-1, keepdim=True)).exp_()
+        cdf = weights.cumsum_(-1)
+        u = torch.rand(cdf.shape[0], 1, generator=self.generator, device=cdf.device)
         for row, gen in enumerate(batch.generators):
             if gen is not None:  # a seeded request: its own stream of draws
-                race[row].exponential_(generator=gen)
-        sampled = (probs / race).argmax(-1)
+                u[row] = torch.rand(1, generator=gen, device=cdf.device)
+        sampled = draw_from_cdf(cdf, u)
         return torch.where(greedy, logits.argmax(-1), sampled)
