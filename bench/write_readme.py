@@ -65,10 +65,11 @@ vLLM's serving benchmark, run against `pagedkv serve` and vLLM's OpenAI server f
 same requests (random token ids, streamed, greedy, ignore_eos) at several Poisson rates: TTFT, TPOT, ITL and
 end-to-end latency. The client runs on the same 2 cores as the server."""),
     ("Sampler (`bench/bench_sampler.py`)", "sampler_cpu.md", [], """\
-One step's draw for a decode batch (48 rows, the default model's 49k vocabulary), greedy and sampled, with
-pagedkv's draw (one uniform per row, inverted through the cumulative weights) beside the exponential race it
-replaced (a random number per vocabulary entry), interleaved in one process. top-p and top-k rows are
-dominated by the full sort of the vocabulary that both share."""),
+One step's sampling for a decode batch (48 rows, the default model's 49k vocabulary) beside the sampler it
+replaced, interleaved in one process. Before: top-k / top-p over a full sort of the vocabulary, then a random
+number per vocabulary entry (the exponential race). Now: top-k / top-p among the 1024 most likely tokens
+(`torch.topk`; the full sort only for a row whose nucleus is wider, its worst case: the flat-logits row), and
+one uniform per row inverted through the cumulative weights. Same distribution, exactly."""),
     ("Soak: hostile, dropped and ordinary requests (`bench/bench_soak.py`)", "soak_cpu.md", [], """\
 Thousands of requests against one `pagedkv serve` (prefix caching on, an API key), from concurrent clients:
 ordinary completions and chats, streamed or not, stop strings with logprobs, a shared prefix; clients that

@@ -169,6 +169,28 @@ def test_filter_logits_random_rows_large_vocab():
     assert checked >= n - 2
 
 
+@pytest.mark.parametrize("candidates", [1, 2, 16, 100])
+def test_filter_logits_exact_whatever_the_candidate_count(candidates):
+    """Top-p looks among a few candidates first and falls back to the full sort for wider nuclei: the result
+    equals the reference either way (rows of the random set have nuclei of 1 to hundreds of tokens)."""
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 24, 1000
+    logits = torch.randn(n, vocab, generator=g) * torch.linspace(0.2, 6, n).unsqueeze(1)  # flat to peaked
+    ks = torch.randint(0, 60, (n,), generator=g) * (torch.rand(n, generator=g) < 0.4)
+    ps = torch.where(torch.rand(n, generator=g) < 0.8, torch.rand(n, generator=g) * 0.98 + 0.01, 1.0)
+    mps = torch.where(torch.rand(n, generator=g) < 0.3, torch.rand(n, generator=g) * 0.2, 0.0)
+    out = filter_logits(logits, ks, ps, mps, candidates=candidates)
+    checked = _check_filtered(logits, out, list(zip(ks.tolist(), ps.tolist(), mps.tolist(), strict=True)),
+                              skip_close=True)
+    assert checked >= n - 4  # the rest sit within float32 rounding of a threshold
+    fixed = filter_logits(FIXED, torch.tensor([0, 3, 0, 2, 0, 0, 1, 0]), torch.tensor([0.9, 0.8, 0.7, 1.0, 0.6,
+                                                                                      0.99, 1.0, 1.0]),
+                          torch.zeros(8), candidates=candidates)
+    _check_filtered(FIXED, fixed, [(0, 0.9, 0.0), (3, 0.8, 0.0), (0, 0.7, 0.0), (2, 1.0, 0.0), (0, 0.6, 0.0),
+                                   (0, 0.99, 0.0), (1, 1.0, 0.0), (0, 1.0, 0.0)])
+    assert torch.equal(fixed[7], FIXED[7])  # a row with every filter off is left as it was
+
+
 def test_top_p_one_keeps_the_whole_vocabulary():
     """top_p = 1.0 on a row of a batch where another row uses top-p: the row keeps every token, even ones of
     tiny probability (a float32 cumulative sum reaching 1.0 early must not cut the tail)."""
