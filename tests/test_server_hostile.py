@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 
 import httpx
@@ -168,6 +169,8 @@ def test_unknown_fields_are_logged_once_escaped_at_debug(guarded, caplog):
 
 # --- fuzzing from the OpenAPI schema ------------------------------------------------------------------------------
 
+# Examples per operation and mode; PAGEDKV_FUZZ_EXAMPLES=500 for a deeper run than the suite's.
+FUZZ_EXAMPLES = int(os.environ.get("PAGEDKV_FUZZ_EXAMPLES", "25"))
 FUZZED = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
           ("/detokenize", "POST")]
 
@@ -193,7 +196,7 @@ def test_fuzzed_bodies_never_get_a_5xx(guarded, canary, path, method):
     operation = schema[path][method]
     statuses = []
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(generation_mode=mode))
         def run(case) -> None:
