@@ -24,6 +24,7 @@ MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_CHARS = 1024  # a request's cache_salt (checked by the engine and the server's protocol)
 
 
 class SamplingParamsError(ValueError):

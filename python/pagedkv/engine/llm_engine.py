@@ -35,12 +35,11 @@ from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import load_model, load_tokenizer, resolve_model
 from pagedkv.model.sampler import SamplerOutput
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedkv.sampling_params import SamplingParams, SamplingParamsError
+from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
 MAX_STEP_TIMES = 1 << 16
-MAX_CACHE_SALT_CHARS = 1024
 # Keys of generation_config.json that set sampling defaults, with HF's own defaults (a value equal to HF's
 # default is not a choice of the checkpoint's authors: vLLM skips those too).
 _GENERATION_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,

@@ -117,8 +117,9 @@ def _keep_top(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor,
     has_k = (ks < vocab).unsqueeze(1)
     drop = torch.arange(width, device=logits.device).unsqueeze(0) >= ks.unsqueeze(1)
     # Top-p's probabilities are over the top-k survivors, or over the whole row without top-k.
-    norm = torch.where(has_k, vals.masked_fill(drop, float("-inf")).logsumexp(-1, keepdim=True),
-                       logits.logsumexp(-1, keepdim=True))
+    norm = vals.masked_fill(drop, float("-inf")).logsumexp(-1, keepdim=True)
+    if not bool(has_k.all()):  # the whole-row normalizer only where some row needs it
+        norm = torch.where(has_k, norm, logits.logsumexp(-1, keepdim=True))
     probs = (vals - norm).exp().masked_fill(drop, 0.0)
     before = probs.cumsum(-1) - probs  # mass strictly before each token: keep while it is under top_p
     # top_p = 1 is off: a float32 cumulative sum can reach 1.0 before the tail, which must stay.

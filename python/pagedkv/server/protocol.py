@@ -22,8 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-MAX_CACHE_SALT_CHARS = 1024
+from pagedkv.sampling_params import INT64_MAX, INT64_MIN, MAX_CACHE_SALT_CHARS
 
 
 def _valid_unicode(s: str) -> str:

@@ -138,7 +138,6 @@ class OpenAIServing:
             tokenizer = copy.deepcopy(engine.tokenizer)
         self.tokenizer = tokenizer
         self.max_model_len = engine.scheduler_config.max_model_len
-        self.max_num_seqs = engine.scheduler_config.max_num_seqs
         self.vocab_size = engine.model_config.vocab_size
         self.validate_params = engine.validate_params  # pure: reads fixed configs only
         self.defaults = dict(engine.default_sampling)
@@ -193,7 +192,8 @@ class OpenAIServing:
         return min(limits)
 
     def check_common(self, req: _SamplingFields) -> None:
-        """Fields pagedkv does not implement are refused rather than silently ignored; model-dependent ranges."""
+        """Fields pagedkv does not implement are refused rather than silently ignored. The ranges that depend on
+        the model (n, top_k, stop ids, logprobs) are the engine's own check, in `sampling_params`."""
         self.check_model(req.model)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
@@ -202,15 +202,6 @@ class OpenAIServing:
             raise APIError("logit_bias is not supported.", param="logit_bias")
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
-        if req.n > self.max_num_seqs:
-            raise APIError(f"n={req.n} is more than max_num_seqs={self.max_num_seqs}.", param="n")
-        if req.top_k is not None and req.top_k > self.vocab_size:
-            raise APIError(f"top_k must be -1, 0 or in [1, {self.vocab_size}] (the vocabulary), got {req.top_k}.",
-                           param="top_k")
-        bad = next((t for t in req.stop_token_ids or () if t >= self.vocab_size), None)
-        if bad is not None:
-            raise APIError(f"stop token id {bad} is out of vocabulary [0, {self.vocab_size}).",
-                           param="stop_token_ids")
         self._log_ignored(req.ignored_fields)
 
     def _log_ignored(self, names: list[str]) -> None:
