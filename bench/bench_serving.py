@@ -50,7 +50,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-SYSTEMS = ("pagedkv", "vllm")
+# pagedkv: `pagedkv serve` as shipped (the engine core in its own process); pagedkv-inproc: the core on the
+# server's engine thread (--engine-core inproc); vllm: vLLM CPU at --vllm-omp-bind; vllm-allcores: vLLM CPU
+# with VLLM_CPU_OMP_THREADS_BIND listing every core of this process.
+SYSTEMS = ("pagedkv", "pagedkv-inproc", "vllm", "vllm-allcores")
 DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
 GiB = 1 << 30
 
@@ -203,16 +206,20 @@ def server_command(system: str, args: argparse.Namespace, model_dir: Path, port:
     env = dict(os.environ)
     common = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--port", str(port), "--host", "127.0.0.1"]
-    if system == "pagedkv":
-        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--dtype", "float32",
-               "--kv-cache-memory", str(args.kv_cache_gib * GiB), "--uvicorn-log-level", "warning", *common]
+    if system.startswith("pagedkv"):
+        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--dtype", args.dtype,
+               "--kv-cache-memory", str(args.kv_cache_gib * GiB), "--uvicorn-log-level", "warning",
+               "--engine-core", "inproc" if system == "pagedkv-inproc" else "process", *common]
+        if args.pagedkv_cpu_bind:
+            cmd += ["--cpu-threads-bind", args.pagedkv_cpu_bind]
         return cmd, env
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
-    if args.vllm_omp_bind != "auto":
+    bind = "all" if system == "vllm-allcores" else args.vllm_omp_bind
+    if bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = (",".join(map(str, sorted(os.sched_getaffinity(0))))
-                                            if args.vllm_omp_bind == "all" else args.vllm_omp_bind)
+                                            if bind == "all" else bind)
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--dtype", "float32", "--no-enable-prefix-caching", "--seed", str(args.seed),
+           "--dtype", args.dtype, "--no-enable-prefix-caching", "--seed", str(args.seed),
            "--uvicorn-log-level", "warning", *common]
     return cmd, env
 
@@ -285,9 +292,9 @@ def bench_server(label: str, base_url: str, args: argparse.Namespace) -> list[di
 
 
 def run_launched(system: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> list[dict]:
-    if system == "vllm" and not Path(args.vllm_python).exists():
-        log(f"vllm: skipped, no venv python at {args.vllm_python}")
-        return [{"system": "vllm", "request_rate": r, "skipped": f"no vLLM python at {args.vllm_python}"}
+    if system.startswith("vllm") and not Path(args.vllm_python).exists():
+        log(f"{system}: skipped, no venv python at {args.vllm_python}")
+        return [{"system": system, "request_rate": r, "skipped": f"no vLLM python at {args.vllm_python}"}
                 for r in args.request_rate]
     server = LaunchedServer(system, args, model_dir, log_dir)
     try:
@@ -322,18 +329,32 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append("|---|" + "---:|" * len(cols))
         for key, name, fmt in METRIC_ROWS:
             lines.append(f"| {name} | " + " | ".join(fmt.format(r[key]) for r in cols) + " |")
-    by_key = {(r["system"], r["request_rate"]): r for r in cols}
-    for (system, rate), r in by_key.items():
-        other = by_key.get(("vllm", rate))
-        if system != "vllm" and other is not None:  # greedy on both: near-ties aside, the texts should agree
-            same = sum(a == b for a, b in zip(r["texts"], other["texts"], strict=True))
-            lines.append(f"\n{system} @ {rate}: {same} of {len(r['texts'])} outputs identical to vLLM's (greedy)")
+    lines += _versus_vllm(cols)
     for r in rows:
         if r.get("skipped"):
             lines.append(f"\n{r['system']} @ {r['request_rate']}: {r['skipped']}")
         elif r.get("errors"):
             lines.append(f"\n{r['system']} @ {r['request_rate']} errors: {'; '.join(r['errors'])}")
     return "\n".join(lines) + "\n"
+
+
+def _versus_vllm(cols: list[dict]) -> list[str]:
+    """Per rate: each pagedkv row against vLLM at its better binding for each metric (the issue's target:
+    vLLM / pagedkv >= 1.2 for mean TTFT and mean TPOT), and greedy texts compared."""
+    lines = []
+    for r in (c for c in cols if c["system"].startswith("pagedkv")):
+        peers = [c for c in cols if c["system"].startswith("vllm") and c["request_rate"] == r["request_rate"]]
+        if not peers:
+            continue
+        parts = []
+        for key, name in (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT")):
+            best = min(peers, key=lambda c, k=key: c[k])
+            parts.append(f"{name} {r[key]:.0f} vs {best[key]:.0f} ms ({best['system']}): "
+                         f"vLLM/pagedkv {best[key] / max(r[key], 1e-9):.2f}x")
+        same = sum(a == b for a, b in zip(r["texts"], peers[0]["texts"], strict=True))
+        lines.append(f"\n{r['system']} @ {r['request_rate']}: {'; '.join(parts)}; {same} of {len(r['texts'])} "
+                     f"outputs identical to {peers[0]['system']}'s (greedy)")
+    return lines
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -390,6 +411,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-omp-bind", default="auto",
                    help="VLLM_CPU_OMP_THREADS_BIND: 'auto' (vLLM's default: on x86 one core stays for its scheduler), "
                         "'all' (every usable CPU) or a CPU list")
+    p.add_argument("--dtype", default="float32", help="both servers' compute dtype (float32, bfloat16)")
+    p.add_argument("--pagedkv-cpu-bind", default=None, help="pagedkv serve --cpu-threads-bind (default: auto)")
     p.add_argument("--startup-timeout-s", type=float, default=1200, help="vLLM's CPU cold start takes minutes")
     p.add_argument("--json", help="write every row (and the settings) here")
     p.add_argument("--out", help="write the markdown table here")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -59,7 +60,7 @@ import torch
 from bench_common import cpu_model  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 GiB = 1 << 30
-SYSTEMS = ("pagedkv", "vllm", "hf-cb", "hf-static")
+SYSTEMS = ("pagedkv", "pagedkv-process", "vllm", "hf-cb", "hf-static")
 REFERENCE = "vllm"
 DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -155,7 +156,8 @@ def check_lengths(result: SystemResult, wl: Workload) -> None:
 # --- pagedkv ---------------------------------------------------------------------------------------------------
 
 def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path,
-                tp: int = 1) -> SystemResult:
+                tp: int = 1, engine_core: str = "inproc") -> SystemResult:
+    """engine_core "process": LLM drives an engine core in its own process (as the server does)."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.model.parallel_state import comm_stats
 
@@ -173,19 +175,22 @@ def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_di
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, enable_prefix_caching=False, seed=args.seed, tensor_parallel_size=tp,
-              skip_tokenizer_init=True)  # token-id prompts, ignore_eos: no text needed
+              skip_tokenizer_init=True, engine_core=engine_core)  # token-id prompts, ignore_eos: no text needed
+    name = "pagedkv" if tp == 1 else f"pagedkv-tp{tp}"
     with llm:
-        result = SystemResult("pagedkv" if tp == 1 else f"pagedkv-tp{tp}", load_s=time.perf_counter() - start)
+        result = SystemResult(name if engine_core == "inproc" else f"{name}-process",
+                              load_s=time.perf_counter() - start)
         if warm.prompts:
             generate(warm)
         before, comm_before = llm.get_stats(), comm_stats()
-        first_step = llm.llm_engine.counters.num_steps
+        counters = getattr(llm.llm_engine, "counters", None)  # in-process only: the core's are in its process
+        first_step = counters.num_steps if counters else 0
         start = time.perf_counter()
         result.token_ids = generate(wl)
         result.elapsed_s = time.perf_counter() - start
         stats, comm = llm.get_stats(), comm_stats()
-        counters = llm.llm_engine.counters
-        steps = list(counters.step_times)[-(counters.num_steps - first_step) or len(counters.step_times):]
+        steps = (list(counters.step_times)[-(counters.num_steps - first_step) or len(counters.step_times):]
+                 if counters else [])
         threads = torch.get_num_threads()  # per rank: the ranks share the cores
     result.generated_tokens = wl.output_tokens
     result.notes.append(f"KV {stats.num_gpu_blocks * args.block_size} tokens (block {args.block_size}), "
@@ -392,7 +397,8 @@ def run_hf_static(wl: Workload, warm: Workload, args: argparse.Namespace, model_
 
 
 RUNNERS: dict[str, Callable[..., SystemResult]] = {
-    "pagedkv": run_pagedkv, "vllm": run_vllm, "hf-cb": run_hf_cb, "hf-static": run_hf_static}
+    "pagedkv": run_pagedkv, "pagedkv-process": functools.partial(run_pagedkv, engine_core="process"),
+    "vllm": run_vllm, "hf-cb": run_hf_cb, "hf-static": run_hf_static}
 
 
 def run_system(name: str, wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> SystemResult:

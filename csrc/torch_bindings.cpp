@@ -5,6 +5,7 @@
 
 #include "common/validation.h"
 #include "cpu/cpu_capability.h"
+#include "cpu/cpu_threads.h"
 #include "ops.h"
 
 TORCH_LIBRARY(pagedkv, m) {
@@ -29,6 +30,9 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // Which CPU kernel variant runs here: "default", "avx2" or "avx512" (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
+  // Binds torch's OpenMP compute threads one per CPU (engine/cpu_binding.py). No tensors, no dispatch.
+  m.def("bind_cpu_threads(int[] cpus) -> int[]",
+        [](std::vector<int64_t> cpus) { return pagedkv::cpu::bind_cpu_threads(cpus); });
   // The runtime toggle of the index-value checks (common/validation.h); wrapped by
   // pagedkv.ops.set_index_checks / index_checks. No tensors, no dispatch.
   m.def("set_index_checks(bool enabled) -> bool", [](bool enabled) { return pagedkv::set_index_checks(enabled); });

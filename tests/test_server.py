@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -37,13 +39,27 @@ CHAT = [{"role": "user", "content": "Name three prime numbers."}]
 
 
 @pytest.fixture(scope="module")
-def server(loaded_model):
+def server(default_model_dir):
+    """The server as `pagedkv serve` runs it: the engine core in its own process."""
     from pagedkv.server import build_app
 
-    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=256 << 20, max_model_len=MAX_MODEL_LEN,
-                      max_num_seqs=48)
-    app = build_app(args, served_model_names=[MODEL], api_key=f"{API_KEY},{SECOND_KEY}", loaded=loaded_model)
+    args = EngineArgs(model=str(default_model_dir), device="cpu", dtype="float32", kv_cache_memory=256 << 20,
+                      max_model_len=MAX_MODEL_LEN, max_num_seqs=48, engine_core="process")
+    app = build_app(args, served_model_names=[MODEL], api_key=f"{API_KEY},{SECOND_KEY}")
     with running_server(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def thread_server(loaded_model):
+    """The engine in the server's own process (a model already in memory): faults can be planted in it."""
+    from pagedkv.server import build_app
+
+    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=MAX_MODEL_LEN,
+                      max_num_seqs=48)
+    app = build_app(args, served_model_names=[MODEL], api_key=API_KEY, loaded=loaded_model)
+    with running_server(app) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
         yield srv
 
 
@@ -313,7 +329,8 @@ def test_api_key_guards_every_route_but_health_and_metrics(server):
     assert httpx.get(server.url + "/metrics").status_code == 200  # open unless --protect-metrics
 
 
-def test_engine_error_fails_its_requests_with_500_and_the_server_lives_on(server, client):
+def test_engine_error_fails_its_requests_with_500_and_the_server_lives_on(thread_server):
+    server, client = thread_server, thread_server.client
     runner = server.engine.runner
     calls = []
 
@@ -333,9 +350,10 @@ def test_engine_error_fails_its_requests_with_500_and_the_server_lives_on(server
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_a_request_that_breaks_sampling_fails_alone(server, llm):
+def test_a_request_that_breaks_sampling_fails_alone(thread_server, llm):
     """A fault in one row's sampling (here: injected for seed 666) fails that request only; the requests
     batched with it in the same steps get their own, correct outputs."""
+    server = thread_server
     runner = server.engine.runner
     real_sample = runner.sample
 
@@ -383,7 +401,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=auth(), timeout=1.0)
     wait_idle(server)
     assert sample(metric_samples(server), "vllm:request_success_total", finished_reason="abort") == aborted + 2
-    assert server.engine.block_manager.num_free_gpu_blocks == server.engine.block_manager.num_total_gpu_blocks
+    assert server.async_engine.stats.num_used_gpu_blocks == 0
 
 
 def test_metrics_move_as_requests_run(server, client, loaded_model):
@@ -413,6 +431,36 @@ def test_metrics_move_as_requests_run(server, client, loaded_model):
     assert delta("vllm:time_per_output_token_seconds_count") == 5
     assert delta("vllm:e2e_request_latency_seconds_sum") > 0
     assert delta("vllm:request_generation_tokens_sum") == 6
+
+
+def test_killed_core_fails_streams_turns_health_503_and_exits_nonzero(default_model_dir):
+    """kill -9 of the engine-core process mid-stream: the stream ends with an error event, /health answers 503,
+    new requests 503, and the server stops with exit status 1."""
+    from pagedkv.server import build_app
+
+    args = EngineArgs(model=str(default_model_dir), device="cpu", dtype="float32", kv_cache_memory=32 << 20,
+                      max_model_len=256, engine_core="process", cpu_threads_bind="nobind")
+    app = build_app(args)
+    with running_server(app) as srv, httpx.Client(timeout=60) as http:
+        body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        response = http.send(http.build_request("POST", srv.url + "/v1/completions", json=body), stream=True)
+        assert response.status_code == 200
+        events, first = [], threading.Event()
+        reader = threading.Thread(target=_read_stream, args=(response, events, first), daemon=True)
+        reader.start()
+        assert first.wait(60)
+        os.kill(srv.engine.core_pid, signal.SIGKILL)
+        reader.join(30)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 or error["type"] == "server_error", error
+        assert "SIGKILL" in error["message"], error
+        try:
+            assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass  # already stopped
+        srv.thread.join(30)
+        assert not srv.thread.is_alive() and srv.result.exit_code == 1
 
 
 def _read_stream(response: httpx.Response, events: list, first: threading.Event) -> None:
@@ -475,7 +523,10 @@ def test_pagedkv_serve_cli_drains_on_sigterm(default_model_dir, tmp_path):
         final = json.loads(long_events[-2])
         assert "shutting down" in final["error"]["message"], final
         assert proc.wait(60) == 0, log_path.read_text()
-        assert "engine stopped" in log_path.read_text()
+        log_text = log_path.read_text()
+        assert "engine stopped" in log_text
+        core_pid = int(re.search(r"engine core ready \(pid (\d+)\)", log_text).group(1))
+        wait_until(lambda: not Path(f"/proc/{core_pid}").exists(), 10, "the engine core to exit with the server")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -46,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (GPUs, or processes on the CPU); under torchrun, "
                         "its WORLD_SIZE")
+    p.add_argument("--engine-core", default="auto", choices=["auto", "process", "inproc"],
+                   help="where the engine core runs: its own process (serve's default) or this one (generate's)")
+    p.add_argument("--cpu-threads-bind", default=None,
+                   help="the engine core's compute CPUs: auto, all, nobind, or a list like 0-3,6 (vLLM's "
+                        "VLLM_CPU_OMP_THREADS_BIND); default $PAGEDKV_CPU_THREADS_BIND, else auto")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -57,7 +62,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "preemption_mode": ns.preemption_mode, "seed": ns.seed,
             "long_prefill_token_threshold": ns.long_prefill_token_threshold,
             "tensor_parallel_size": ns.tensor_parallel_size, "enforce_eager": ns.enforce_eager,
-            "max_logprobs": ns.max_logprobs, "generation_config": ns.generation_config}
+            "max_logprobs": ns.max_logprobs, "generation_config": ns.generation_config,
+            "engine_core": ns.engine_core, "cpu_threads_bind": ns.cpu_threads_bind}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.core.sequence import OutputKind
-from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LLMEngine, LoadedModel, PromptType
+from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LoadedModel, PromptType
+from pagedkv.engine.make_engine import make_engine
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -29,6 +30,9 @@ class LLM:
     `tensor_parallel_size` shards the model over that many ranks (GPUs, or
     processes on the CPU; call it under `if __name__ == "__main__":`).
     `loaded_model` reuses a model already in memory (`LoadedModel.load`).
+    `engine_core="process"` runs the engine core in a process of its own (as
+    `pagedkv serve` does; then call it under `if __name__ == "__main__":`);
+    the default runs it in this process, which is faster offline.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
@@ -43,7 +47,7 @@ class LLM:
                           block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                           swap_space=swap_space, preemption_mode=preemption_mode, max_model_len=max_model_len,
                           seed=seed, tensor_parallel_size=tensor_parallel_size, **kwargs)
-        self.llm_engine = LLMEngine(args, loaded_model)
+        self.llm_engine = make_engine(args, loaded_model, default_core="inproc")
         self._ids = 0
 
     def shutdown(self) -> None:

@@ -75,6 +75,12 @@ class EngineArgs:
     # Sampling defaults for what a request leaves out: "auto" reads the checkpoint's generation_config.json,
     # "vllm" uses vLLM's own defaults, anything else is a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # Where the engine core runs: "process" (its own process, the front end over ZeroMQ), "inproc" (in the
+    # caller's process and thread), or "auto" (the server: process; LLM offline: inproc, measured faster).
+    engine_core: str = "auto"
+    # The core's compute CPUs (engine/cpu_binding.py): "auto", "all", "nobind" or a list such as "0-3";
+    # None reads $PAGEDKV_CPU_THREADS_BIND.
+    cpu_threads_bind: str | None = None
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -377,6 +383,19 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self._finish_request(req, "abort")
+
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        """Ends sample `index` of a request now with finish reason "stop" and frees its blocks (a front end
+        found a stop string); the request finishes with its last sample. Unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
+            return
+        seq = req.seqs[index]
+        self.scheduler.abort(seq)
+        seq.finish_reason, seq.stop_reason = "stop", stop_reason
+        if req.finished:
+            req.metrics.finished_time = time.time()
+            self.requests.pop(request_id, None)
 
     def _finish_request(self, req: Request, reason: str) -> None:
         for seq in req.seqs:

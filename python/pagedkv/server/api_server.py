@@ -49,7 +49,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv
+from pagedkv.engine.cpu_binding import apply_frontend_binding
 from pagedkv.engine.llm_engine import EngineArgs, LLMEngine, LoadedModel
+from pagedkv.engine.make_engine import make_engine
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -317,12 +319,15 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
     """Builds the engine (loading the model, or reusing `loaded`, a model already in memory; or takes `engine`)
     and returns the app. The engine thread starts with the app (its lifespan) and stops with it.
 
+    The engine core runs in its own process (`args.engine_core` "auto" or "process"), unless it is given
+    (`engine`, `loaded`) or asked for in this process ("inproc"): then on the server's engine thread.
+
     api_key: one key or several comma-separated (added to options.api_keys).
     """
     options = options or ServerOptions()
     if api_key:
         options = dataclasses.replace(options, api_keys=options.api_keys + parse_api_keys(api_key))
-    engine = engine or LLMEngine(args, loaded)
+    engine = engine or make_engine(args, loaded, default_core="process")
     model_names = list(served_model_names or [str(args.model) if args.model else engine.model_name])
     metrics = ServerMetrics(model_names[0], engine.scheduler_config.max_model_len, log_interval_s)
     async_engine = AsyncEngine(engine, metrics)
@@ -431,6 +436,9 @@ def run_server(args: EngineArgs, ns: argparse.Namespace) -> int:
     if options.protect_metrics and not keys:
         raise ValueError("--protect-metrics needs --api-key (or $PAGEDKV_API_KEY)")
     app = build_app(args, served_model_names=ns.served_model_name, options=options)
+    binding = getattr(app.state.engine, "cpu_binding", None)
+    if binding is not None:
+        apply_frontend_binding(binding)  # off the core's CPUs, when some are left
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
     return serve(app, config)

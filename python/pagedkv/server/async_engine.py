@@ -113,6 +113,12 @@ class AsyncEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._collectors: weakref.WeakSet[RequestOutputCollector] = weakref.WeakSet()  # for pending_outputs()
+        # An engine core in another process: its step() waits for the core's outputs, so a new command must
+        # wake it, and the core's death must wake the thread even when it is idle.
+        self._wake_engine: Callable[[], None] = getattr(engine, "wake", lambda: None)
+        self._engine_wait_idle: Callable[[float], None] | None = getattr(engine, "wait_idle", None)
+        if hasattr(engine, "set_death_callback"):
+            engine.set_death_callback(self._notify)
 
     # --- life cycle (asyncio side) -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,7 +131,7 @@ class AsyncEngine:
         """Aborts what is left, stops the thread and waits for it."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+        self._notify()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -167,7 +173,13 @@ class AsyncEngine:
     def _submit(self, *commands: tuple[Any, ...]) -> None:
         with self._cond:
             self._inbox.extend(commands)
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wakes the engine thread, whether it sleeps on the condition or waits in an engine core's step."""
+        with self._cond:
             self._cond.notify()
+        self._wake_engine()
 
     # --- requests (asyncio side) ------------------------------------------------------------------------------
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -225,13 +237,19 @@ class AsyncEngine:
     def _loop_once(self) -> bool:
         """Applies queued commands, runs one step, delivers its outputs. False once shutting down."""
         engine = self.engine
+        deliveries: list[Delivery] = []
+        idle = not self._inbox and not self._stopping and not engine.has_unfinished_requests()
+        if idle and self._engine_wait_idle is not None:
+            self._wait_on_engine(deliveries)  # a command wakes it through engine.wake()
+            if self.dead_reason is not None:  # the commands still queued get the error from _run
+                self._deliver(deliveries)
+                return False
         with self._cond:
-            if not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+            if idle and self._engine_wait_idle is None and not self._inbox and not self._stopping:
                 self._cond.wait(self._idle_wake_s)
             commands = list(self._inbox)
             self._inbox.clear()
             stopping = self._stopping
-        deliveries: list[Delivery] = []
         for command in commands:
             self._apply(command, deliveries)
         if stopping:
@@ -306,6 +324,17 @@ class AsyncEngine:
             deliveries.append((stream.collector, stream.tag, output.request_id, output))
             if output.finished:
                 del self._streams[output.request_id]
+
+    def _wait_on_engine(self, deliveries: list[Delivery]) -> None:
+        """Idle, with the core in another process: wait for its news (stats, its death) or for a command. A
+        core that died while idle is reported at once, not at the next request."""
+        try:
+            self._engine_wait_idle(self._idle_wake_s)
+        except EngineDeadError as e:
+            logger.error("%s", e)
+            self._die(str(e), deliveries)
+            return
+        self.stats = self.engine.get_stats()
 
     def _die(self, reason: str, deliveries: list[Delivery]) -> None:
         """The engine cannot step again: everyone gets EngineDeadError, and the server is told."""

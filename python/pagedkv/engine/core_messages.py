@@ -1,0 +1,146 @@
+"""What the front end and the engine-core process say to each other, as msgspec structs over ZeroMQ.
+
+    front end --(PUSH: AddRequest | AbortRequests | FinishSamples | Shutdown)--> core
+    front end <--(PULL: StepOutputs | CoreDied)---------------------------------- core
+
+Everything is msgpack (`msgspec.msgpack`), decoded into typed structs on the
+other side. Token ids travel as packed int32 arrays (`bytes`), never as
+lists of Python objects; a decode step's message is one small struct per
+request that moved. SamplingParams travel as the tuple of their
+constructor's fields, so the core re-runs the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import numpy as np
+
+from pagedkv.outputs import Logprob, RequestMetrics
+from pagedkv.sampling_params import SamplingParams
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+
+def pack_ids(ids: list[int] | np.ndarray) -> bytes:
+    """Token ids as a packed little-endian int32 array."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<i4").tolist()
+
+
+def params_to_wire(params: SamplingParams) -> tuple:
+    return tuple(getattr(params, name) for name in _PARAM_FIELDS)
+
+
+def params_from_wire(fields: tuple) -> SamplingParams:
+    return SamplingParams(**dict(zip(_PARAM_FIELDS, fields, strict=True)))
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """A tokenized request for the core. output_kind is always DELTA in the core: the front end assembles the
+    kind its caller asked for."""
+
+    request_id: str
+    prompt_token_ids: bytes  # int32 [prompt_len]
+    params: tuple  # params_to_wire(SamplingParams)
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """Stop these requests now (finish reason "abort") and free their blocks; unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class FinishSamples(msgspec.Struct, tag="finish", array_like=True):
+    """The front end found a stop string: end these samples (request id, sample index) with reason "stop"."""
+
+    samples: list[tuple[str, int]]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class WireLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    rank: int | None
+
+
+class SampleDelta(msgspec.Struct, array_like=True):
+    """What one step added to one sample: its new token ids (and their logprobs), how it ended if it did."""
+
+    index: int
+    token_ids: bytes  # int32 [new tokens]
+    logprobs: list[list[WireLogprob]] | None = None  # per new token: the sampled one first, then the top ones
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # a stop token id (stop strings are the front end's)
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    """One request that moved in a step."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    metrics: tuple  # RequestMetrics fields, in order
+    error: str | None = None  # the core refused or failed it
+
+
+class WireStats(msgspec.Struct, array_like=True):
+    """EngineStats' fields, in order."""
+
+    values: tuple
+
+
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
+    """Everything one core iteration produced: the requests that moved, and the engine's stats after it."""
+
+    outputs: list[RequestDelta]
+    stats: WireStats | None = None
+
+
+class CoreDied(msgspec.Struct, tag="died", array_like=True):
+    """The core's last message: it cannot step any more (EngineDeadError in the front end)."""
+
+    reason: str
+
+
+ToCore = AddRequest | AbortRequests | FinishSamples | Shutdown
+FromCore = StepOutputs | CoreDied
+
+_METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(RequestMetrics))
+
+
+def metrics_to_wire(m: RequestMetrics) -> tuple:
+    return tuple(getattr(m, name) for name in _METRIC_FIELDS)
+
+
+def metrics_from_wire(values: tuple) -> RequestMetrics:
+    return RequestMetrics(*values)
+
+
+def logprobs_to_wire(entry: dict[int, Logprob]) -> list[WireLogprob]:
+    return [WireLogprob(t, lp.logprob, lp.rank) for t, lp in entry.items()]
+
+
+def logprobs_from_wire(entry: list[WireLogprob]) -> dict[int, Logprob]:
+    return {w.token_id: Logprob(w.logprob, w.rank) for w in entry}
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def to_core_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToCore)
+
+
+def from_core_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromCore)

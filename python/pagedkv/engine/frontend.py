@@ -1,0 +1,155 @@
+"""FrontendEngine: LLMEngine's surface over an engine core in its own process.
+
+    front end (this process)                      engine core (its own process)
+    tokenize, check -> AddRequest  ----------->   schedule -> run -> update, in a busy loop
+    detokenize, stop strings, outputs <-------    StepOutputs (new ids per sample, stats)
+    a stop string found -> FinishSamples ----->   frees that sample's blocks
+
+`LLM(engine_core="process")` and `pagedkv serve` drive it exactly as they
+drive the in-process `LLMEngine`: `add_request`, `abort_request`, `step`
+(which here waits for the core's next outputs instead of computing them),
+`get_stats`. The core never waits on this side: while the front end
+detokenizes one step's tokens, the core computes the next.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from pagedkv.core.sequence import OutputKind
+from pagedkv.engine.core_client import EngineCoreClient
+from pagedkv.engine.core_messages import AbortRequests, AddRequest, FinishSamples, StepOutputs, pack_ids, params_to_wire
+from pagedkv.engine.core_process import stats_from_wire
+from pagedkv.engine.cpu_binding import CpuBinding, plan_cpu_binding
+from pagedkv.engine.llm_engine import EngineArgs, EngineStats
+from pagedkv.engine.output_processor import OutputProcessor, RequestState
+from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
+from pagedkv.model.loader import load_tokenizer, resolve_model
+from pagedkv.outputs import RequestMetrics, RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class FrontendEngine:
+    """Requests in, outputs out, with the model in an engine-core process. Not thread-safe (one driver)."""
+
+    def __init__(self, args: EngineArgs, cpu_binding: CpuBinding | None = None) -> None:
+        """cpu_binding: where the core computes (default: `args.cpu_threads_bind`; nothing is pinned under
+        tensor parallelism, whose ranks split the CPUs themselves)."""
+        self.args = args
+        source = resolve_model(args.model)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        binding = cpu_binding or self._plan_binding(args)
+        self.cpu_binding = binding
+        self.client = EngineCoreClient.start(dict(
+            args=args, extra_eos_token_ids=frozenset([] if eos is None else [eos]),
+            cpu_binding=list(binding.core) if binding.core else None, log_level=logging.getLogger().level))
+        facts = self.client.facts
+        self.model_name, self.model_config = facts.model_name, facts.model_config
+        self.scheduler_config, self.cache_config = facts.scheduler_config, facts.cache_config
+        self.default_sampling, self.eos_token_ids = facts.default_sampling, facts.eos_token_ids
+        self.dtype = getattr(torch, facts.dtype.removeprefix("torch."))
+        self.device = torch.device(facts.device)
+        self.kv_spec = facts.kv_spec
+        self.limits = RequestLimits(self.model_config.vocab_size, self.scheduler_config.max_model_len,
+                                    self.scheduler_config.max_num_seqs, args.max_logprobs)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._request_ids = itertools.count()
+        self._stats = EngineStats(0, 0, 0, facts.num_gpu_blocks, 0, 0.0, 0, 0, 0, 0, 0)
+
+    @staticmethod
+    def _plan_binding(args: EngineArgs) -> CpuBinding:
+        if args.tensor_parallel_size > 1 or args.device.startswith("cuda"):
+            return CpuBinding(None, None)
+        return plan_cpu_binding(args.cpu_threads_bind)
+
+    # --- what LLMEngine offers too ------------------------------------------------------------------------------
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.processor.requests
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.default_sampling)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        self.limits.check_params(params)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestState:
+        """Checks and sends a prompt to the core. Raises ValueError (and sends nothing) for a request that can
+        never run."""
+        params = params or self.get_default_sampling_params()
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        if request_id in self.processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self.limits.check_request(token_ids, params, cache_salt)
+        arrival = arrival_time or time.time()
+        state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
+        self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt))
+        self.processor.add(state)
+        return state
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        known = [rid for rid in ids if self.processor.abort(rid) is not None]
+        if known and self.client.is_alive:  # a dead core holds no blocks any more
+            self.client.send(AbortRequests(known))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.processor.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.processor.requests)
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    def step(self, timeout_s: float | None = None) -> list[RequestOutput]:
+        """The outputs of the core's next steps: waits up to `timeout_s` (None: until some come, or `wake()`).
+        With nothing unfinished it returns at once, unless a timeout is given: then it waits that long for the
+        core's news (its stats after a finish or an abort). Raises EngineDeadError when the core died."""
+        if not self.processor.requests and timeout_s is None:
+            return []
+        outputs: list[RequestOutput] = []
+        for message in self.client.recv(timeout_s):
+            if isinstance(message, StepOutputs):
+                if message.stats is not None:
+                    self._stats = stats_from_wire(message.stats.values)
+                new, stopped = self.processor.process(message.outputs)
+                outputs.extend(new)
+                if stopped:
+                    self.client.send(FinishSamples(stopped))
+        return outputs
+
+    def wake(self) -> None:
+        """Ends a `step` that is waiting (any thread may call it)."""
+        self.client.wake()
+
+    def set_death_callback(self, callback: Callable[[], None]) -> None:
+        """Called (from a watcher thread) as soon as the core process exits."""
+        self.client.on_death = callback
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """With nothing to step: takes the core's news (stats after an abort or a finish) for up to `timeout_s`
+        or until `wake()`. Raises EngineDeadError if the core is gone."""
+        self.step(timeout_s)
+
+    def shutdown(self) -> None:
+        """Stops the core (and the tensor-parallel ranks under it)."""
+        self.client.close()
+
+    @property
+    def core_pid(self) -> int:
+        return self.client.process.pid

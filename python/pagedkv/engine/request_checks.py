@@ -1,0 +1,87 @@
+"""The checks a request must pass before any engine queues it, in one place.
+
+Both engines use them: `LLMEngine` (in-process) and the front end of an
+engine core in its own process (`FrontendEngine`), which refuses a request
+before it crosses to the core. They read fixed limits only, so any thread
+may call them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the model and the engine's settings allow a request."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_logprobs: int
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuses what the model or the engine's limits rule out (SamplingParams checked the rest itself)."""
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            raise SamplingParamsError("top_k", f"top_k must be -1, 0 or in [1, {vocab}] (the vocabulary), "
+                                               f"got {params.top_k}")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise SamplingParamsError("stop_token_ids", f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise SamplingParamsError("logprobs", f"requested {params.logprobs} logprobs, more than the "
+                                                  f"{self.max_logprobs} allowed (max_logprobs)")
+        if params.n > self.max_num_seqs:
+            raise SamplingParamsError("n", f"n={params.n} is more than max_num_seqs={self.max_num_seqs}")
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = self.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {limit}: it must be at "
+                             f"most {limit - 1} to leave room for one output token")
+
+    def check_request(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
+        """Everything about one request: its prompt, its sampling parameters, its cache salt."""
+        self.check_prompt(token_ids)
+        self.check_params(params)
+        check_cache_salt(cache_salt)
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    salt_ok = isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS
+    if cache_salt is not None and not salt_ok:
+        raise SamplingParamsError("cache_salt", f"cache_salt must be a non-empty string of at most "
+                                                f"{MAX_CACHE_SALT_CHARS} characters, got {cache_salt!r:.80}")
+
+
+def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError(f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True): pass token ids")
+        try:
+            return prompt, tokenizer.encode(prompt)
+        except (UnicodeError, TypeError) as e:  # e.g. a lone surrogate, which no tokenizer can encode
+            raise ValueError(f"the prompt is not valid text: {e}") from e
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
