@@ -27,8 +27,10 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
-  // Which CPU kernel variant runs here: "default", "avx2" or "avx512" (no tensors, no dispatch).
+  // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
+  // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
+  m.def("set_cpu_capability(str name) -> str", &pagedkv::cpu::set_cpu_capability_op);
   // The runtime toggle of the index-value checks (common/validation.h); wrapped by
   // pagedkv.ops.set_index_checks / index_checks. No tensors, no dispatch.
   m.def("set_index_checks(bool enabled) -> bool", [](bool enabled) { return pagedkv::set_index_checks(enabled); });
