@@ -3,7 +3,7 @@
 One run, the same workload for every system: N requests of seeded random token
 ids (ids in [100, 40000): no special tokens), prompt and output lengths drawn
 uniformly from [16, 384] and [8, 160]; greedy, ignore_eos (every request gets
-exactly its output length), fp32, the default model (SmolLM2-135M-Instruct),
+exactly its output length), fp32 (--dtype for pagedkv and vLLM), the default model (SmolLM2-135M-Instruct),
 the same KV-cache budget (4 GiB) and the same batch limits (max_num_seqs,
 max_num_batched_tokens); prefix caching off everywhere (random prompts share
 nothing).
@@ -172,7 +172,7 @@ def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_di
         return [list(o.outputs[0].token_ids) for o in outs]
 
     start = time.perf_counter()
-    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
+    llm = LLM(model=str(model_dir), dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, enable_prefix_caching=False, seed=args.seed, tensor_parallel_size=tp,
               skip_tokenizer_init=True, engine_core=engine_core)  # token-id prompts, ignore_eos: no text needed
@@ -263,7 +263,8 @@ def run_vllm(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: 
             "prompts": wl.prompts, "output_lens": wl.output_lens, "warmup_prompts": warm.prompts,
             "warmup_output_lens": warm.output_lens, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
-            "enable_prefix_caching": getattr(args, "vllm_prefix_caching", False)}))
+            "enable_prefix_caching": getattr(args, "vllm_prefix_caching", False),
+            "dtype": getattr(args, "dtype", "float32")}))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                    VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.vllm_omp_bind))
         if args.vllm_ld_preload:  # vLLM's CPU docs advise preloading tcmalloc and Intel OpenMP for speed
@@ -553,7 +554,8 @@ def workload_line(wl: Workload, args: argparse.Namespace) -> str:
     return (f"{len(wl.prompts)} requests (seed {args.seed}), prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
             f"tokens ({wl.prompt_tokens} in all), outputs {args.output_len[0]}-{args.output_len[1]} tokens "
             f"({wl.output_tokens} in all), token ids in [{args.token_range[0]}, {args.token_range[1]}), greedy, "
-            f"ignore_eos, fp32; KV budget {args.kv_cache_gib} GiB, max_num_seqs {args.max_num_seqs}, "
+            f"ignore_eos, {getattr(args, 'dtype', 'float32')}; KV budget {args.kv_cache_gib} GiB, "
+            f"max_num_seqs {args.max_num_seqs}, "
             f"max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching off")
 
 
@@ -619,6 +621,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "because VLLM_CPU_KVCACHE_SPACE is one)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="compute dtype of pagedkv and vLLM (HF runs fp32 always); 'auto' is pagedkv's "
+                        "choice (vLLM then runs its own 'auto')")
     p.add_argument("--block-size", type=int, default=16, help="pagedkv's block size (vLLM and HF keep theirs)")
     p.add_argument("--hf-page-size", type=int, default=256, help="HF CB page size (its default)")
     p.add_argument("--hf-static-batch-size", type=int, default=8)

@@ -49,7 +49,7 @@ def main() -> None:
     start = time.perf_counter()
     # Prefix caching off unless asked: the throughput bench's prompts are random (nothing to share) and pagedkv
     # runs it off too; bench_prefix_cache.py asks for it on.
-    llm = LLM(model=args.model, dtype="float32", seed=wl["seed"], max_num_seqs=wl["max_num_seqs"],
+    llm = LLM(model=args.model, dtype=wl.get("dtype", "float32"), seed=wl["seed"], max_num_seqs=wl["max_num_seqs"],
               max_num_batched_tokens=wl["max_num_batched_tokens"],
               enable_prefix_caching=bool(wl.get("enable_prefix_caching", False)))
     load_s = time.perf_counter() - start

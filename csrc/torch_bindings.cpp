@@ -28,8 +28,10 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
-  // Which CPU kernel variant runs here: "default", "avx2" or "avx512" (no tensors, no dispatch).
+  // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
+  // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
+  m.def("set_cpu_capability(str name) -> str", &pagedkv::cpu::set_cpu_capability_op);
   // Binds torch's OpenMP compute threads one per CPU (engine/cpu_binding.py). No tensors, no dispatch.
   m.def("bind_cpu_threads(int[] cpus) -> int[]",
         [](std::vector<int64_t> cpus) { return pagedkv::cpu::bind_cpu_threads(cpus); });

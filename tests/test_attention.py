@@ -35,6 +35,41 @@ HEAD_SIZES = [64, 80, 96, 112, 128, 256]
 BLOCK_SIZES = [8, 16, 32]
 
 
+def _variant_runs(name: str) -> bool:
+    """Whether this CPU can run kernel variant `name` (set_cpu_capability refuses the others)."""
+    try:
+        previous = ops.set_cpu_capability(name)
+    except RuntimeError:
+        return False
+    ops.set_cpu_capability(previous)
+    return True
+
+
+HAS_AVX512_BF16 = _variant_runs("avx512_bf16")
+# What the bf16 cases compare the avx512_bf16 kernels with: the variant this process
+# started with (PAGEDKV_CPU_CAPABILITY, else the best), or avx512 where that is avx512_bf16.
+OLDER_VARIANT = "avx512" if ops.cpu_capability() == "avx512_bf16" else ops.cpu_capability()
+
+
+@pytest.fixture(params=["avx512_bf16", "older"])
+def cpu_variant(request):
+    """Runs a test under the avx512_bf16 kernels (bf16 Q.K^T on vdpbf16ps) and under OLDER_VARIANT.
+
+    avx512_bf16 changes the bf16 kernels only (fp32/fp16 run the avx512 ones there),
+    so its fp32/fp16 cases are skipped: the "older" case runs them.
+    """
+    if request.param == "avx512_bf16":
+        if not HAS_AVX512_BF16:
+            pytest.skip("this CPU lacks avx512_bf16 (vdpbf16ps)")
+        dtype = request.node.callspec.params.get("dtype", torch.bfloat16)
+        if dtype != torch.bfloat16:
+            pytest.skip("avx512_bf16 changes the bf16 kernels only; the 'older' case runs this dtype")
+    name = OLDER_VARIANT if request.param == "older" else request.param
+    previous = ops.set_cpu_capability(name)
+    yield name
+    ops.set_cpu_capability(previous)
+
+
 def make_generator(*case) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
 
@@ -117,7 +152,7 @@ def assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_v1_every_dtype_head_size_block_size(dtype, head_size, block_size):
+def test_decode_v1_every_dtype_head_size_block_size(dtype, head_size, block_size, cpu_variant):
     gen = make_generator("v1", dtype, head_size, block_size)
     seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 0]
     case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
@@ -134,7 +169,7 @@ def test_decode_v1_every_dtype_head_size_block_size(dtype, head_size, block_size
     [(4, 4), (9, 3), (8, 2), (16, 2), (8, 1)],
     ids=["mha", "gqa3", "gqa4", "gqa8", "mqa"],
 )
-def test_decode_gqa_ratios_and_alibi(num_heads, num_kv_heads, dtype, alibi):
+def test_decode_gqa_ratios_and_alibi(num_heads, num_kv_heads, dtype, alibi, cpu_variant):
     gen = make_generator("gqa", num_heads, num_kv_heads, dtype, alibi)
     seq_lens = [1, 15, 16, 17, 200, 613]
     case = DecodeCase(gen, dtype, num_heads, num_kv_heads, head_size=64, block_size=16, seq_lens=seq_lens,
@@ -147,7 +182,7 @@ def test_decode_gqa_ratios_and_alibi(num_heads, num_kv_heads, dtype, alibi):
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("partition_size", [256, 512])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_v2_spanning_partitions(dtype, partition_size, alibi):
+def test_decode_v2_spanning_partitions(dtype, partition_size, alibi, cpu_variant):
     gen = make_generator("v2", dtype, partition_size, alibi)
     p = partition_size
     seq_lens = [1, p - 1, p, p + 1, 2 * p + 37, 3 * p + 200, 0]
@@ -163,7 +198,7 @@ def test_decode_v2_spanning_partitions(dtype, partition_size, alibi):
     "dtype,head_size,block_size",
     [(torch.float32, 128, 16), (torch.bfloat16, 128, 32), (torch.float16, 64, 8), (torch.bfloat16, 256, 16)],
 )
-def test_decode_long_context(dtype, head_size, block_size):
+def test_decode_long_context(dtype, head_size, block_size, cpu_variant):
     gen = make_generator("long", dtype, head_size, block_size)
     case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
                       seq_lens=[4096, 2999, 1025], alibi=True)
@@ -174,7 +209,7 @@ def test_decode_long_context(dtype, head_size, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_large_batch(dtype):
+def test_decode_large_batch(dtype, cpu_variant):
     """Many sequences: each task then covers several (or all) kv heads of a sequence."""
     gen = make_generator("batch", dtype)
     seq_lens = torch.randint(0, 300, (33,), generator=gen).tolist()
@@ -186,7 +221,7 @@ def test_decode_large_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_non_contiguous_query_and_out(dtype):
+def test_decode_non_contiguous_query_and_out(dtype, cpu_variant):
     gen = make_generator("strided", dtype)
     case = DecodeCase(gen, dtype, num_heads=6, num_kv_heads=2, head_size=96, block_size=16,
                       seq_lens=[5, 300, 77], query_padding=3)
@@ -254,7 +289,7 @@ def num_threads(request):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_decode_v1_split_long_sequence(dtype, block_size, num_threads):
+def test_decode_v1_split_long_sequence(dtype, block_size, num_threads, cpu_variant):
     """One long sequence beside short ones: v1 cuts it into pieces at block boundaries and merges them."""
     gen = make_generator("split", dtype, block_size, num_threads)
     seq_lens = [3001, 0, 1, block_size, 257, 5 * block_size + 3]
@@ -267,7 +302,7 @@ def test_decode_v1_split_long_sequence(dtype, block_size, num_threads):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 4, 5, 7, 8], ids=lambda g: f"gqa{g}")
-def test_decode_every_group_size(dtype, group, num_threads):
+def test_decode_every_group_size(dtype, group, num_threads, cpu_variant):
     """Query heads per kv head 1-8: head pairs x 4 tokens, then an odd head x 8 tokens, in every mix."""
     gen = make_generator("group", dtype, group, num_threads)
     seq_lens = [1, 2, 15, 16, 17, 700, 2049]
@@ -286,7 +321,7 @@ def test_decode_every_group_size(dtype, group, num_threads):
     [(16, 16, 128), (80, 16, 128), (48, 16, 256), (32, 32, 80), (32, 8, 128)],
     ids=["mha", "gqa5", "gqa3", "mha80", "gqa4"],
 )
-def test_decode_wide_rows(num_heads, num_kv_heads, head_size, dtype, block_size, num_threads):
+def test_decode_wide_rows(num_heads, num_kv_heads, head_size, dtype, block_size, num_threads, cpu_variant):
     """Token rows of 4 KiB and more are streamed in groups of 8 rows (the rest are swept in units of
     blocks): every group size, partial blocks and groups, split sequences, ALiBi, v1 and v2."""
     gen = make_generator("wide", num_heads, num_kv_heads, head_size, dtype, block_size, num_threads)
@@ -367,7 +402,7 @@ PREFILL_MIX = [(37, 37), (1, 1), (5, 29), (0, 12), (64, 100), (17, 17), (1, 40)]
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_every_dtype_head_size_block_size(dtype, head_size, block_size):
+def test_prefill_every_dtype_head_size_block_size(dtype, head_size, block_size, cpu_variant):
     gen = make_generator("prefill", dtype, head_size, block_size)
     q_lens, seq_lens = zip(*PREFILL_MIX, strict=True)
     case = PrefillCase(gen, dtype, num_heads=6, num_kv_heads=2, head_size=head_size, block_size=block_size,
@@ -381,7 +416,7 @@ def test_prefill_every_dtype_head_size_block_size(dtype, head_size, block_size):
     [(4, 4), (9, 3), (8, 2), (16, 2), (8, 1), (40, 1)],
     ids=["mha", "gqa3", "gqa4", "gqa8", "mqa", "mqa40"],
 )
-def test_prefill_gqa_ratios(num_heads, num_kv_heads, dtype):
+def test_prefill_gqa_ratios(num_heads, num_kv_heads, dtype, cpu_variant):
     gen = make_generator("prefill_gqa", num_heads, num_kv_heads, dtype)
     q_lens, seq_lens = [101, 3, 33, 250], [101, 40, 300, 250]
     case = PrefillCase(gen, dtype, num_heads, num_kv_heads, head_size=64, block_size=16, q_lens=q_lens,
@@ -391,7 +426,7 @@ def test_prefill_gqa_ratios(num_heads, num_kv_heads, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3], ids=["mha", "gqa3"])
-def test_prefill_every_row_vector_count(dtype, group):
+def test_prefill_every_row_vector_count(dtype, group, cpu_variant):
     """Query tiles of 1-8 row vectors (rows = tokens x group, 8 per vector): groups of three, then two or one."""
     gen = make_generator("rowvec", dtype, group)
     q_lens = [1, 9, 17, 25, 33, 41, 49, 57, 64, 70] if group == 1 else [1, 3, 6, 8, 11, 14, 16, 19, 21, 30]
@@ -409,7 +444,7 @@ def test_prefill_long_prompt_and_chunk(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_non_contiguous_query_and_out(dtype):
+def test_prefill_non_contiguous_query_and_out(dtype, cpu_variant):
     gen = make_generator("prefill_strided", dtype)
     case = PrefillCase(gen, dtype, num_heads=4, num_kv_heads=2, head_size=80, block_size=8, q_lens=[9, 20],
                        seq_lens=[30, 20], query_padding=5)
@@ -574,7 +609,13 @@ def test_prefill_rejects_bad_query_start_loc():
 
 
 def test_cpu_capability_is_reported():
-    assert torch.ops.pagedkv.cpu_capability() in ("default", "avx2", "avx512")
+    assert ops.cpu_capability() in ("default", "avx2", "avx512", "avx512_bf16")
+
+
+def test_set_cpu_capability_checks_the_name():
+    with pytest.raises(RuntimeError, match=r"set_cpu_capability must be one of default, avx2, avx512, avx512_bf16"):
+        ops.set_cpu_capability("sse9")
+    assert ops.set_cpu_capability(ops.cpu_capability()) == ops.cpu_capability()
 
 
 _VARIANT_SCRIPT = """
@@ -615,7 +656,28 @@ def test_default_variant_matches_reference():
 def test_unknown_capability_is_an_error():
     result = _run_with_capability("sse9")
     assert result.returncode != 0
-    assert "PAGEDKV_CPU_CAPABILITY must be one of default, avx2, avx512; got 'sse9'" in result.stderr
+    assert "PAGEDKV_CPU_CAPABILITY must be one of default, avx2, avx512, avx512_bf16; got 'sse9'" in result.stderr
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="this CPU lacks avx512_bf16 (or has no /proc/cpuinfo)")
+def test_avx512_bf16_is_picked_and_can_be_forced_off():
+    """A CPU with avx512_bf16 runs that variant by default; PAGEDKV_CPU_CAPABILITY=avx512 gives the older kernels."""
+    script = "import pagedkv, torch; print(torch.ops.pagedkv.cpu_capability())"
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_CPU_CAPABILITY"}
+    for forced, expected in ((None, "avx512_bf16"), ("avx512", "avx512")):
+        run_env = dict(env, PAGEDKV_CPU_CAPABILITY=forced) if forced else env
+        result = subprocess.run([sys.executable, "-c", script], env=run_env, capture_output=True, text=True,
+                                check=False, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[-1] == expected
 
 
 def test_package_exposes_ops():

@@ -359,12 +359,26 @@ def test_chat_and_text_prompts(loaded_model):
     assert m.arrival_time <= m.first_token_time <= m.finished_time
 
 
+def test_dtype_auto_on_the_cpu_is_bf16_only_with_bf16_dot_products(monkeypatch):
+    """"auto" on the CPU: bfloat16 where the CPU has AVX512-BF16, float32 elsewhere; CUDA keeps the checkpoint's."""
+    from pagedkv import config
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(config, "cpu_has_bf16_dot_products", lambda: True)
+    assert config.resolve_dtype("auto", torch.float32, cpu) == torch.bfloat16
+    assert config.resolve_dtype("float32", torch.bfloat16, cpu) == torch.float32
+    monkeypatch.setattr(config, "cpu_has_bf16_dot_products", lambda: False)
+    assert config.resolve_dtype("auto", torch.bfloat16, cpu) == torch.float32
+    assert config.resolve_dtype("auto", torch.float16, cuda) == torch.float16
+    assert config.resolve_dtype("auto", torch.float32, cuda) == torch.bfloat16
+
+
 def test_gguf_checkpoint_loads_like_the_prepared_folder(loaded_model, prompts):
     """model=<file>.gguf dequantizes through transformers: same weights, same tokenizer, same tokens."""
     from pagedkv.model.default_model import _gguf_path
 
     gguf = _gguf_path()
-    llm = LLM(model=str(gguf), device="cpu", kv_cache_memory=32 << 20, max_model_len=256)
+    llm = LLM(model=str(gguf), device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=256)
     ref = make_llm(loaded_model)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts[:4]]

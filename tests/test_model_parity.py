@@ -385,8 +385,8 @@ def test_llm_greedy_matches_hf_generate(checkpoints):
     path, hf = checkpoints["qwen2"]
     prompts = [_tokens(200 + i, n) for i, n in enumerate((3, 17, 40, 9))]
     max_tokens = 12
-    llm = LLM(model=str(path), tokenizer=str(ensure_default_model()), device="cpu", kv_cache_memory=64 << 20,
-              max_model_len=256, block_size=BLOCK_SIZE)
+    llm = LLM(model=str(path), tokenizer=str(ensure_default_model()), device="cpu", dtype="float32",
+              kv_cache_memory=64 << 20, max_model_len=256, block_size=BLOCK_SIZE)
     assert llm.llm_engine.dtype == torch.float32
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -3,8 +3,8 @@
 opcheck runs each op through its schema (mutations and aliasing as declared),
 the autograd registration check, the fake kernel against the real one, and
 AOT dispatch with dynamic shapes. Every sub-test applies to every op here, so
-none is switched off. (`pagedkv::cpu_capability` is left out: it takes and
-returns no tensor, so there is nothing for opcheck to trace.) Attention outputs
+none is switched off. (`pagedkv::cpu_capability` and `set_cpu_capability` are left
+out: they take and return no tensor, so there is nothing for opcheck to trace.) Attention outputs
 are compared with pagedkv.reference at the tolerance stated next to each dtype.
 """
 

@@ -378,7 +378,7 @@ OTHERS = ["Once upon a time", "def fibonacci(n):", "List three colours: red,"]
 def sampler_llm():
     from pagedkv import LLM
 
-    return LLM(kv_cache_memory=256 << 20, max_model_len=512)
+    return LLM(dtype="float32", kv_cache_memory=256 << 20, max_model_len=512)
 
 
 def _tokens(outputs) -> list[list[int]]:

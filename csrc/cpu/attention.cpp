@@ -12,11 +12,15 @@ namespace {
 
 using cpu::CpuCapability;
 
-// Calls the kernel of the instruction-set variant this CPU runs.
+// Calls the kernel of the instruction-set variant this CPU runs. The AVX512_BF16
+// variant holds bf16 kernels only (its dot products are vdpbf16ps); other dtypes
+// run the AVX-512 ones there.
 template <typename Params>
-void run_variant(void (*avx512)(const Params&), void (*avx2)(const Params&), void (*fallback)(const Params&),
-                 const Params& params) {
+void run_variant(void (*avx512_bf16)(const Params&), void (*avx512)(const Params&), void (*avx2)(const Params&),
+                 void (*fallback)(const Params&), const Params& params) {
   switch (cpu::selected_cpu_capability()) {
+    case CpuCapability::kAvx512Bf16:
+      return params.dtype == at::kBFloat16 ? avx512_bf16(params) : avx512(params);
     case CpuCapability::kAvx512:
       return avx512(params);
     case CpuCapability::kAvx2:
@@ -27,17 +31,17 @@ void run_variant(void (*avx512)(const Params&), void (*avx2)(const Params&), voi
   fallback(params);
 }
 
-void run_decode(const cpu::DecodeParams& p) {
-  run_variant(cpu::AVX512::decode_attention, cpu::AVX2::decode_attention, cpu::DEFAULT::decode_attention, p);
-}
+#define PAGEDKV_RUN_VARIANT(kernel, params)                                                    \
+  run_variant(cpu::AVX512_BF16::kernel, cpu::AVX512::kernel, cpu::AVX2::kernel, cpu::DEFAULT::kernel, \
+              params)
 
-void run_reduce(const cpu::DecodeParams& p) {
-  run_variant(cpu::AVX512::reduce_partitions, cpu::AVX2::reduce_partitions, cpu::DEFAULT::reduce_partitions, p);
-}
+void run_decode(const cpu::DecodeParams& p) { PAGEDKV_RUN_VARIANT(decode_attention, p); }
 
-void run_prefill(const cpu::PrefillParams& p) {
-  run_variant(cpu::AVX512::prefill_attention, cpu::AVX2::prefill_attention, cpu::DEFAULT::prefill_attention, p);
-}
+void run_reduce(const cpu::DecodeParams& p) { PAGEDKV_RUN_VARIANT(reduce_partitions, p); }
+
+void run_prefill(const cpu::PrefillParams& p) { PAGEDKV_RUN_VARIANT(prefill_attention, p); }
+
+#undef PAGEDKV_RUN_VARIANT
 
 // The fields every kernel shares, from validated tensors.
 void fill_common(cpu::PagedAttentionParams& p, at::Tensor& out, const at::Tensor& query,

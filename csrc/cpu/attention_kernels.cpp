@@ -16,6 +16,12 @@
 // transposed ([head_size, rows]) so rows are vector lanes, and runs two small
 // register-blocked matrix products per tile of 32 keys; the softmax is then
 // vectorized across rows as well.
+//
+// The AVX512_BF16 variant (bf16 inputs only) takes Q.K^T straight from the bf16
+// rows with vdpbf16ps (32 products per instruction, summed in pairs into fp32
+// lanes, no widening); the query is kept unscaled in bf16 (exactly the input) and
+// the scale is applied to the fp32 logits. P.V stays in fp32 (the probabilities
+// would have to be rounded to bf16 and V's rows interleaved in pairs of tokens).
 #include "cpu/attention_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -24,6 +30,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
+
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -76,6 +86,26 @@ inline float hsum(const Vec& v) {
 }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Whether Q.K^T of element type T runs on bf16 dot products (vdpbf16ps) in this variant.
+template <typename T>
+constexpr bool kDotBf16 =
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+// Elements [c, c + 32) of a bf16 row of D elements as 16 pairs, or its last 16
+// (head sizes 80 and 112) with the upper pairs zero, which add nothing to a dot product.
+template <int D>
+inline __m512bh load_bf16_pairs(const void* row, int c) {
+  const auto* p = static_cast<const c10::BFloat16*>(row) + c;
+  if (c + 32 <= D) return (__m512bh)_mm512_loadu_si512(p);
+  return (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, p);
+}
+#endif
 
 // Prefetches the K and V rows of the next block into L2, kLinesPerStep cache
 // lines at a time: decode calls step() after every tile of its arithmetic on the
@@ -305,17 +335,56 @@ struct DecodeScratch {
   volatile float sink = 0.f;  // keeps the loads of touch_ranges (never read)
 };
 
+// logits[h * kMaxBlockSize + t] = the lane sum of acc[h * NT + t]: all reduced together.
+template <int NH, int NT>
+__attribute__((always_inline)) inline void store_logits(const Vec* acc, float* logits) {
+  constexpr int NA = NH * NT;
+  static_assert(NA == 8 || NA == 12, "reduce8 (and reduce4) take the accumulators");
+  float dots[NA];
+  reduce8(acc, dots);
+  if constexpr (NA == 12) reduce4(acc + 8, dots + 8);
+#pragma GCC unroll 8
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) logits[h * kMaxBlockSize + t] = dots[h * NT + t];
+}
+
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+// qk_tile on bf16 dot products: q holds each head's unscaled bf16 row at the start
+// of its fp32 row (see attend_tokens); every K load serves the NH heads.
+template <int D, int NH, int NT>
+inline void qk_tile_dpbf16(const float* q, const c10::BFloat16* k, int64_t k_stride, float* logits) {
+  Vec acc[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
+#pragma GCC unroll 4
+  for (int c = 0; c < D; c += 32) {
+    __m512bh qv[NH];
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) qv[h] = load_bf16_pairs<D>(q + h * D, c);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const __m512bh kv = load_bf16_pairs<D>(k + t * k_stride, c);
+#pragma GCC unroll 8
+      for (int h = 0; h < NH; ++h) acc[h * NT + t] = Vec(_mm512_dpbf16_ps(acc[h * NT + t], qv[h], kv));
+    }
+  }
+  store_logits<NH, NT>(acc, logits);
+}
+#endif
+
 // logits[h * kMaxBlockSize + t] = q_h . k_t for NH heads x NT tokens, NH * NT = 8 or 12
 // accumulators: every K chunk is loaded (and widened) once for the NH heads, and
 // the dot products are reduced together at the end.
 template <typename T, int D, int NH, int NT>
 inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits) {
-  constexpr int NA = NH * NT;
-  static_assert(NA == 8 || NA == 12, "reduce8 (and reduce4) take the accumulators");
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+  if constexpr (kDotBf16<T>) return qk_tile_dpbf16<D, NH, NT>(q, k, k_stride, logits);
+#endif
   constexpr int P = kParts<T>;
-  Vec acc[NA];
+  Vec acc[NH * NT];
 #pragma GCC unroll 12
-  for (int i = 0; i < NA; ++i) acc[i] = Vec(0.f);
+  for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
 #pragma GCC unroll 4
   for (int c = 0; c < D; c += kChunk<T>) {
     Vec qv[NH][P];
@@ -333,13 +402,7 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits)
         for (int i = 0; i < P; ++i) acc[h * NT + t] = at::vec::fmadd(qv[h][i], kv[i], acc[h * NT + t]);
     }
   }
-  float dots[NA];
-  reduce8(acc, dots);
-  if constexpr (NA == 12) reduce4(acc + 8, dots + 8);
-#pragma GCC unroll 8
-  for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) logits[h * kMaxBlockSize + t] = dots[h * NT + t];
+  store_logits<NH, NT>(acc, logits);
 }
 
 // logits for G heads x n tokens of one block: an odd G >= 3 starts with three
@@ -489,6 +552,7 @@ struct TaskView {
   const T* value_cache;  // at the task's first kv head
   const int32_t* table;  // the sequence's block table
   const float* slopes;   // at the task's first head, or nullptr
+  float logit_scale;     // applied to the logits when Q.K^T ran on the unscaled bf16 query (kDotBf16)
 };
 
 // Turns the logits of one block or unit of blocks ([heads, kMaxBlockSize], tokens
@@ -498,6 +562,11 @@ template <typename T, int D>
 inline void block_softmax(const TaskView<T>& tv, int64_t token0, int skip, int n, float* logits, DecodeScratch& s) {
   for (int64_t head = 0; head < tv.heads; ++head) {
     float* row = logits + head * kMaxBlockSize;
+    if constexpr (kDotBf16<T>) {
+      // Rows hold kMaxBlockSize logits, a multiple of kW, so n rounded up to kW stays inside.
+      const Vec scale(tv.logit_scale);
+      for (int t = 0; t < n; t += kW) (Vec::loadu(row + t) * scale).store(row + t);
+    }
     for (int t = 0; t < skip; ++t) row[t] = kNegInf;
     if (tv.slopes) {
       const float slope = tv.slopes[head];
@@ -628,7 +697,13 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
   const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
   const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t d = 0; d < D; ++d) s.q[h * D + chunk_pos<T>(d)] = to_f32(query[h * D + d]) * p.scale;
+    if constexpr (kDotBf16<T>) {
+      // The bf16 row as given, in the first half of the head's fp32 row (so the
+      // callers' offsets h * D still find it); the scale goes on the logits.
+      std::copy(query + h * D, query + (h + 1) * D, reinterpret_cast<T*>(s.q.data() + h * D));
+    } else {
+      for (int64_t d = 0; d < D; ++d) s.q[h * D + chunk_pos<T>(d)] = to_f32(query[h * D + d]) * p.scale;
+    }
   }
   std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
@@ -641,7 +716,8 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
                        static_cast<const T*>(p.key_cache) + w.kv_head0 * D,
                        static_cast<const T*>(p.value_cache) + w.kv_head0 * D,
                        p.block_tables + w.seq * p.max_blocks_per_seq,
-                       p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr};
+                       p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
+                       p.scale};
   const bool whole_rows = w.num_kv_heads == p.num_kv_heads;
   if (whole_rows && row_stride * static_cast<int64_t>(sizeof(T)) >= kStreamRowBytes) {
     return attend_blocks_streamed<T, D>(tv, w, s);
@@ -975,6 +1051,55 @@ void pv_tile_rows(const float* vf, const float* probs, int64_t rp, int n_keys, f
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+// qk_micro on bf16 dot products: qt holds the unscaled query as pairs of dims,
+// 32-bit word [d / 2][r] = (q_r[d], q_r[d + 1]), and kt the keys' bf16 rows (word
+// [t][d / 2]), so one vdpbf16ps adds two dims of 16 rows; scores come out scaled.
+template <int D, int NT, int NR>
+inline void qk_micro_dpbf16(const uint32_t* kt, const uint32_t* qt, int64_t rp, float scale, float* scores) {
+  Vec acc[NT][NR];
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < NR; ++i) acc[t][i] = Vec(0.f);
+  for (int d2 = 0; d2 < D / 2; ++d2) {
+    __m512bh qv[NR];
+    for (int i = 0; i < NR; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qt + d2 * rp + i * kW);
+    for (int t = 0; t < NT; ++t) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(kt[t * (D / 2) + d2]));
+      for (int i = 0; i < NR; ++i) acc[t][i] = Vec(_mm512_dpbf16_ps(acc[t][i], qv[i], kb));
+    }
+  }
+  const Vec sv(scale);
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < NR; ++i) (acc[t][i] * sv).store(scores + t * rp + i * kW);
+}
+
+template <int D>
+void qk_tile_rows_dpbf16(const uint32_t* kt, const uint32_t* qt, int64_t rp, int n_keys, float scale,
+                         float* scores) {
+  constexpr int NT = 4;
+  const int64_t nvec = rp / kW;
+  for (int t = 0; t < n_keys; t += NT) {
+    const uint32_t* k = kt + t * (D / 2);
+    float* sc = scores + t * rp;
+    int64_t i = 0;
+    for (; i + 3 <= nvec; i += 3) qk_micro_dpbf16<D, NT, 3>(k, qt + i * kW, rp, scale, sc + i * kW);
+    if (nvec - i == 2) qk_micro_dpbf16<D, NT, 2>(k, qt + i * kW, rp, scale, sc + i * kW);
+    if (nvec - i == 1) qk_micro_dpbf16<D, NT, 1>(k, qt + i * kW, rp, scale, sc + i * kW);
+  }
+}
+#endif
+
+// Copy keys [k0, k0 + n) of one kv head into a dense bf16 tile [kKeyTile, D], as they are.
+template <typename T, int D>
+inline void copy_key_tile(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t k0, int n,
+                          T* dst) {
+  for (int t = 0; t < n; ++t) {
+    const int64_t pos = k0 + t;
+    const T* row = cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+    std::copy(row, row + D, dst + t * D);
+  }
+}
+
 // Copy keys [k0, k0 + n) of one kv head into a dense fp32 tile [kKeyTile, D].
 template <typename T, int D>
 inline void load_key_tile(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t k0, int n,
@@ -1011,7 +1136,12 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
     s.l[r] = 0.f;
     const T* q = real ? query + (q_begin + token) * p.query_stride + (kv_head * G + r % G) * D : nullptr;
     for (int64_t d = 0; d < D; ++d) {
-      s.qt[d * rp + r] = real ? to_f32(q[d]) * p.scale : 0.f;
+      if constexpr (kDotBf16<T>) {
+        // Pairs of dims (qk_micro_dpbf16), unscaled: the scale goes on the scores.
+        reinterpret_cast<T*>(s.qt.data())[(d / 2 * rp + r) * 2 + d % 2] = real ? q[d] : T(0.f);
+      } else {
+        s.qt[d * rp + r] = real ? to_f32(q[d]) * p.scale : 0.f;
+      }
       s.ot[d * rp + r] = 0.f;
     }
   }
@@ -1024,10 +1154,20 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
   const int64_t nvec = rp / kW;
   for (int64_t k0 = 0; k0 < task.key_end; k0 += kKeyTile) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyTile, task.key_end - k0));
-    load_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, s.kf.data());
     load_key_tile<T, D>(value_cache, table, bs, row_stride, k0, n, s.vf.data());
     // Keys up to round_up(n, 4) are multiplied; rows t >= n are never read afterwards.
-    qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+    if constexpr (kDotBf16<T>) {
+      // The key tile stays bf16, in the first half of the fp32 tile's space.
+      copy_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, reinterpret_cast<T*>(s.kf.data()));
+      qk_tile_rows_dpbf16<D>(reinterpret_cast<const uint32_t*>(s.kf.data()),
+                             reinterpret_cast<const uint32_t*>(s.qt.data()), rp, n, p.scale, s.scores.data());
+    } else
+#endif
+    {
+      load_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, s.kf.data());
+      qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
+    }
     const bool needs_mask = k0 + n - 1 > min_pos;
     for (int64_t i = 0; i < nvec; ++i) {
       float* sc = s.scores.data() + i * kW;
@@ -1128,10 +1268,12 @@ void dispatch(const Params& p) {
     }
   };
   switch (p.dtype) {
+#if !defined(CPU_CAPABILITY_AVX512_BF16)  // that variant is for bf16 only (csrc/cpu/attention.cpp)
     case c10::ScalarType::Float:
       return by_head_size(float{});
     case c10::ScalarType::Half:
       return by_head_size(c10::Half{});
+#endif
     case c10::ScalarType::BFloat16:
       return by_head_size(c10::BFloat16{});
     default:

@@ -1,7 +1,8 @@
 // CPU attention kernels: raw-pointer parameter blocks and the per-capability
 // entry points. attention_kernels.cpp is compiled once per instruction set
-// (namespaces DEFAULT, AVX2, AVX512, named after the CPU_CAPABILITY macro the
-// way ATen names its own kernel variants); csrc/cpu/attention.cpp validates the
+// (namespaces DEFAULT, AVX2, AVX512 and AVX512_BF16, the last for bf16 inputs only,
+// named after the CPU_CAPABILITY macro the way ATen names its own kernel
+// variants); csrc/cpu/attention.cpp validates the
 // tensors, fills these structs and calls the variant picked by cpu_capability.h.
 //
 // Kept free of at::Tensor so the kernel translation units include only
@@ -63,6 +64,7 @@ struct PrefillParams : PagedAttentionParams {
 PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(DEFAULT)
 PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(AVX2)
 PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(AVX512)
+PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(AVX512_BF16)
 
 #undef PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS
 

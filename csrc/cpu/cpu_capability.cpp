@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -13,7 +14,7 @@ CpuCapability best_supported() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    return CpuCapability::kAvx512;
+    return __builtin_cpu_supports("avx512bf16") ? CpuCapability::kAvx512Bf16 : CpuCapability::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     return CpuCapability::kAvx2;
@@ -22,8 +23,8 @@ CpuCapability best_supported() {
   return CpuCapability::kDefault;
 }
 
-// The environment override, checked against what the CPU can run.
-CpuCapability from_env(const std::string& requested, CpuCapability best) {
+// A requested variant (environment or set_cpu_capability), checked against what the CPU can run.
+CpuCapability checked(const std::string& requested, const char* source) {
   CpuCapability wanted;
   if (requested == "default") {
     wanted = CpuCapability::kDefault;
@@ -31,18 +32,31 @@ CpuCapability from_env(const std::string& requested, CpuCapability best) {
     wanted = CpuCapability::kAvx2;
   } else if (requested == "avx512") {
     wanted = CpuCapability::kAvx512;
+  } else if (requested == "avx512_bf16") {
+    wanted = CpuCapability::kAvx512Bf16;
   } else {
-    TORCH_CHECK(false, "PAGEDKV_CPU_CAPABILITY must be one of default, avx2, avx512; got '", requested, "'");
+    TORCH_CHECK(false, source, " must be one of default, avx2, avx512, avx512_bf16; got '", requested, "'");
   }
-  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best), "PAGEDKV_CPU_CAPABILITY=", requested,
+  const CpuCapability best = best_supported();
+  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best), source, "=", requested,
               " but this CPU supports at most ", cpu_capability_name(best));
   return wanted;
+}
+
+std::atomic<CpuCapability>& selected() {
+  static std::atomic<CpuCapability> value = [] {
+    const char* env = std::getenv("PAGEDKV_CPU_CAPABILITY");
+    return (env && *env) ? checked(env, "PAGEDKV_CPU_CAPABILITY") : best_supported();
+  }();
+  return value;
 }
 
 }  // namespace
 
 const char* cpu_capability_name(CpuCapability capability) {
   switch (capability) {
+    case CpuCapability::kAvx512Bf16:
+      return "avx512_bf16";
     case CpuCapability::kAvx512:
       return "avx512";
     case CpuCapability::kAvx2:
@@ -53,15 +67,13 @@ const char* cpu_capability_name(CpuCapability capability) {
   return "default";
 }
 
-CpuCapability selected_cpu_capability() {
-  static const CpuCapability selected = [] {
-    const CpuCapability best = best_supported();
-    const char* env = std::getenv("PAGEDKV_CPU_CAPABILITY");
-    return (env && *env) ? from_env(env, best) : best;
-  }();
-  return selected;
-}
+CpuCapability selected_cpu_capability() { return selected().load(std::memory_order_relaxed); }
 
 std::string cpu_capability_op() { return cpu_capability_name(selected_cpu_capability()); }
+
+std::string set_cpu_capability_op(const std::string& name) {
+  const CpuCapability wanted = checked(name, "set_cpu_capability");
+  return cpu_capability_name(selected().exchange(wanted));
+}
 
 }  // namespace pagedkv::cpu

@@ -1,25 +1,35 @@
 // Which instruction-set variant of the CPU attention kernels runs.
 //
 // csrc/cpu/attention_kernels.cpp is compiled once per capability (CMakeLists.txt:
-// DEFAULT, AVX2 with FMA/F16C, AVX-512); the best one the CPU supports is picked
-// once per process. PAGEDKV_CPU_CAPABILITY=default|avx2|avx512 forces a variant
-// (for testing the fallbacks, or to avoid AVX-512 frequency drops); asking for
-// one the CPU lacks is an error rather than a crash on an illegal instruction.
-// `torch.ops.pagedkv.cpu_capability()` returns the name of the variant in use.
+// DEFAULT, AVX2 with FMA/F16C, AVX-512, and AVX-512 with AVX512-BF16, whose
+// translation unit holds only the bf16 kernels: their Q.K^T dot products use
+// vdpbf16ps; fp32/fp16 inputs run the AVX-512 kernels). The best one the CPU
+// supports is picked once per process. PAGEDKV_CPU_CAPABILITY=default|avx2|avx512|
+// avx512_bf16 forces a variant (for testing the fallbacks and benchmarking the
+// bf16 dot products against the AVX-512 path, or to avoid AVX-512 frequency
+// drops); asking for one the CPU lacks is an error rather than a crash on an
+// illegal instruction. `torch.ops.pagedkv.cpu_capability()` returns the name of
+// the variant in use, `set_cpu_capability(name)` switches it (tests, benchmarks).
 #pragma once
 
 #include <string>
 
 namespace pagedkv::cpu {
 
-enum class CpuCapability { kDefault, kAvx2, kAvx512 };
+enum class CpuCapability { kDefault, kAvx2, kAvx512, kAvx512Bf16 };
 
-// The variant in use (decided on first call, then cached).
+// The variant in use (decided on first call from the CPU and PAGEDKV_CPU_CAPABILITY,
+// then cached; set_cpu_capability_op changes it).
 CpuCapability selected_cpu_capability();
 
 const char* cpu_capability_name(CpuCapability capability);
 
 // Backs the `cpu_capability() -> str` op (schema in torch_bindings.cpp).
 std::string cpu_capability_op();
+
+// Backs `set_cpu_capability(str name) -> str`: switches the variant for the whole
+// process (checked against the CPU like the environment override) and returns the
+// previous one. Not meant to be called while kernels run on other threads.
+std::string set_cpu_capability_op(const std::string& name);
 
 }  // namespace pagedkv::cpu

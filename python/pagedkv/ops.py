@@ -18,6 +18,11 @@ turn them off (CPU and CUDA alike), and `validate_decode_metadata` /
 `reshape_and_cache` launch without a device->host sync and can be captured in a
 CUDA graph. `copy_blocks` and `swap_blocks` are not capturable (they copy their
 block mapping from the host).
+
+CPU kernel variants: `cpu_capability()` names the one in use (`default`, `avx2`,
+`avx512`, or `avx512_bf16`, whose bf16 kernels take Q.K^T on the CPU's bf16 dot
+products); `PAGEDKV_CPU_CAPABILITY=NAME` or `set_cpu_capability(NAME)` picks an
+older one (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -172,6 +177,20 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     for real overlap). block_mapping: int64 CPU tensor [num_pairs, 2] of (src_block, dst_block).
     """
     _ops.swap_blocks(src, dst, block_mapping)
+
+
+def cpu_capability() -> str:
+    """The CPU kernel variant in use: "default", "avx2", "avx512" or "avx512_bf16"."""
+    return _ops.cpu_capability()
+
+
+def set_cpu_capability(name: str) -> str:
+    """Runs the CPU kernels of variant `name` from now on (process-wide); returns the previous one.
+
+    RuntimeError if the CPU cannot run `name`. For tests and benchmarks: do not call
+    it while another thread runs attention.
+    """
+    return _ops.set_cpu_capability(name)
 
 
 # ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
