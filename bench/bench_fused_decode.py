@@ -3,9 +3,9 @@
 48 sequences (prompts of 16-64 random token ids, greedy, ignore_eos) run through
 LLMEngine; every step after the prompts' prefill is a 48-token decode step, and
 its time comes from the engine's `counters.step_times`. The two settings
-(`pagedkv.ops.set_fused_ops`) alternate round after round on one loaded model,
-so load on a shared machine spreads over both; the table gives each setting's
-median decode step over all rounds.
+(`pagedkv.ops.set_fused_ops`) alternate step by step on one loaded model, so
+load on a shared machine spreads evenly over both; the table gives each
+setting's median and 10th percentile (the least disturbed steps).
 
     python bench/bench_fused_decode.py [--dtype float32|bfloat16] [--rounds 3] [--tokens 48]
 """
@@ -30,18 +30,39 @@ def cpu_model() -> str:
                 platform.processor())
 
 
-def decode_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[float]:
-    counters = llm.llm_engine.counters
-    counters.step_times.clear()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return list(counters.step_times)[1:]  # step 0 is the prefill of every prompt
+def decode_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[bool, list[float]]:
+    """Runs the prompts with the fused ops on and off on alternate steps; decode step seconds per setting."""
+    engine = llm.llm_engine
+    step = engine.step
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    count = 0
+
+    def alternating_step():
+        nonlocal count
+        fused = count % 2 == 1
+        previous = ops.set_fused_ops(fused)
+        try:
+            outputs = step()
+        finally:
+            ops.set_fused_ops(previous)
+        if count >= 2:  # steps 0-1: the prefill of every prompt and the first decode after it
+            samples[fused].append(engine.counters.step_times[-1])
+        count += 1
+        return outputs
+
+    engine.step = alternating_step
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        del engine.step
+    return samples
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="generate calls (each alternates the setting per step)")
     p.add_argument("--tokens", type=int, default=48, help="new tokens per sequence (decode steps per round + 1)")
     p.add_argument("--num-seqs", type=int, default=48)
     args = p.parse_args()
@@ -53,24 +74,21 @@ def main() -> None:
                              generator=gen).tolist() for _ in range(args.num_seqs)]
     decode_steps(llm, prompts, 4)  # warm-up
     samples: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(args.rounds):
-        for fused in ((False, True) if r % 2 == 0 else (True, False)):
-            previous = ops.set_fused_ops(fused)
-            try:
-                samples[fused] += decode_steps(llm, prompts, args.tokens)
-            finally:
-                ops.set_fused_ops(previous)
+    for _ in range(args.rounds):
+        for fused, times in decode_steps(llm, prompts, args.tokens).items():
+            samples[fused] += times
     before, after = (statistics.median(samples[f]) * 1e3 for f in (False, True))
     print(f"- date_utc: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}")
     print(f"- cpu: {cpu_model()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}")
     print(f"- model: {loaded.name} ({args.dtype}), {args.num_seqs} sequences decoding, "
-          f"{len(samples[True])} decode steps per setting over {args.rounds} interleaved rounds\n")
+          f"{len(samples[True])} decode steps per setting, alternating step by step, over {args.rounds} runs\n")
     print("| setting | median decode step ms | p10 ms | p90 ms |")
     print("|---|---:|---:|---:|")
     for fused, name in ((False, "unfused (before)"), (True, "fused ops (after)")):
         q = statistics.quantiles(samples[fused], n=10)
         print(f"| {name} | {statistics.median(samples[fused]) * 1e3:.2f} | {q[0] * 1e3:.2f} | {q[-1] * 1e3:.2f} |")
-    print(f"\nspeedup (before / after): {before / after:.3f}x")
+    p10 = [statistics.quantiles(samples[f], n=10)[0] for f in (False, True)]
+    print(f"\nspeedup (before / after): median {before / after:.3f}x, 10th percentile {p10[0] / p10[1]:.3f}x")
     llm.shutdown()
 
 

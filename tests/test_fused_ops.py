@@ -246,3 +246,15 @@ def test_rotary_skips_out_of_range_positions_with_checks_off():
         ops.rotary_embedding_and_cache(positions, q, k, v, kc, vc, slots, cos_sin)
     assert torch.equal(q[1:], q0[1:])
     assert not torch.equal(q[0], q0[0])
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and pagedkv built with CUDA")
+def test_cuda_device_mismatch_is_refused():
+    positions, q, k, v, kc, vc, slots, cos_sin = _rotary_case(5, 4, 2, 64, torch.float16, "cuda", seed=4)
+    with pytest.raises(RuntimeError, match="positions is on cpu"):
+        ops.rotary_embedding_and_cache(positions.cpu(), q, k, v, kc, vc, slots, cos_sin)
+    with pytest.raises(RuntimeError, match="cos_sin_cache is on cpu"):
+        ops.rotary_embedding_and_cache(positions, q, k, v, kc, vc, slots, cos_sin.cpu())
+    x = torch.randn(3, 576, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="weight is on cpu"):
+        ops.rms_norm(torch.empty_like(x), x, torch.ones(576, dtype=torch.float16), 1e-6)
