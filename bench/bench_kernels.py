@@ -32,6 +32,7 @@ Usage:
     python bench/bench_kernels.py --v1-vs-v2      # v1 vs v2 sweep, checks should_use_v2
     python bench/bench_kernels.py --targets       # the CPU decode target rows (issue 10) and their verdict
     python bench/bench_kernels.py --prefill       # paged prefill vs causal SDPA on contiguous K/V
+    python bench/bench_kernels.py --fused         # fused norm / rotary+cache ops vs the torch sequences they replace
     python bench/bench_kernels.py --all --json bench/results/kernels_cpu.json
     python bench/bench_kernels.py --device cuda --all
 Stdout is markdown (tables); progress goes to stderr.
@@ -780,6 +781,113 @@ def cache_op_row(op: str, shape: str, dtype: str, times: dict[str, float], bytes
             "best_torch_over_ours": min(times["reference"], times["index_copy"]) / ours}
 
 
+# ---- fused per-layer ops ---------------------------------------------------------------------------
+
+
+def unfused_add_rms_norm(norm, x, residual):
+    """What the model ran before the fused op: residual.add_(x), then RMSNorm in PyTorch."""
+    previous = ops.set_fused_ops(False)
+    try:
+        return norm(x, residual)
+    finally:
+        ops.set_fused_ops(previous)
+
+
+def unfused_rms_norm(norm, x):
+    previous = ops.set_fused_ops(False)
+    try:
+        return norm(x)
+    finally:
+        ops.set_fused_ops(previous)
+
+
+def unfused_rotary_and_cache(rope, cos, sin, qkv, num_heads, num_kv_heads, head_size, kv_cache, slots):
+    """The model's unfused sequence: rotate the q|k heads into a new tensor, then reshape_and_cache.
+
+    cos/sin are looked up once per step for all layers, outside the timed call (in its favour).
+    """
+    t, qk_heads = qkv.shape[0], num_heads + num_kv_heads
+    qk = rope(qkv[:, :qk_heads * head_size].view(t, qk_heads, head_size), cos, sin)
+    v = qkv[:, qk_heads * head_size:].view(t, num_kv_heads, head_size)
+    ops.reshape_and_cache(qk[:, num_heads:], v, kv_cache[0], kv_cache[1], slots)
+    return qk
+
+
+def fused_rotary_and_cache(rope, positions, qkv, num_heads, num_kv_heads, head_size, kv_cache, slots):
+    t, qk_heads = qkv.shape[0], num_heads + num_kv_heads
+    q = qkv[:, :num_heads * head_size].view(t, num_heads, head_size)
+    k = qkv[:, num_heads * head_size:qk_heads * head_size].view(t, num_kv_heads, head_size)
+    v = qkv[:, qk_heads * head_size:].view(t, num_kv_heads, head_size)
+    rope.rotate_and_cache(positions, q, k, v, kv_cache, slots)
+
+
+def fused_cases(norm, rope, x, residual, qkv, positions, cos, sin, layer) -> dict[str, dict[str, Callable]]:
+    """op -> {"fused": call, "unfused": call} on one layer's tensors."""
+    return {
+        "fused_add_rms_norm": {"fused": lambda: ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps),
+                               "unfused": lambda: unfused_add_rms_norm(norm, x, residual)},
+        "rms_norm": {"fused": lambda: norm(x), "unfused": lambda: unfused_rms_norm(norm, x)},
+        "rotary_embedding_and_cache": {
+            "fused": lambda: fused_rotary_and_cache(rope, positions, qkv, *layer),
+            "unfused": lambda: unfused_rotary_and_cache(rope, cos, sin, qkv, *layer)},
+    }
+
+
+def bench_fused_ops(args: argparse.Namespace) -> list[dict]:
+    """fused_add_rms_norm, rms_norm and rotary_embedding_and_cache vs the PyTorch sequences they replace.
+
+    Two layer shapes: SmolLM2-135M (hidden 576, 9/3 heads of 64, the default model) and
+    Llama-3-8B (hidden 4096, 32/8 heads of 128); 48 tokens (a decode step of 48 sequences)
+    and 2048 (a prefill chunk). No cache flush and no settle sleep: in a forward pass these
+    ops read activations the GEMM before them has just written, on threads it kept busy.
+    """
+    from pagedkv.model.layers import RMSNorm
+    from pagedkv.model.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = [("SmolLM2-135M", 576, 9, 3, 64), ("Llama-3-8B", 4096, 32, 8, 128)]
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for model, hidden, num_heads, num_kv_heads, head_size in shapes:
+            norm = RMSNorm(hidden, 1e-5).to(args.device, dtype)
+            rope = RotaryEmbedding(head_size, 8192, 1e5).to(args.device)
+            num_blocks = 2048 // BLOCK_SIZE + 8
+            kv_cache = tuple(torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype,
+                                         device=args.device) for _ in range(2))
+            for num_tokens in (48, 2048):
+                log(f"fused ops {dtype_name} {model} {num_tokens} tokens")
+                x = torch.randn(num_tokens, hidden, generator=gen).to(args.device, dtype)
+                residual = torch.randn(num_tokens, hidden, generator=gen).to(args.device, dtype)
+                qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size,
+                                  generator=gen).to(args.device, dtype)
+                positions = torch.randint(0, 8192, (num_tokens,), generator=gen).to(args.device)
+                slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens].to(args.device)
+                cos, sin = rope.lookup(positions, dtype)
+                layer = (num_heads, num_kv_heads, head_size, kv_cache, slots)
+                cases = fused_cases(norm, rope, x, residual, qkv, positions, cos, sin, layer)
+                for op, fns in cases.items():
+                    # No settle sleep either: in a forward pass the threads are busy from the GEMMs before.
+                    timed = {n: (lambda f=f: time_once(f, args.device)) for n, f in fns.items()}
+                    with index_checks_off():
+                        times = time_interleaved(timed,
+                                                 args.budget_s / 3, args.min_reps, max(args.max_reps, 200))
+                    rows.append({"op": op, "model": model, "tokens": num_tokens, "dtype": dtype_name,
+                                 "fused_us": times["fused"] * 1e6, "unfused_us": times["unfused"] * 1e6,
+                                 "speedup": times["unfused"] / times["fused"]})
+        gc.collect()
+    print("## Fused per-layer ops vs the PyTorch sequences they replace\n")
+    print("unfused: the model's previous code (residual.add_ + F.rms_norm in float32 then the weight; "
+          "RotaryEmbedding.forward into a new tensor + reshape_and_cache, cos/sin looked up outside the timed "
+          "call). speedup = unfused / fused; no cache flush and no settle sleep (in a forward pass the "
+          "activations are hot and the threads busy).\n")
+    print_table(rows, [("op", "op", "{}"), ("model layer", "model", "{}"), ("tokens", "tokens", "{}"),
+                       ("dtype", "dtype", "{}"), ("fused us", "fused_us", "{:.1f}"),
+                       ("unfused us", "unfused_us", "{:.1f}"), ("speedup", "speedup", "{:.2f}")])
+    print()
+    return rows
+
+
 # ---- output ---------------------------------------------------------------------------------------
 
 
@@ -895,6 +1003,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--v1-vs-v2", action="store_true", help="only the v1 vs v2 sweep")
     p.add_argument("--targets", action="store_true", help="only the CPU decode target rows and their verdict")
     p.add_argument("--prefill", action="store_true", help="only paged prefill vs causal SDPA")
+    p.add_argument("--fused", action="store_true", help="only the fused norm / rotary+cache ops vs unfused torch")
     p.add_argument("--all", action="store_true",
                    help="decode table, v1 vs v2 sweep, targets, prefill and block-copy ops")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -934,9 +1043,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sections(args: argparse.Namespace) -> set[str]:
     if args.all:
-        return {"decode", "v1_vs_v2", "targets", "prefill", "cache_ops"}
+        return {"decode", "v1_vs_v2", "targets", "prefill", "cache_ops", "fused_ops"}
     chosen = {name for name, on in (("v1_vs_v2", args.v1_vs_v2), ("targets", args.targets),
-                                    ("prefill", args.prefill)) if on}
+                                    ("prefill", args.prefill), ("fused_ops", args.fused)) if on}
     return chosen or {"decode", "cache_ops"}
 
 
@@ -977,6 +1086,8 @@ def main(argv: list[str] | None = None) -> None:
                 results["prefill"] = run_prefill(args)
             if "cache_ops" in todo:
                 results["cache_ops"] = bench_cache_ops(args)
+            if "fused_ops" in todo:
+                results["fused_ops"] = bench_fused_ops(args)
     finally:
         for kernel in vllm:
             kernel.close()

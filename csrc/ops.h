@@ -40,6 +40,16 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
 
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 
+// Fused per-layer ops (csrc/cpu/fused.cpp). input/out/residual [num_tokens, hidden_size];
+// fused_add_rms_norm: residual <- input + residual, input <- rms_norm(residual) * weight.
+void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon);
+void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon);
+// RoPE on query/key in place (positions into cos_sin_cache [max_position, rot_dim]), then
+// the rotated key and the value into their cache slots, as reshape_and_cache.
+void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                                    const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                                    const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox);
+
 // ---- Device-generic -------------------------------------------------------------
 // Allocates the output (and v2 scratch) and picks v1 or v2 (paged_attention_select.cpp).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
@@ -79,6 +89,12 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
 // Handles GPU->GPU, GPU->CPU and CPU->GPU (the dispatcher routes here whenever
 // either side is a CUDA tensor).
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+
+void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon);
+void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon);
+void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                                     const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                                     const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox);
 
 // Multiprocessor count of a CUDA device, read once per device and cached (no sync).
 int64_t cuda_multiprocessor_count(int device);

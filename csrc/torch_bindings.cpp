@@ -28,6 +28,13 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  // Fused per-layer ops of the decoder (vLLM's semantics and argument order).
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
+  m.def(
+      "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+      "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor cos_sin_cache, "
+      "bool is_neox=True) -> ()");
   // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
   // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
@@ -48,6 +55,9 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("reshape_and_cache", &pagedkv::reshape_and_cache_cpu);
   m.impl("copy_blocks", &pagedkv::copy_blocks_cpu);
   m.impl("swap_blocks", &pagedkv::swap_blocks_cpu);
+  m.impl("rms_norm", &pagedkv::rms_norm_cpu);
+  m.impl("fused_add_rms_norm", &pagedkv::fused_add_rms_norm_cpu);
+  m.impl("rotary_embedding_and_cache", &pagedkv::rotary_embedding_and_cache_cpu);
 }
 
 // paged_attention only allocates and calls v1/v2 through the dispatcher, so one

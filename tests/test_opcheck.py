@@ -117,6 +117,40 @@ def test_opcheck_swap_blocks():
     torch.library.opcheck(torch.ops.pagedkv.swap_blocks.default, (src, dst, torch.tensor([[5, 0], [2, 2]])))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 7, generator=gen).to(dtype)
+    weight = torch.rand(7, generator=gen).to(dtype)
+    torch.library.opcheck(torch.ops.pagedkv.rms_norm.default, (torch.empty_like(x), x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_fused_add_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 576, generator=gen).to(dtype)
+    residual = torch.randn(3, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype)
+    torch.library.opcheck(torch.ops.pagedkv.fused_add_rms_norm.default, (x, residual, weight, 1e-6))
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_opcheck_rotary_embedding_and_cache(is_neox):
+    gen = torch.Generator().manual_seed(10)
+    query = torch.randn(5, 4, 64, generator=gen)
+    key = torch.randn(5, 2, 64, generator=gen)
+    value = torch.randn(5, 2, 64, generator=gen)
+    key_cache = torch.zeros(4, BLOCK_SIZE, 2, 64)
+    value_cache = torch.zeros_like(key_cache)
+    cos_sin = torch.randn(100, 64, generator=gen)
+    positions = torch.tensor([0, 7, 99, 3, 50])
+    slots = torch.tensor([3, 17, -1, 40, 63])
+    torch.library.opcheck(
+        torch.ops.pagedkv.rotary_embedding_and_cache.default,
+        (positions, query, key, value, key_cache, value_cache, slots, cos_sin, is_neox),
+    )
+
+
 # ---- torch.compile --------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -284,6 +285,89 @@ void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t 
   const int64_t max_slot = slot_mapping.max().item<int64_t>();
   TORCH_CHECK(max_slot < num_slots, op, ": slot_mapping holds slot ", max_slot,
               ", outside the cache (num_blocks * block_size = ", num_slots, ")");
+}
+
+void check_rms_norm_inputs(const char* op, const char* other_name, const at::Tensor& other, const at::Tensor& input,
+                           const at::Tensor& weight, double epsilon) {
+  TORCH_CHECK(input.defined() && weight.defined(), op, ": input and weight are required");
+  TORCH_CHECK(input.dim() == 2, op, ": input must be 2-D [num_tokens, hidden_size], got shape ", input.sizes());
+  TORCH_CHECK(is_supported_dtype(input.scalar_type()), op, ": input dtype ", input.scalar_type(),
+              " is not supported; supported: ", kSupportedDtypes);
+  const int64_t hidden = input.size(1);
+  TORCH_CHECK(hidden > 0, op, ": hidden_size must be positive, got shape ", input.sizes());
+  TORCH_CHECK(input.stride(1) == 1, op, ": input rows must be dense (stride 1 along hidden_size), got strides ",
+              input.strides());
+  if (other.defined()) {
+    TORCH_CHECK(other.sizes() == input.sizes(), op, ": ", other_name, " shape ", other.sizes(),
+                " must equal input shape ", input.sizes());
+    TORCH_CHECK(other.scalar_type() == input.scalar_type(), op, ": ", other_name, " dtype ", other.scalar_type(),
+                " differs from input dtype ", input.scalar_type());
+    TORCH_CHECK(other.device() == input.device(), op, ": ", other_name, " is on ", other.device(),
+                " but input is on ", input.device());
+    TORCH_CHECK(other.stride(1) == 1, op, ": ", other_name,
+                " rows must be dense (stride 1 along hidden_size), got strides ", other.strides());
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, op, ": weight must be [hidden_size=", hidden,
+              "], got shape ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), op, ": weight dtype ", weight.scalar_type(),
+              " differs from input dtype ", input.scalar_type());
+  TORCH_CHECK(weight.device() == input.device(), op, ": weight is on ", weight.device(), " but input is on ",
+              input.device());
+  TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous, got strides ", weight.strides());
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, op, ": epsilon must be finite and >= 0, got ", epsilon);
+}
+
+CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions, const at::Tensor& query,
+                                    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                    const at::Tensor& cos_sin_cache) {
+  const CacheDims c = check_kv_cache(key_cache, value_cache, op);
+  check_kv_tokens(op, "key", key, c, key_cache);
+  check_kv_tokens(op, "value", value, c, key_cache);
+  const int64_t num_tokens = key.size(0);
+  TORCH_CHECK(value.size(0) == num_tokens, op, ": key has ", num_tokens, " tokens, value has ", value.size(0));
+  TORCH_CHECK(query.defined(), op, ": query is required");
+  TORCH_CHECK(query.dim() == 3 && query.size(0) == num_tokens && query.size(1) > 0 && query.size(2) == c.head_size,
+              op, ": query must be [num_tokens=", num_tokens, ", num_heads, head_size=", c.head_size,
+              "], got shape ", query.sizes());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), op, ": query dtype ", query.scalar_type(),
+              " differs from the cache dtype ", key_cache.scalar_type());
+  check_same_device(op, "query", query, key_cache);
+  TORCH_CHECK(query.stride(2) == 1, op, ": query must have a contiguous last dim, got strides ", query.strides());
+  check_int_tensor(op, "positions", positions, at::kLong, 1);
+  check_same_device(op, "positions", positions, key_cache);
+  TORCH_CHECK(positions.size(0) == num_tokens, op, ": positions has ", positions.size(0), " entries but key has ",
+              num_tokens, " tokens");
+  TORCH_CHECK(cos_sin_cache.defined(), op, ": cos_sin_cache is required");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat, op, ": cos_sin_cache must be float32, got ",
+              cos_sin_cache.scalar_type());
+  TORCH_CHECK(cos_sin_cache.dim() == 2, op, ": cos_sin_cache must be 2-D [max_position, rot_dim], got shape ",
+              cos_sin_cache.sizes());
+  const int64_t rot_dim = cos_sin_cache.size(1);
+  TORCH_CHECK(rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= c.head_size, op,
+              ": cos_sin_cache rot_dim must be even, positive and <= head_size=", c.head_size, ", got ", rot_dim);
+  TORCH_CHECK(cos_sin_cache.is_contiguous(), op, ": cos_sin_cache must be contiguous");
+  check_same_device(op, "cos_sin_cache", cos_sin_cache, key_cache);
+  TORCH_CHECK(slot_mapping.defined() && slot_mapping.device() == key_cache.device(), op,
+              ": slot_mapping must be on the cache device ", key_cache.device(), ", got ",
+              slot_mapping.defined() ? slot_mapping.device() : at::Device(at::kCPU));
+  check_slot_mapping(op, slot_mapping, num_tokens, c);
+  if (!index_checks_enabled() || num_tokens == 0) return c;
+  const int64_t max_position = cos_sin_cache.size(0);
+  if (positions.is_cpu()) {
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < max_position, op, ": positions[", i, "] = ", pos[i],
+                  " is outside the cos/sin table (max_position = ", max_position, ")");
+    }
+    return c;
+  }
+  const auto [lo, hi] = at::aminmax(positions);
+  const at::Tensor bounds = at::stack({lo, hi}).to(at::kCPU);
+  const int64_t min_pos = bounds[0].item<int64_t>(), max_pos = bounds[1].item<int64_t>();
+  TORCH_CHECK(min_pos >= 0 && max_pos < max_position, op, ": positions span [", min_pos, ", ", max_pos,
+              "], outside the cos/sin table [0, ", max_position, ")");
+  return c;
 }
 
 void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_t num_src_blocks,

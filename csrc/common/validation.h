@@ -79,6 +79,23 @@ void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t 
 void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_t num_src_blocks,
                          int64_t num_dst_blocks, bool disjoint_pairs = false);
 
+// rms_norm / fused_add_rms_norm: input 2-D [num_tokens, hidden_size] in a supported
+// dtype with dense rows (stride(1) == 1; any row stride); `other` (out, or the residual;
+// may be undefined) the same shape, dtype and device with dense rows; weight
+// [hidden_size], contiguous, same dtype and device; epsilon finite and >= 0.
+void check_rms_norm_inputs(const char* op, const char* other_name, const at::Tensor& other, const at::Tensor& input,
+                           const at::Tensor& weight, double epsilon);
+
+// rotary_embedding_and_cache: query [num_tokens, num_heads, head_size] and key/value
+// [num_tokens, num_kv_heads, head_size] (last dim dense, the cache's dtype and device);
+// positions int64 [num_tokens]; cos_sin_cache float32 [max_position, rot_dim],
+// contiguous, rot_dim even and <= head_size; slot_mapping as for reshape_and_cache.
+// Value checks (behind index_checks_enabled): every position in [0, max_position).
+CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions, const at::Tensor& query,
+                                    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                    const at::Tensor& cos_sin_cache);
+
 // The value checks (block table ids, seq_lens, slot_mapping, query_start_loc; CPU
 // and CUDA tensors alike) are on by default. They cost a device->host copy and a
 // sync on CUDA, which also makes an op impossible to capture in a CUDA graph.

@@ -27,10 +27,12 @@ older one (tests, benchmarks).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
+from pagedkv import _C
 from pagedkv.index_checks import (  # noqa: F401  (re-exported: part of the ops API)
     index_checks,
     index_checks_enabled,
@@ -42,6 +44,25 @@ from pagedkv.index_checks import (  # noqa: F401  (re-exported: part of the ops 
 _ops = torch.ops.pagedkv
 
 DEFAULT_PARTITION_SIZE = 512
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# PAGEDKV_FUSED_OPS=0 sends the model back to the unfused PyTorch sequences (to compare).
+_fused_ops = os.environ.get("PAGEDKV_FUSED_OPS", "1") != "0"
+
+
+def set_fused_ops(enabled: bool) -> bool:
+    """Turns the model's use of the fused per-layer ops on or off; returns the previous setting."""
+    global _fused_ops
+    previous, _fused_ops = _fused_ops, bool(enabled)
+    return previous
+
+
+def fused_ops_supported(t: torch.Tensor) -> bool:
+    """Whether `rms_norm`, `fused_add_rms_norm` and `rotary_embedding_and_cache` have a kernel for
+    tensors like `t` (its device and dtype) and the model should use them."""
+    if not _fused_ops or t.dtype not in _FUSED_DTYPES:
+        return False
+    return t.device.type == "cpu" or (t.device.type == "cuda" and bool(_C.built_with_cuda))
 
 
 def paged_attention_v1(
@@ -193,6 +214,52 @@ def set_cpu_capability(name: str) -> str:
     return _ops.set_cpu_capability(name)
 
 
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """out <- input / rms(input) * weight, row by row, accumulated in float32.
+
+    input, out: [num_tokens, hidden_size] (float32, float16, bfloat16), rows dense
+    (stride 1 along hidden_size; any row stride); out may be input. weight:
+    [hidden_size], the input dtype. 16-bit dtypes round x / rms(x) to the dtype
+    before scaling by the weight, as HF's LlamaRMSNorm does.
+    """
+    _ops.rms_norm(out, input, weight, epsilon)
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """In place, vLLM's semantics: residual <- input + residual; input <- rms_norm(residual) * weight.
+
+    The sum is rounded to the dtype (as `residual.add_(input)` would) before its
+    sum of squares is taken in float32. Shapes and dtypes as in `rms_norm`.
+    """
+    _ops.fused_add_rms_norm(input, residual, weight, epsilon)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    """RoPE on query and key in place, then the rotated key and the value into the paged cache.
+
+    Replaces a rotary embedding followed by `reshape_and_cache`. positions: int64
+    [num_tokens]; query [num_tokens, num_heads, head_size], key/value [num_tokens,
+    num_kv_heads, head_size] (last dim dense; strided views of a fused QKV output are
+    fine); cos_sin_cache: float32 [max_position, rot_dim], the cos of the rot_dim / 2
+    pairs then their sin (`RotaryEmbedding.cos_sin`); the first rot_dim dims of each
+    head rotate. is_neox: pairs (i, i + rot_dim/2) (rotate-half, Llama) or GPT-J's
+    (2i, 2i+1). slot_mapping as in `reshape_and_cache` (negative: skip the cache
+    write; the rotation still happens). Computes in float32, rounds once.
+    """
+    _ops.rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
+                                    cos_sin_cache, is_neox)
+
+
 # ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
 
 
@@ -259,3 +326,21 @@ def _copy_blocks_fake(key_caches, value_caches, block_mapping):
 @torch.library.register_fake("pagedkv::swap_blocks")
 def _swap_blocks_fake(src, dst, block_mapping):
     _check_meta_consistent("swap_blocks", {"src": src, "dst": dst}, (block_mapping,))
+
+
+@torch.library.register_fake("pagedkv::rms_norm")
+def _rms_norm_fake(out, input, weight, epsilon):
+    _check_meta_consistent("rms_norm", {"out": out, "input": input, "weight": weight})
+
+
+@torch.library.register_fake("pagedkv::fused_add_rms_norm")
+def _fused_add_rms_norm_fake(input, residual, weight, epsilon):
+    _check_meta_consistent("fused_add_rms_norm", {"input": input, "residual": residual, "weight": weight})
+
+
+@torch.library.register_fake("pagedkv::rotary_embedding_and_cache")
+def _rotary_embedding_and_cache_fake(positions, query, key, value, key_cache, value_cache, slot_mapping,
+                                     cos_sin_cache, is_neox=True):
+    data = {"query": query, "key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+            "cos_sin_cache": cos_sin_cache}
+    _check_meta_consistent("rotary_embedding_and_cache", data, (positions, slot_mapping))

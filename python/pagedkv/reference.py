@@ -120,6 +120,67 @@ def reshape_and_cache(
     value_cache[blocks, offsets] = value[keep]
 
 
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """input / rms(input) * weight [num_tokens, hidden_size], in float32; 16-bit dtypes round the
+    normalized value to the dtype before the weight multiplies it (HF's LlamaRMSNorm)."""
+    x = input.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
+    if input.dtype == torch.float32:
+        return normed * weight.float()
+    return weight * normed.to(input.dtype)
+
+
+def fused_add_rms_norm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(input + residual) * weight, input + residual): the new input and residual.
+
+    The sum is rounded to the dtype before it is normalized, as `residual.add_(input)` does.
+    """
+    new_residual = input + residual
+    return rms_norm(new_residual, weight, epsilon), new_residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool = True
+) -> torch.Tensor:
+    """x [num_tokens, heads, head_size] rotated by positions (a new tensor, computed in float32).
+
+    cos_sin_cache: float32 [max_position, rot_dim], cos of the rot_dim/2 pairs then their sin;
+    the first rot_dim dims of each head rotate, pairs (i, i + rot_dim/2) or, not is_neox, (2i, 2i+1).
+    """
+    rot_dim = cos_sin_cache.shape[1]
+    half = rot_dim // 2
+    cs = cos_sin_cache[positions].unsqueeze(1)  # [T, 1, rot_dim]
+    cos, sin = cs[..., :half], cs[..., half:]
+    xf = x.float()
+    rot = xf[..., :rot_dim]
+    if is_neox:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([rotated, xf[..., rot_dim:]], dim=-1).to(x.dtype)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    """RoPE on query and key in place, then `reshape_and_cache` of the rotated key and the value."""
+    query.copy_(rotary_embedding(positions, query, cos_sin_cache, is_neox))
+    key.copy_(rotary_embedding(positions, key, cos_sin_cache, is_neox))
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
 def copy_blocks(
     key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor
 ) -> None:

@@ -34,6 +34,7 @@ KERNELS = [
     "attention/paged_attention.cu",
     "attention/prefill_attention.cu",
     "cache/cache_kernels.cu",
+    "fused/fused_kernels.cu",
 ]
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -142,6 +143,8 @@ def bind(lib: ctypes.CDLL) -> None:
     ]
     lib.emu_reshape.argtypes = [p, p, ll, ll, ll, ll, p, p, p, ll, ll, i, i, i]
     lib.emu_copy_blocks.argtypes = [p, i, p, ll, ll, ll]
+    lib.emu_rms_norm.argtypes = [i, p, ll, p, ll, p, ll, p, ll, i, f]
+    lib.emu_rotary_cache.argtypes = [i, p, p, ll, ll, p, ll, ll, p, ll, ll, p, p, p, p, ll, i, ll, i, i, i, ll, i]
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
@@ -457,6 +460,79 @@ class Checker:
         self.cases += 2
 
 
+    def fused_norm(self, dtype, num_tokens, hidden, with_residual):
+        """rms_norm / fused_add_rms_norm (out = input, in place) vs the reference."""
+        gen = torch.Generator().manual_seed(hidden + num_tokens)
+        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        res = (torch.randn(num_tokens, hidden, generator=gen) * 3).to(dtype)
+        w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        if with_residual:
+            exp_out, exp_res = self.ref.fused_add_rms_norm(x, res, w, 1e-6)
+            rc = self.lib.emu_rms_norm(DTYPE_CODE[dtype], ptr(x), x.stride(0), ptr(x), x.stride(0), ptr(res),
+                                       res.stride(0), ptr(w), num_tokens, hidden, 1e-6)
+            assert rc == 0 and torch.equal(res, exp_res), f"fused_add_rms_norm residual {dtype} hidden={hidden}"
+            out = x
+        else:
+            exp_out = self.ref.rms_norm(x, w, 1e-6)
+            out = torch.full_like(x, 7.0)
+            rc = self.lib.emu_rms_norm(DTYPE_CODE[dtype], ptr(out), out.stride(0), ptr(x), x.stride(0), None, 0,
+                                       ptr(w), num_tokens, hidden, 1e-6)
+            assert rc == 0
+        torch.testing.assert_close(out, exp_out, **FUSED_TOL[dtype], msg=f"rms_norm {dtype} hidden={hidden}")
+        self.cases += 1
+
+    def fused_rotary(self, dtype, num_tokens, head_size, is_neox, rot_dim=None):
+        """rotary_embedding_and_cache on strided q/k/v views of one projection vs the reference."""
+        gen = torch.Generator().manual_seed(head_size * 7 + num_tokens)
+        nh, nkv, block_size, max_pos = 9, 3, 16, 512
+        rot_dim = rot_dim or head_size
+        half = rot_dim // 2
+        inv = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+        freqs = torch.outer(torch.arange(max_pos).float(), inv)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+        assert cos_sin.shape[1] == 2 * half
+        qkv = torch.randn(num_tokens, (nh + 2 * nkv) * head_size, generator=gen).to(dtype)
+        q = qkv[:, : nh * head_size].view(num_tokens, nh, head_size)
+        k = qkv[:, nh * head_size : (nh + nkv) * head_size].view(num_tokens, nkv, head_size)
+        v = qkv[:, (nh + nkv) * head_size :].view(num_tokens, nkv, head_size)
+        num_blocks = num_tokens // block_size + 2
+        kc = torch.randn(num_blocks, block_size, nkv, head_size, generator=gen).to(dtype)
+        vc = torch.randn_like(kc)
+        positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        slots[::4] = -1
+        eq, ek, ekc, evc = q.clone(), k.clone(), kc.clone(), vc.clone()
+        self.ref.rotary_embedding_and_cache(positions, eq, ek, v, ekc, evc, slots, cos_sin, is_neox)
+        rc = self.lib.emu_rotary_cache(DTYPE_CODE[dtype], ptr(positions), ptr(q), q.stride(0), q.stride(1), ptr(k),
+                                       k.stride(0), k.stride(1), ptr(v), v.stride(0), v.stride(1), ptr(kc), ptr(vc),
+                                       ptr(slots), ptr(cos_sin), max_pos, rot_dim, num_tokens, nh, nkv, head_size,
+                                       num_blocks * block_size, int(is_neox))
+        assert rc == 0
+        what = f"rotary_embedding_and_cache {dtype} d={head_size} neox={is_neox}"
+        for actual, want in ((q, eq), (k, ek), (kc, ekc), (vc, evc)):
+            torch.testing.assert_close(actual, want, **FUSED_TOL[dtype], msg=what)
+        self.cases += 1
+
+
+# The fused ops round the same values as the reference; 16-bit results may differ by one ulp.
+FUSED_TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
+}
+
+
+def run_fused(checker: Checker) -> None:
+    for dtype in DTYPE_CODE:
+        for num_tokens, hidden in itertools.product((1, 3, 33), (1, 7, 576, 1000)):
+            checker.fused_norm(dtype, num_tokens, hidden, with_residual=num_tokens != 3)
+        checker.fused_norm(dtype, 3, 1000, with_residual=True)
+        for head_size, is_neox in itertools.product((64, 80, 256), (True, False)):
+            checker.fused_rotary(dtype, 33 if head_size == 64 else 3, head_size, is_neox)
+        checker.fused_rotary(dtype, 5, 128, True, rot_dim=64)
+    print("  fused ops: ok", flush=True)
+
+
 def run(checker: Checker, quick: bool, dtypes=None, head_sizes=None) -> None:
     dtypes = dtypes or ([torch.float16] if quick else list(DTYPE_CODE))
     head_sizes = head_sizes or ([64, 80, 128, 256] if quick else [64, 80, 96, 112, 128, 256])
@@ -543,13 +619,16 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "fp16", "bf16"],
                         help="only these dtypes in the shape sweep (the fixed cases always run)")
     parser.add_argument("--head-sizes", nargs="+", type=int, help="only these head sizes in the shape sweep")
+    parser.add_argument("--fused-only", action="store_true", help="only the fused norm / rotary kernels")
     args = parser.parse_args()
     names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     dtypes = [names[d] for d in args.dtypes] if args.dtypes else None
     lib = build(Path(args.build_dir))
     bind(lib)
     checker = Checker(lib, load_reference())
-    run(checker, args.quick, dtypes, args.head_sizes)
+    if not args.fused_only:
+        run(checker, args.quick, dtypes, args.head_sizes)
+    run_fused(checker)
     print(f"cuda emulation: {checker.cases} checks passed")
 
 

@@ -2,6 +2,7 @@
 #include "emu.h"
 #include "attention/attention_launch.h"
 #include "cache/cache_launch.h"
+#include "fused/fused_launch.h"
 using namespace pagedkv::cuda;
 
 static PagedKV kv_of(const void* kc, const void* vc, const int* bt, const int* lens, int nb, int bs, int nkv, int hs,
@@ -51,4 +52,30 @@ extern "C" int emu_copy_blocks(const long long* ptrs, int num_layers, const long
                                long long block_bytes, long long num_blocks) {
   return launch_copy_blocks(reinterpret_cast<const int64_t*>(ptrs), num_layers,
                             reinterpret_cast<const int64_t*>(mapping), num_pairs, block_bytes, num_blocks, nullptr);
+}
+
+extern "C" int emu_rms_norm(int dtype, void* out, long long out_stride, const void* input, long long input_stride,
+                            void* residual, long long residual_stride, const void* weight, long long num_tokens,
+                            int hidden_size, float epsilon) {
+  RmsNormArgs a{static_cast<DType>(dtype), out, out_stride, input, input_stride, residual, residual_stride, weight,
+                num_tokens, hidden_size, epsilon};
+  return launch_rms_norm(a, nullptr);
+}
+
+extern "C" int emu_rotary_cache(int dtype, const long long* positions, void* q, long long qst, long long qsh, void* k,
+                                long long kst, long long ksh, const void* v, long long vst, long long vsh, void* kc,
+                                void* vc, const long long* slots, const float* cos_sin, long long max_position,
+                                int rot_dim, long long num_tokens, int num_heads, int num_kv_heads, int head_size,
+                                long long num_slots, int is_neox) {
+  RotaryCacheArgs a{};
+  a.dtype = static_cast<DType>(dtype);
+  a.positions = reinterpret_cast<const int64_t*>(positions);
+  a.query = q; a.query_stride_token = qst; a.query_stride_head = qsh;
+  a.key = k; a.key_stride_token = kst; a.key_stride_head = ksh;
+  a.value = v; a.value_stride_token = vst; a.value_stride_head = vsh;
+  a.key_cache = kc; a.value_cache = vc; a.slot_mapping = reinterpret_cast<const int64_t*>(slots);
+  a.cos_sin_cache = cos_sin; a.max_position = max_position; a.rot_dim = rot_dim; a.num_tokens = num_tokens;
+  a.num_heads = num_heads; a.num_kv_heads = num_kv_heads; a.head_size = head_size; a.num_slots = num_slots;
+  a.is_neox = is_neox != 0;
+  return launch_rotary_embedding_and_cache(a, nullptr);
 }

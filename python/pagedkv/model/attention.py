@@ -5,8 +5,10 @@ A step's tokens are one flat batch with no padding. The first
 `paged_attention` (one query per sequence, the GQA-aware decode kernel); the
 rest are prompt chunks (a whole prompt, a chunk of one, or the uncached tail
 after a prefix-cache hit) and go to `paged_prefill_attention`. Every layer
-first writes the step's new K/V into its paged cache (`reshape_and_cache`),
-so a prefill chunk attends to its own tokens and to everything cached before.
+first writes the step's new K/V into its paged cache (the fused
+`rotary_embedding_and_cache`, or `reshape_and_cache` after an unfused rotation;
+see `LlamaAttention`), so a prefill chunk attends to its own tokens and to
+everything cached before.
 """
 
 from __future__ import annotations
@@ -45,18 +47,16 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Attention over this layer's paged KV cache; q/k/v heads already projected and rotated."""
+    """Attention over this layer's paged KV cache; q already rotated, this step's K/V already cached."""
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, num_heads, head_size], k/v [T, num_kv_heads, head_size] (strided views are fine)
-        -> [T, num_heads * head_size]."""
+        """q [T, num_heads, head_size] (a strided view is fine) -> [T, num_heads * head_size]."""
         key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         parts = []
         if nd:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv import ops
 from pagedkv.model.parallel_state import all_reduce, gather_last_dim_to_driver, get_tp_rank, get_tp_size
 
 
@@ -235,7 +236,13 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, in float32, optionally adding a residual first (returns both)."""
+    """x / rms(x) * weight, in float32, optionally adding a residual first (returns both).
+
+    With a residual it is vLLM's fused_add_rms_norm: the residual stream (owned by the
+    decoder loop) becomes x + residual and x's storage takes the normalized output.
+    The fused kernels serve float32/16/bf16 on CPU and CUDA; elsewhere PyTorch does
+    the same arithmetic in the same rounding order.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -243,14 +250,25 @@ class RMSNorm(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.ones(hidden_size), requires_grad=False), default_weight_loader)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self._fused(x, residual):
+            if residual is None:
+                out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is not None:
-            x = residual.add_(x)  # the residual stream is owned by the decoder loop: update it in place
+            x = residual.add_(x)
             residual = x
         if x.dtype == torch.float32:
             out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         else:  # normalise in float32, as HF does, then scale in the model dtype
             out = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
         return out if residual is None else (out, residual)
+
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (ops.fused_ops_supported(x) and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype
+                and (residual is None or residual.stride(-1) == 1))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

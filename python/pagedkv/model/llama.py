@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedkv import ops
 from pagedkv.config import ModelConfig
 from pagedkv.model.attention import AttentionMetadata, PagedAttention
 from pagedkv.model.layers import (
@@ -40,15 +41,23 @@ class LlamaAttention(nn.Module):
                                         bias=cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM")
         self.attn = PagedAttention(self.num_heads, cfg.head_dim, self.num_kv_heads, cfg.head_dim ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        t = hidden.shape[0]
+    def forward(self, hidden: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """cos_sin None: the fused rotary + cache-write kernel; else the unfused path's cos/sin."""
+        t, d = hidden.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]: q and k heads are adjacent, so one rotation does both
         qk_heads = self.num_heads + self.num_kv_heads
-        qk = rope(qkv[:, :qk_heads * self.head_dim].view(t, qk_heads, self.head_dim), *cos_sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        v = qkv[:, qk_heads * d:].view(t, self.num_kv_heads, d)
+        if cos_sin is None:
+            q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
+            k = qkv[:, self.num_heads * d:qk_heads * d].view(t, self.num_kv_heads, d)
+            rope.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
+        else:
+            qk = rope(qkv[:, :qk_heads * d].view(t, qk_heads, d), *cos_sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            ops.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return self.o_proj(self.attn(q, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -71,13 +80,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, cos_sin, kv_cache, meta)
+        hidden = self.self_attn(hidden, rope, positions, cos_sin, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -109,10 +118,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [num_tokens] -> hidden states [num_tokens, hidden_size] (pre-final-norm)."""
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.lookup(positions, hidden.dtype)
+        # The fused kernel reads the float32 table itself; the unfused rotation looks cos/sin up once per step.
+        cos_sin = None if ops.fused_ops_supported(hidden) else self.rotary_emb.lookup(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, self.rotary_emb, cos_sin, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, self.rotary_emb, positions, cos_sin, kv_cache, meta)
         return residual.add_(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

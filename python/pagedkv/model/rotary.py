@@ -3,6 +3,12 @@
 The rotation is the "rotate half" (GPT-NeoX) form that HF's Llama, Mistral
 and Qwen2 use: dims [0, d/2) pair with [d/2, d). cos/sin are tabulated once
 for every position up to max_position, in float32.
+
+Where the fused kernel serves the dtype and device, `rotate_and_cache` rotates
+q and k in place and writes k and v to the paged cache in one op
+(`pagedkv.ops.rotary_embedding_and_cache`); elsewhere the model looks cos/sin
+up once per step (`lookup`), rotates with `forward`, then calls
+`reshape_and_cache`.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pagedkv import ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -67,3 +75,9 @@ class RotaryEmbedding(nn.Module):
         torch.mul(x2, cos, out=o2)
         o2.add_(x1 * sin)
         return out
+
+    def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        """The fused path: q [T, heads, head_dim] and k rotated in place, k and v written to their slots."""
+        ops.rotary_embedding_and_cache(positions, q, k, v, kv_cache[0], kv_cache[1], slot_mapping, self.cos_sin,
+                                       True)

@@ -1,0 +1,59 @@
+// Launchers of the fused per-layer CUDA kernels (RMSNorm with the residual add, RoPE
+// with the KV-cache write). Plain types only (no torch headers); the tensor handling
+// and validation live in csrc/cuda/fused_cuda.cpp. Each returns cudaGetLastError()
+// after its launch (cudaSuccess when there was nothing to do).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "attention/attention_launch.h"  // DType
+
+namespace pagedkv::cuda {
+
+// out[t] = rms_norm(z[t]) * weight, z = input, or input + residual (written to residual).
+// Rows dense along hidden; strides in elements between rows. out may be input.
+struct RmsNormArgs {
+  DType dtype;
+  void* out;
+  int64_t out_stride;
+  const void* input;
+  int64_t input_stride;
+  void* residual;  // nullptr: plain rms_norm
+  int64_t residual_stride;
+  const void* weight;  // [hidden_size], the input dtype
+  int64_t num_tokens;
+  int hidden_size;
+  float epsilon;
+};
+
+cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
+
+// RoPE on query/key in place, then key and value into their cache slots. Strides in elements.
+struct RotaryCacheArgs {
+  DType dtype;
+  const int64_t* positions;  // [num_tokens]; out-of-range positions are left unrotated
+  void* query;
+  int64_t query_stride_token, query_stride_head;
+  void* key;
+  int64_t key_stride_token, key_stride_head;
+  const void* value;
+  int64_t value_stride_token, value_stride_head;
+  void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size], contiguous
+  void* value_cache;
+  const int64_t* slot_mapping;  // [num_tokens], negative = skip
+  const float* cos_sin_cache;   // [max_position, rot_dim]: cos of the pairs, then sin
+  int64_t max_position;
+  int rot_dim;
+  int64_t num_tokens;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int64_t num_slots;  // num_blocks * block_size: slots at or past it are skipped
+  bool is_neox;
+};
+
+cudaError_t launch_rotary_embedding_and_cache(const RotaryCacheArgs& args, cudaStream_t stream);
+
+}  // namespace pagedkv::cuda
