@@ -144,7 +144,7 @@ def add_kv_calc_parser(sub) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     """`pagedkv serve`: the OpenAI-compatible server (pagedkv.server)."""
-    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.config import EngineArgs
     from pagedkv.server import run_server
 
     return run_server(EngineArgs(**engine_kwargs(ns)), ns)
@@ -184,8 +184,8 @@ def _is_torchrun_worker() -> bool:
 
 def _run_torchrun_worker(ns: argparse.Namespace) -> int:
     """Ranks > 0 under torchrun run the steps rank 0 sends; rank 0 generates or serves."""
+    from pagedkv.config import EngineArgs
     from pagedkv.distributed.worker import run_torchrun_worker
-    from pagedkv.engine.llm_engine import EngineArgs
 
     return run_torchrun_worker(EngineArgs(**engine_kwargs(ns)))
 

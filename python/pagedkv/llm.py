@@ -7,8 +7,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
-from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LLMEngine, LoadedModel, PromptType
+from pagedkv.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from pagedkv.model.loader import LoadedModel
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 

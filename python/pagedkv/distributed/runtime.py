@@ -37,7 +37,7 @@ from pagedkv.errors import EngineDeadError
 from pagedkv.model.parallel_state import init_tensor_parallel, reset_tensor_parallel
 
 if TYPE_CHECKING:
-    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ import torch
 from pagedkv.distributed.runtime import TPRuntime, torchrun_env
 
 if TYPE_CHECKING:
-    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
 
 def serve_steps(runtime: TPRuntime, args: EngineArgs) -> int:
     """Set-up in the driver's order of collectives, then the step loop. Returns the number of steps run."""
-    from pagedkv.engine.llm_engine import LoadedModel
     from pagedkv.engine.memory_pool import plan_kv_cache
     from pagedkv.engine.model_runner import ModelRunner
+    from pagedkv.model.loader import LoadedModel
 
     loaded = LoadedModel.load(args, runtime.device, with_tokenizer=False)
     cache_config = args.cache_config()

@@ -11,7 +11,6 @@ the requests that moved. vLLM's LLMEngine has the same surface.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections import deque
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.config import CacheConfig, GiB, ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
+from pagedkv.config import EngineArgs, GiB, ModelConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
 from pagedkv.core.scheduler import Scheduler, SchedulerOutput
@@ -32,7 +31,7 @@ from pagedkv.engine.detokenizer import find_stop_string, update_text
 from pagedkv.engine.memory_pool import plan_kv_cache
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.errors import EngineDeadError
-from pagedkv.model.loader import load_model, load_tokenizer, resolve_model
+from pagedkv.model.loader import LoadedModel, generation_defaults, resolve_model
 from pagedkv.model.sampler import SamplerOutput
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
@@ -40,52 +39,8 @@ from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, Sampli
 logger = logging.getLogger(__name__)
 
 MAX_STEP_TIMES = 1 << 16
-# Keys of generation_config.json that set sampling defaults, with HF's own defaults (a value equal to HF's
-# default is not a choice of the checkpoint's authors: vLLM skips those too).
-_GENERATION_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
-                    "max_new_tokens": None}
 
 PromptType = str | list[int] | dict[str, Any]
-
-
-@dataclass(slots=True)
-class EngineArgs:
-    """Everything `LLM(...)` and `pagedkv serve` accept (vLLM's names and defaults)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str | torch.dtype = "auto"
-    device: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = False
-    swap_space: float = 4.0
-    preemption_mode: str = "recompute"
-    max_model_len: int | None = None
-    seed: int = 0
-    hash_algo: str = "sha256"
-    long_prefill_token_threshold: int = 0
-    skip_tokenizer_init: bool = False  # token-id prompts only, no output text (checkpoints without a tokenizer)
-    tensor_parallel_size: int = 1  # ranks the model is sharded over (one per GPU; processes on the CPU)
-    enforce_eager: bool = False  # CUDA: no captured decode graphs (every step launched kernel by kernel)
-    max_logprobs: int = 20  # most logprobs a request may ask for (vLLM's default)
-    # Sampling defaults for what a request leaves out: "auto" reads the checkpoint's generation_config.json,
-    # "vllm" uses vLLM's own defaults, anything else is a folder holding a generation_config.json.
-    generation_config: str = "auto"
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
-                           kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
-                           enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo)
-
-    def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=_max_model_len(model_config, self.max_model_len), preemption_mode=self.preemption_mode,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
 
 
 @dataclass(slots=True)
@@ -123,18 +78,6 @@ class _Counters:
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_STEP_TIMES))
 
 
-def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
-    limit = cfg.max_position_embeddings
-    if asked is not None and asked > limit:
-        raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
-    length = asked or limit
-    if cfg.sliding_window and length > cfg.sliding_window:
-        # The kernels attend to the whole context; within the window that is exactly the model.
-        logger.warning("capping max_model_len %d to the model's sliding window %d", length, cfg.sliding_window)
-        length = cfg.sliding_window
-    return length
-
-
 def _start_tensor_parallel(args: EngineArgs, loaded: LoadedModel | None) -> TPRuntime | None:
     """Checks the size against the model, then starts (or joins) the ranks; None on one device."""
     tp = args.tensor_parallel_size
@@ -148,69 +91,6 @@ def _start_tensor_parallel(args: EngineArgs, loaded: LoadedModel | None) -> TPRu
                          "dequantized whole on every rank: save it as safetensors first")
     ModelConfig.from_pretrained(source.path).check_tensor_parallel_size(tp)
     return TPRuntime.start(args)
-
-
-def _eos_token_ids(source_path, cfg: ModelConfig, tokenizer) -> set[int]:
-    ids = set(cfg.eos_token_id)
-    gen = source_path / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def generation_defaults(folder: Path | None) -> dict[str, Any]:
-    """SamplingParams defaults set by `folder`/generation_config.json (vLLM's `--generation-config`).
-
-    Only the sampling keys the checkpoint sets to something other than HF's
-    own default count; `max_new_tokens` becomes `max_tokens`. A missing or
-    unreadable file sets nothing.
-    """
-    path = folder / "generation_config.json" if folder is not None else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        logger.warning("ignoring %s: %s", path, e)
-        return {}
-    out = {}
-    for key, hf_default in _GENERATION_KEYS.items():
-        value = config.get(key)
-        if value is not None and value != hf_default:
-            out["max_tokens" if key == "max_new_tokens" else key] = value
-    return out
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """A model and its tokenizer, loaded once; several engines (e.g. tests of different cache settings) can share it."""
-
-    model: Any
-    tokenizer: Any
-    name: str
-    dtype: torch.dtype
-    device: torch.device
-    eos_token_ids: set[int]
-    source_path: Path | None = None  # the checkpoint folder (its generation_config.json gives sampling defaults)
-
-    @classmethod
-    def load(cls, args: EngineArgs, device: torch.device | None = None, with_tokenizer: bool = True) -> LoadedModel:
-        """device: this rank's device under tensor parallelism (default: args.device resolved)."""
-        device = device or resolve_device(args.device)
-        source = resolve_model(args.model)
-        start = time.perf_counter()
-        checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
-        dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
-        torch.manual_seed(args.seed)
-        model = load_model(source, dtype, device)
-        tokenizer = None if args.skip_tokenizer_init or not with_tokenizer else load_tokenizer(source, args.tokenizer)
-        name = str(args.model) if args.model else source.name
-        logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)
-        return cls(model, tokenizer, name, dtype, device, _eos_token_ids(source.path, model.config, tokenizer),
-                   Path(source.path))
 
 
 class LLMEngine:
