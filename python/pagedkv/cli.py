@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import time
@@ -185,9 +186,11 @@ def _is_torchrun_worker() -> bool:
 def _run_torchrun_worker(ns: argparse.Namespace) -> int:
     """Ranks > 0 under torchrun run the steps rank 0 sends; rank 0 generates or serves."""
     from pagedkv.config import EngineArgs
-    from pagedkv.distributed.worker import run_torchrun_worker
+    from pagedkv.distributed.launch import run_torchrun_worker
+    from pagedkv.engine.worker import serve_steps
 
-    return run_torchrun_worker(EngineArgs(**engine_kwargs(ns)))
+    args = EngineArgs(**engine_kwargs(ns))
+    return run_torchrun_worker(args.tensor_parallel_size, args.device, functools.partial(serve_steps, args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ the requests that moved. vLLM's LLMEngine has the same surface.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -22,14 +23,15 @@ from typing import Any
 import torch
 
 from pagedkv.config import EngineArgs, GiB, ModelConfig
-from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
 from pagedkv.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
+from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import find_stop_string, update_text
-from pagedkv.engine.memory_pool import plan_kv_cache
-from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.device_setup import build_device_side
+from pagedkv.engine.memory_pool import KVCachePlan
+from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import LoadedModel, generation_defaults, resolve_model
 from pagedkv.model.sampler import SamplerOutput
@@ -90,7 +92,7 @@ def _start_tensor_parallel(args: EngineArgs, loaded: LoadedModel | None) -> TPRu
         raise ValueError("tensor parallelism loads safetensors checkpoints shard by shard; a GGUF file would be "
                          "dequantized whole on every rank: save it as safetensors first")
     ModelConfig.from_pretrained(source.path).check_tensor_parallel_size(tp)
-    return TPRuntime.start(args)
+    return start_tensor_parallel(tp, args.device, functools.partial(serve_steps, args))
 
 
 class LLMEngine:
@@ -100,6 +102,7 @@ class LLMEngine:
         """loaded: a model already in memory (not with tensor parallelism, where each rank loads its shard)."""
         if not isinstance(args.max_logprobs, int) or args.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {args.max_logprobs!r}")
+        self._check_generation_config(args)
         self.args = args
         self.tp = _start_tensor_parallel(args, loaded)
         try:
@@ -110,16 +113,17 @@ class LLMEngine:
             raise
 
     def _build(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
-        loaded = loaded or LoadedModel.load(args, self.tp.device if self.tp else None)
+        device_side = build_device_side(args, self.tp, loaded)
+        loaded = device_side.loaded
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.dtype, self.device, self.eos_token_ids = loaded.dtype, loaded.device, loaded.eos_token_ids
         self.model_config = self.model.config
-        self.cache_config = args.cache_config()
-        self.scheduler_config = args.scheduler_config(self.model_config)
+        self.cache_config, self.scheduler_config = device_side.cache_config, device_side.scheduler_config
         self.default_sampling = self._sampling_defaults(args, loaded)
-        if self.tp is not None:
-            self.tp.barrier()  # every rank has its shard
-        self._init_cache()
+        self.kv_spec = device_side.plan.spec
+        self.block_manager, self.runner = device_side.block_manager, device_side.runner
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager)
+        self._log_cache(device_side.plan)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -128,13 +132,18 @@ class LLMEngine:
                                    if self.cache_config.enable_prefix_caching else None)
 
     @staticmethod
+    def _check_generation_config(args: EngineArgs) -> None:
+        """A generation_config folder without the file is refused before anything loads."""
+        folder = args.generation_config
+        if folder not in ("auto", "vllm") and not (Path(folder) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config={folder!r}: no generation_config.json there "
+                             f"(use 'auto' for the checkpoint's, 'vllm' for vLLM's defaults, or a folder)")
+
+    @staticmethod
     def _sampling_defaults(args: EngineArgs, loaded: LoadedModel) -> dict[str, Any]:
         if args.generation_config == "vllm":
             return {}
         folder = loaded.source_path if args.generation_config == "auto" else Path(args.generation_config)
-        if args.generation_config != "auto" and not (folder / "generation_config.json").is_file():
-            raise ValueError(f"generation_config={args.generation_config!r}: no generation_config.json there "
-                             f"(use 'auto' for the checkpoint's, 'vllm' for vLLM's defaults, or a folder)")
         defaults = generation_defaults(folder)
         if defaults:
             logger.info("sampling defaults from %s/generation_config.json: %s", folder, defaults)
@@ -145,17 +154,8 @@ class LLMEngine:
         return SamplingParams(**self.default_sampling)
 
     # --- set-up -----------------------------------------------------------------
-    def _init_cache(self) -> None:
-        cc, sc = self.cache_config, self.scheduler_config
-        plan = plan_kv_cache(self.model, cc, sc, self.dtype, self.device, self.args.seed, self.tp)
-        self.kv_spec = spec = plan.spec
-        self.block_manager = BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark,
-                                          cc.enable_prefix_caching, cc.hash_algo)
-        self.runner = ModelRunner(self.model, self.block_manager, cc, sc, plan.num_blocks, plan.num_cpu_blocks,
-                                  self.dtype, self.device, self.args.seed, self.tp.channel if self.tp else None,
-                                  cuda_graphs=not self.args.enforce_eager)
-        self.runner.eos_token_ids = self.eos_token_ids
-        self.scheduler = Scheduler(sc, cc, self.block_manager)
+    def _log_cache(self, plan: KVCachePlan) -> None:
+        cc, sc, spec = self.cache_config, self.scheduler_config, plan.spec
         tokens = plan.num_blocks * cc.block_size
         per_device = f" per device (x{self.tp.world_size} ranks)" if self.tp else ""
         logger.info("KV cache%s: %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); max concurrency at "

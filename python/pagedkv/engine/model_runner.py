@@ -92,8 +92,14 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
-            self.graphs = DecodeGraphs(self, max_seqs, scheduler_config.max_model_len)
+            self.graphs = DecodeGraphs(self._forward_logits, device, max_seqs, self.max_blocks_per_seq,
+                                       scheduler_config.max_model_len)
             self.graphs.capture()
+
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor | None:
+        """The forward a decode graph captures: logits of every row (a graph's batch is all decodes)."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     # --- block copies --------------------------------------------------------
     def apply_block_ops(self, block_ops: BlockOps) -> None:
