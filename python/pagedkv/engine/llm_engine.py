@@ -1,11 +1,13 @@
 """LLMEngine: requests in, tokens out, one step at a time.
 
-    step = schedule -> run -> postprocess
+    step = schedule -> execute -> update
 
 `add_request` tokenizes and queues a prompt; `step` asks the scheduler for
-a batch, runs it on the model, appends the sampled tokens, stops the
-sequences that are done and frees their blocks, and returns the outputs of
-the requests that moved. vLLM's LLMEngine has the same surface.
+a batch, runs it on the model and samples, hands the sampled tokens back to
+the scheduler (`update_from_output`: it appends them, stops the sequences
+that are done by id or length and frees their blocks), then applies text
+(incremental detokenization, stop strings) and returns the outputs of the
+requests that moved. vLLM's LLMEngine has the same surface.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from pagedkv.config import EngineArgs, GiB, ModelConfig
 from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
-from pagedkv.core.scheduler import Scheduler, SchedulerOutput
+from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
 from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
@@ -122,7 +124,7 @@ class LLMEngine:
         self.default_sampling = self._sampling_defaults(args, loaded)
         self.kv_spec = device_side.plan.spec
         self.block_manager, self.runner = device_side.block_manager, device_side.runner
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids)
         self._log_cache(device_side.plan)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -261,8 +263,7 @@ class LLMEngine:
     def _finish_request(self, req: Request, reason: str) -> None:
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.abort(seq)
-                seq.finish_reason = reason
+                self.scheduler.abort(seq, reason)
         req.metrics.finished_time = time.time()
 
     def has_unfinished_requests(self) -> bool:
@@ -296,9 +297,18 @@ class LLMEngine:
                 raise died from e
             return self._fail_step(out, e)
         sampled, errors = self._sample(rows, logits)
-        self.counters.num_steps += 1
-        self.counters.step_times.append(time.perf_counter() - t0)
-        return self._postprocess(out, rows, sampled, errors)
+        self._count(out, rows, t0)
+        now = time.time()
+        update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
+        return self._process_outputs(update, now)
+
+    def _count(self, out: SchedulerOutput, rows: list[Sequence], t0: float) -> None:
+        c = self.counters
+        c.num_steps += 1
+        c.step_times.append(time.perf_counter() - t0)
+        c.prompt_tokens += sum(out.prefill_lens)
+        c.generation_tokens += len(rows)
+        c.peak_used_blocks = max(c.peak_used_blocks, self.block_manager.num_used_gpu_blocks)
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[SamplerOutput, list[Exception | None]]:
         try:
@@ -351,101 +361,64 @@ class LLMEngine:
         except Exception as e:
             raise EngineDeadError(f"the engine cannot run a step any more: {e!r}") from e
 
-    def _postprocess(self, out: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput,
-                     errors: list[Exception | None]) -> list[RequestOutput]:
-        now = time.time()
-        for seq in out.decode_seqs:
-            seq.num_computed_tokens += 1
-        for seq, n in zip(out.prefill_seqs, out.prefill_lens, strict=True):
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-            seq.num_computed_tokens += n
-            self.counters.prompt_tokens += n
-        self.counters.generation_tokens += len(rows)
-        self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, self.block_manager.num_used_gpu_blocks)
-        # Fork first: sample 0 may finish on its first token and free its blocks below.
-        for seq in rows:
-            if seq.status is SequenceStatus.FORK_PENDING:
-                self._fork(seq)
-        touched: dict[str, Request] = {}
-        faulty: dict[str, tuple[Request, Exception]] = {}
-        for seq, token, logprobs, error in zip(rows, sampled.token_ids, sampled.logprobs, errors, strict=True):
-            req = seq.request
-            if error is None and req.request_id not in faulty:
-                error = self._append_token(seq, token, logprobs, now)
-            if error is not None:
-                faulty.setdefault(req.request_id, (req, error))
-                continue
-            touched[req.request_id] = req
+    # --- after update_from_output: text, failures, outputs ----------------------------
+    def _process_outputs(self, update: StepUpdate, now: float) -> list[RequestOutput]:
+        """Text for the rows that got a token, then the outputs: failed requests first, then those that moved."""
+        failed = dict(update.failed)
+        self._apply_text(update.appended, failed)
         outputs = []
-        for req, error in faulty.values():
+        for req, error in failed.values():
             logger.error("request %s failed in this step", req.request_id, exc_info=error)
-            touched.pop(req.request_id, None)
             outputs.extend(self._fail_requests([req], f"the engine failed while running this request: {error!r}"))
-        for req in touched.values():
+        for rid, req in update.requests.items():
+            if rid in failed:
+                continue
             if req.finished:
                 req.metrics.finished_time = now
-                self.requests.pop(req.request_id, None)
+                self.requests.pop(rid, None)
             output = self._make_output(req)
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> Exception | None:
-        """Appends a sampled token and applies the stop rules; returns the error if that raised (its request
-        alone fails: e.g. its tokenizer could not decode the text)."""
-        try:
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                if seq.logprobs is None:
-                    seq.logprobs = []
-                seq.logprobs.append(logprobs)
-                seq.cumulative_logprob += logprobs[token].logprob
-            if seq.request.metrics.first_token_time is None:
-                seq.request.metrics.first_token_time = now
-            self._check_stop(seq, token)
-        except Exception as e:
-            return e
-        return None
-
-    def _fork(self, child: Sequence) -> None:
-        """Sample i > 0 of a prompt just computed: share sample 0's blocks (copy-on-write from here on)."""
-        parent = child.request.seqs[0]
-        self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.token_ids = list(parent.token_ids[:parent.num_computed_tokens])
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(child)
+    def _apply_text(self, appended: list[Sequence], failed: dict[str, tuple[Request, Exception]]) -> None:
+        """Each row's text, in row order; a row whose text raises (e.g. its tokenizer cannot decode it) fails its
+        request alone, and that request's samples from that row on end with "error"."""
+        if self.tokenizer is None:
+            return
+        for i, seq in enumerate(appended):
+            req = seq.request
+            if req.request_id in failed:
+                continue
+            try:
+                self._update_text(seq)
+            except Exception as e:
+                failed[req.request_id] = (req, e)
+                # As when text came before the stop rules: these samples did not end by their own rule.
+                for later in appended[i:]:
+                    if later.request is req:
+                        self.scheduler.finish(later, "error")
 
     def _needs_text(self, req: Request) -> bool:
         if self.tokenizer is None:
             return False
         return bool(req.params.stop_strings) or req.output_kind is not OutputKind.FINAL_ONLY
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _update_text(self, seq: Sequence) -> None:
+        """Streaming text and stop strings while the sequence runs; the whole text, once, when the others finish."""
         p = seq.request.params
-        reason, stop_reason = None, None
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
-            elif token in p.all_stop_token_ids:
-                reason, stop_reason = "stop", token
-        if reason is None and self._needs_text(seq.request):
+        if self._needs_text(seq.request):
+            if seq.finish_reason == "stop":  # an id ended it: nothing of it is text
+                return
             new = update_text(self.tokenizer, seq, p.skip_special_tokens)
             stop = find_stop_string(seq, len(new), p.stop_strings, p.include_stop_str_in_output)
-            if stop is not None:
-                reason, stop_reason = "stop", stop
-        if reason is None and (seq.num_output_tokens >= (p.max_tokens or 1 << 62)
-                               or len(seq.token_ids) >= self.scheduler_config.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            if not self._needs_text(seq.request) and self.tokenizer is not None:
-                ids = seq.output_token_ids
-                if stop_reason is not None or (reason == "stop" and not p.ignore_eos):
-                    ids = ids[:-1]  # the stop token is not part of the text
-                seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
-            self.scheduler.finish(seq)
+            if stop is not None:  # also on the token that ended it by length: the stop string is the reason
+                self.scheduler.finish(seq, "stop", stop)
+        elif seq.is_finished:
+            ids = seq.output_token_ids
+            if seq.stop_reason is not None or (seq.finish_reason == "stop" and not p.ignore_eos):
+                ids = ids[:-1]  # the stop token is not part of the text
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         kind = req.output_kind
