@@ -344,6 +344,37 @@ def test_abort_frees_blocks(loaded_model, prompts):
     assert_no_leak(llm)
 
 
+def test_finish_sequence_stops_one_sample(loaded_model, prompts):
+    """A front end that found a stop string ends that sample: finish reason "stop", its blocks freed, the other
+    sample goes on; the request finishes with its last sample. Unknown ids are ignored."""
+    llm = make_llm(loaded_model)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2)
+    engine.add_request("fs", {"prompt_token_ids": prompts[1]}, params)
+    with pytest.raises(ValueError, match="first token"):  # the samples have not forked: nothing to stop yet
+        engine.finish_sequence("fs", 1)
+    engine.step()
+    first, second = engine.requests["fs"].seqs
+    assert first.num_output_tokens == second.num_output_tokens == 1
+    engine.finish_sequence("fs", 0, "###")
+    engine.finish_sequence("fs", 0)  # already finished: ignored
+    engine.finish_sequence("unknown-id", 0)
+    engine.finish_sequence("fs", 7)
+    assert first.is_finished and first.seq_id not in engine.block_manager and not second.is_finished
+    last = None
+    while engine.has_unfinished_requests():
+        last = next((o for o in engine.step() if o.request_id == "fs"), last)
+    a, b = last.outputs
+    assert last.finished and (a.finish_reason, a.stop_reason, len(a.token_ids)) == ("stop", "###", 1)
+    assert (b.finish_reason, len(b.token_ids)) == ("length", 5)
+    # Finishing the last sample finishes the request.
+    engine.add_request("one", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    engine.finish_sequence("one", 0, 13)
+    assert not engine.has_unfinished_requests()
+    assert_no_leak(llm)
+
+
 def test_chat_and_text_prompts(loaded_model):
     llm = make_llm(loaded_model)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

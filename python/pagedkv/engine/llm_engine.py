@@ -260,6 +260,24 @@ class LLMEngine:
             if req is not None:
                 self._finish_request(req, "abort")
 
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        """Finishes sample `index` of a request now, with finish reason "stop" (and `stop_reason`), and frees its
+        blocks: for a front end that found a stop string itself. The request finishes when all its samples have
+        (no output is made for it here: the caller has the one it found the stop in). Unknown ids are ignored.
+
+        Raises ValueError for a request whose samples have not forked yet (n > 1, its prompt not yet computed):
+        none of them has any output to stop.
+        """
+        req = self.requests.get(request_id)
+        if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
+            return
+        if any(s.status is SequenceStatus.FORK_PENDING for s in req.seqs):
+            raise ValueError(f"request {request_id!r} has not sampled its first token yet: nothing to stop")
+        self.scheduler.abort(req.seqs[index], "stop", stop_reason)
+        if req.finished:
+            req.metrics.finished_time = time.time()
+            del self.requests[request_id]
+
     def _finish_request(self, req: Request, reason: str) -> None:
         for seq in req.seqs:
             if not seq.is_finished:
