@@ -408,7 +408,7 @@ def test_a_corrupt_step_batch_is_refused_before_the_kernels(loaded_model):
     """The runner checks each step's metadata once on the host (the kernels then run with their checks off):
     a block id outside the pool, or a slot outside the cache, raises a ValueError naming it, and nothing is written."""
     import numpy as np
-    from pagedkv.engine.step_batch import BlockOps, StepBatch
+    from pagedkv.core.step_batch import BlockOps, StepBatch
 
     llm = make_llm(loaded_model, kv_cache_memory=8 * 16 * llm_bytes_per_token(loaded_model), max_model_len=128)
     runner = llm.llm_engine.runner

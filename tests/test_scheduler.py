@@ -12,8 +12,7 @@ from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import Request, Sequence, SequenceStatus
-from pagedkv.model.sampler import SamplerOutput
-from pagedkv.outputs import Logprob, RequestMetrics
+from pagedkv.outputs import Logprob, RequestMetrics, SamplerOutput
 from pagedkv.sampling_params import SamplingParams
 
 BS = 8

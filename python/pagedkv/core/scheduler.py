@@ -36,7 +36,7 @@ from pagedkv._block_manager import NoFreeBlocksError
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.sequence import Request, Sequence, SequenceStatus
-from pagedkv.model.sampler import SamplerOutput
+from pagedkv.outputs import SamplerOutput
 
 logger = logging.getLogger(__name__)
 

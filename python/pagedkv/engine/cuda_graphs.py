@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pagedkv import ops
-from pagedkv.engine.step_batch import StepBatch
+from pagedkv.core.step_batch import StepBatch
 from pagedkv.model.attention import AttentionMetadata
 
 # input_ids int64 [b], positions int64 [b], metadata of b decodes -> float32 logits [b, vocab]

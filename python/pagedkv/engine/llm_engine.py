@@ -36,8 +36,7 @@ from pagedkv.engine.memory_pool import KVCachePlan
 from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import LoadedModel, generation_defaults, resolve_model
-from pagedkv.model.sampler import SamplerOutput
-from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
 from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,14 +20,13 @@ from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.scheduler import SchedulerOutput
 from pagedkv.core.sequence import Sequence
+from pagedkv.core.step_batch import BlockOps, StepBatch
+from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.engine.cuda_graphs import DecodeGraphs
-from pagedkv.engine.step_batch import BlockOps, StepBatch
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.model.sampler import Sampler, SamplerOutput, SamplingBatch
-
-if TYPE_CHECKING:
-    from pagedkv.distributed.step_channel import StepChannel
+from pagedkv.model.sampler import Sampler, SamplingBatch
+from pagedkv.outputs import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
