@@ -344,6 +344,59 @@ def test_abort_frees_blocks(loaded_model, prompts):
     assert_no_leak(llm)
 
 
+def test_a_stop_string_on_the_last_allowed_token_is_the_reason(loaded_model, prompts, hf_reference):
+    """The token that completes a stop string is also the max_tokens-th: the stop string wins (reason "stop")."""
+    tok = loaded_model.tokenizer
+    full = tok.decode(hf_reference[1][0])
+    stop = full.strip().split()[1]
+    llm = make_llm(loaded_model)
+    params = {"temperature": 0, "ignore_eos": True, "stop": [stop]}
+    free = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=12, **params),
+                        use_tqdm=False)[0].outputs[0]
+    at_limit = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=len(free.token_ids), **params),
+                            use_tqdm=False)[0].outputs[0]
+    assert (free.finish_reason, free.stop_reason) == ("stop", stop)
+    assert (at_limit.finish_reason, at_limit.stop_reason, at_limit.text) == ("stop", stop, free.text)
+    assert at_limit.token_ids == free.token_ids
+    assert_no_leak(llm)
+
+
+def test_a_failing_detokenization_fails_only_its_request(loaded_model, prompts):
+    """A streamed request whose text cannot be decoded fails ("error", .error set); a FINAL_ONLY request of the
+    same steps, decoded only when it finishes, is not touched."""
+    from pagedkv.core.sequence import OutputKind
+
+    class FailingTokenizer:
+        failing = False
+
+        def __getattr__(self, name):
+            return getattr(loaded_model.tokenizer, name)
+
+        def decode(self, ids, **kw):
+            if self.failing:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return loaded_model.tokenizer.decode(ids, **kw)
+
+    llm = make_llm(loaded_model)
+    engine = llm.llm_engine
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, greedy(), use_tqdm=False)[0].outputs[0]
+    engine.tokenizer = tokenizer = FailingTokenizer()
+    engine.add_request("streamed", {"prompt_token_ids": prompts[1]}, greedy())
+    engine.add_request("final", {"prompt_token_ids": prompts[2]}, greedy(), output_kind=OutputKind.FINAL_ONLY)
+    engine.step()
+    tokenizer.failing = True
+    (failed,) = engine.step()
+    tokenizer.failing = False
+    assert failed.request_id == "streamed" and failed.finished and "injected" in failed.error
+    assert failed.outputs[0].finish_reason == "error"
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert [o.request_id for o in outs] == ["final"] and outs[0].error is None
+    assert outs[0].outputs[0].text == alone.text and outs[0].outputs[0].token_ids == alone.token_ids
+    assert_no_leak(llm)
+
+
 def test_finish_sequence_stops_one_sample(loaded_model, prompts):
     """A front end that found a stop string ends that sample: finish reason "stop", its blocks freed, the other
     sample goes on; the request finishes with its last sample. Unknown ids are ignored."""
