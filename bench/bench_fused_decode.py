@@ -21,7 +21,7 @@ import subprocess
 import torch
 from pagedkv import LLM, SamplingParams, ops
 from pagedkv.engine import EngineArgs
-from pagedkv.engine.llm_engine import LoadedModel
+from pagedkv.model.loader import LoadedModel
 
 
 def cpu_model() -> str:

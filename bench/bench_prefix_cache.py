@@ -299,8 +299,9 @@ def workload_line(wl: PrefixWorkload, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
-    from pagedkv.engine.llm_engine import EngineArgs, LoadedModel
+    from pagedkv.config import EngineArgs
     from pagedkv.model.default_model import ensure_default_model
+    from pagedkv.model.loader import LoadedModel
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -16,7 +16,8 @@ def default_model_dir():
 @pytest.fixture(scope="session")
 def loaded_model(default_model_dir):
     """The default model + tokenizer in float32 on the CPU, shared by every LLM a test builds."""
-    from pagedkv.engine.llm_engine import EngineArgs, LoadedModel
+    from pagedkv.config import EngineArgs
+    from pagedkv.model.loader import LoadedModel
 
     return LoadedModel.load(EngineArgs(model=str(default_model_dir), device="cpu", dtype="float32"))
 

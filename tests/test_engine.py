@@ -344,6 +344,90 @@ def test_abort_frees_blocks(loaded_model, prompts):
     assert_no_leak(llm)
 
 
+def test_a_stop_string_on_the_last_allowed_token_is_the_reason(loaded_model, prompts, hf_reference):
+    """The token that completes a stop string is also the max_tokens-th: the stop string wins (reason "stop")."""
+    tok = loaded_model.tokenizer
+    full = tok.decode(hf_reference[1][0])
+    stop = full.strip().split()[1]
+    llm = make_llm(loaded_model)
+    params = {"temperature": 0, "ignore_eos": True, "stop": [stop]}
+    free = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=12, **params),
+                        use_tqdm=False)[0].outputs[0]
+    at_limit = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=len(free.token_ids), **params),
+                            use_tqdm=False)[0].outputs[0]
+    assert (free.finish_reason, free.stop_reason) == ("stop", stop)
+    assert (at_limit.finish_reason, at_limit.stop_reason, at_limit.text) == ("stop", stop, free.text)
+    assert at_limit.token_ids == free.token_ids
+    assert_no_leak(llm)
+
+
+def test_a_failing_detokenization_fails_only_its_request(loaded_model, prompts):
+    """A streamed request whose text cannot be decoded fails ("error", .error set); a FINAL_ONLY request of the
+    same steps, decoded only when it finishes, is not touched."""
+    from pagedkv.core.sequence import OutputKind
+
+    class FailingTokenizer:
+        failing = False
+
+        def __getattr__(self, name):
+            return getattr(loaded_model.tokenizer, name)
+
+        def decode(self, ids, **kw):
+            if self.failing:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return loaded_model.tokenizer.decode(ids, **kw)
+
+    llm = make_llm(loaded_model)
+    engine = llm.llm_engine
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, greedy(), use_tqdm=False)[0].outputs[0]
+    engine.tokenizer = tokenizer = FailingTokenizer()
+    engine.add_request("streamed", {"prompt_token_ids": prompts[1]}, greedy())
+    engine.add_request("final", {"prompt_token_ids": prompts[2]}, greedy(), output_kind=OutputKind.FINAL_ONLY)
+    engine.step()
+    tokenizer.failing = True
+    (failed,) = engine.step()
+    tokenizer.failing = False
+    assert failed.request_id == "streamed" and failed.finished and "injected" in failed.error
+    assert failed.outputs[0].finish_reason == "error"
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert [o.request_id for o in outs] == ["final"] and outs[0].error is None
+    assert outs[0].outputs[0].text == alone.text and outs[0].outputs[0].token_ids == alone.token_ids
+    assert_no_leak(llm)
+
+
+def test_finish_sequence_stops_one_sample(loaded_model, prompts):
+    """A front end that found a stop string ends that sample: finish reason "stop", its blocks freed, the other
+    sample goes on; the request finishes with its last sample. Unknown ids are ignored."""
+    llm = make_llm(loaded_model)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2)
+    engine.add_request("fs", {"prompt_token_ids": prompts[1]}, params)
+    with pytest.raises(ValueError, match="first token"):  # the samples have not forked: nothing to stop yet
+        engine.finish_sequence("fs", 1)
+    engine.step()
+    first, second = engine.requests["fs"].seqs
+    assert first.num_output_tokens == second.num_output_tokens == 1
+    engine.finish_sequence("fs", 0, "###")
+    engine.finish_sequence("fs", 0)  # already finished: ignored
+    engine.finish_sequence("unknown-id", 0)
+    engine.finish_sequence("fs", 7)
+    assert first.is_finished and first.seq_id not in engine.block_manager and not second.is_finished
+    last = None
+    while engine.has_unfinished_requests():
+        last = next((o for o in engine.step() if o.request_id == "fs"), last)
+    a, b = last.outputs
+    assert last.finished and (a.finish_reason, a.stop_reason, len(a.token_ids)) == ("stop", "###", 1)
+    assert (b.finish_reason, len(b.token_ids)) == ("length", 5)
+    # Finishing the last sample finishes the request.
+    engine.add_request("one", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    engine.finish_sequence("one", 0, 13)
+    assert not engine.has_unfinished_requests()
+    assert_no_leak(llm)
+
+
 def test_chat_and_text_prompts(loaded_model):
     llm = make_llm(loaded_model)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
@@ -391,7 +475,7 @@ def test_a_corrupt_step_batch_is_refused_before_the_kernels(loaded_model):
     """The runner checks each step's metadata once on the host (the kernels then run with their checks off):
     a block id outside the pool, or a slot outside the cache, raises a ValueError naming it, and nothing is written."""
     import numpy as np
-    from pagedkv.engine.step_batch import BlockOps, StepBatch
+    from pagedkv.core.step_batch import BlockOps, StepBatch
 
     llm = make_llm(loaded_model, kv_cache_memory=8 * 16 * llm_bytes_per_token(loaded_model), max_model_len=128)
     runner = llm.llm_engine.runner

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from pagedkv import LLM, SamplingParams
+from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.cpu_binding import CpuBinding, parse_cpu_list, plan_cpu_binding
 from pagedkv.engine.frontend import FrontendEngine
-from pagedkv.engine.llm_engine import EngineArgs
 from pagedkv.errors import EngineDeadError
 
 MAX_MODEL_LEN = 512
@@ -198,7 +198,7 @@ def test_killed_core_fails_in_flight_requests_and_the_next_step(default_model_di
 FRONT_END = textwrap.dedent("""
     import sys, time
     from pagedkv.engine.frontend import FrontendEngine
-    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.config import EngineArgs
     if __name__ == "__main__":
         engine = FrontendEngine(EngineArgs(model=sys.argv[1], device="cpu", dtype="float32",
                                            kv_cache_memory=32 << 20, max_model_len=256, cpu_threads_bind="nobind"))

@@ -1,4 +1,5 @@
-"""The Scheduler driven directly, on a real (C++) BlockManager and no model: admission, swap-in, budgets.
+"""The Scheduler driven directly, on a real (C++) BlockManager and no model: admission, swap-in, budgets,
+and the request lifecycle after the forward (`update_from_output`: tokens, stop rules, forks, freeing).
 
 Each test builds the exact block-pool state that a rule is about and checks the one decision the rule makes,
 so a scheduler that forgets the rule (the watermark, the blocks the running decodes take this step) fails.
@@ -9,20 +10,21 @@ from __future__ import annotations
 import pytest
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.scheduler import Scheduler
+from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import Request, Sequence, SequenceStatus
-from pagedkv.outputs import RequestMetrics
+from pagedkv.outputs import Logprob, RequestMetrics, SamplerOutput
 from pagedkv.sampling_params import SamplingParams
 
 BS = 8
 
 
 def make_scheduler(num_gpu_blocks: int, watermark: float = 0.0, num_cpu_blocks: int = 0, max_num_seqs: int = 8,
-                   budget: int = 256, mode: str = "recompute") -> Scheduler:
+                   budget: int = 256, mode: str = "recompute", max_model_len: int = 1024,
+                   eos_token_ids: frozenset[int] = frozenset()) -> Scheduler:
     bm = BlockManager(BS, num_gpu_blocks, num_cpu_blocks, watermark)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1024,
-                                     preemption_mode=mode),
-                     CacheConfig(block_size=BS, watermark=watermark), bm)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=max_model_len, preemption_mode=mode),
+                     CacheConfig(block_size=BS, watermark=watermark), bm, eos_token_ids)
 
 
 def make_seq(seq_id: int, num_prompt: int) -> Sequence:
@@ -110,3 +112,156 @@ def test_preemption_takes_the_latest_arrived_running_sequence():
     assert out.preempted == [last] and out.decode_seqs == [first]
     assert last.status is SequenceStatus.WAITING and last.num_computed_tokens == 0
     assert sched.waiting[0] is last
+
+
+# ---- update_from_output: the request lifecycle after the forward ----------------------------------------------
+EOS = 2
+
+
+def make_request(sched: Scheduler, seq_id: int, num_prompt: int, n: int = 1, **params) -> Request:
+    """A request of `n` samples queued as the engine queues it: sample 0 waits, the others wait to fork."""
+    prompt = list(range(10, 10 + num_prompt))
+    req = Request(f"r{seq_id}", None, prompt, SamplingParams(n=n, **params), RequestMetrics(0.0))
+    for i in range(n):
+        seq = Sequence(seq_id + i, req, i, list(prompt))
+        if i:
+            seq.status = SequenceStatus.FORK_PENDING
+        req.seqs.append(seq)
+    sched.add(req.seqs[0])
+    return req
+
+
+def sampled_rows(out: SchedulerOutput) -> list[Sequence]:
+    """The model runner's rows: decodes, prompts at their last token, a fork point once per sample."""
+    rows = list(out.decode_seqs) + [s for i, s in enumerate(out.prefill_seqs) if out.sampled(i)]
+    return [r for s in rows for r in (s.request.seqs if s.is_fork_point else [s])]
+
+
+def run_step(sched: Scheduler, tokens: int | list[int], errors: list | None = None,
+             logprobs: bool = False) -> tuple[list[Sequence], StepUpdate]:
+    """Schedules a step and feeds `tokens` (one per row, or the same for all) back as if sampled at time 1.0."""
+    out = sched.schedule()
+    rows = sampled_rows(out)
+    ids = tokens if isinstance(tokens, list) else [tokens] * len(rows)
+    lps = [{t: Logprob(-0.5)} if logprobs else None for t in ids]
+    return rows, sched.update_from_output(out, rows, SamplerOutput(ids, lps), errors, now=1.0)
+
+
+def assert_freed(sched: Scheduler, *seqs: Sequence) -> None:
+    assert all(s.is_finished and s.seq_id not in sched.bm for s in seqs)
+    sched.bm.check_invariants()
+
+
+def test_update_moves_computed_tokens_and_appends_the_sampled_ones():
+    sched = make_scheduler(num_gpu_blocks=16)
+    req = make_request(sched, 1, 20, max_tokens=5, logprobs=0)
+    seq = req.seqs[0]
+    rows, update = run_step(sched, 7, logprobs=True)
+    assert rows == [seq] and update.appended == [seq] and update.finished == [] and update.failed == {}
+    assert seq.num_computed_tokens == 20 and seq.output_token_ids == [7]
+    assert seq.logprobs == [{7: Logprob(-0.5)}] and seq.cumulative_logprob == -0.5
+    assert req.metrics.first_scheduled_time == 1.0 and req.metrics.first_token_time == 1.0
+    assert list(update.requests) == ["r1"]
+    run_step(sched, 8, logprobs=True)  # the decode of token 7
+    assert seq.num_computed_tokens == 21 and seq.output_token_ids == [7, 8] and seq.cumulative_logprob == -1.0
+
+
+def test_eos_stops_only_from_min_tokens_on():
+    sched = make_scheduler(num_gpu_blocks=16, eos_token_ids=frozenset({EOS}))
+    seq = make_request(sched, 1, 12, max_tokens=10, min_tokens=2).seqs[0]
+    _, update = run_step(sched, EOS)  # 1 output token < min_tokens: it goes on
+    assert update.finished == [] and seq.status is SequenceStatus.RUNNING
+    _, update = run_step(sched, EOS)
+    assert update.finished == [seq] and (seq.finish_reason, seq.stop_reason) == ("stop", None)
+    assert seq.output_token_ids == [EOS, EOS]
+    assert_freed(sched, seq)
+    assert sched.bm.num_free_gpu_blocks == 16
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    sched = make_scheduler(num_gpu_blocks=16, eos_token_ids=frozenset({EOS}))
+    seq = make_request(sched, 1, 12, max_tokens=3, ignore_eos=True).seqs[0]
+    for _ in range(2):
+        assert run_step(sched, EOS)[1].finished == []
+    assert run_step(sched, EOS)[1].finished == [seq] and seq.finish_reason == "length"
+    assert_freed(sched, seq)
+
+
+def test_a_stop_token_id_is_the_stop_reason_even_with_ignore_eos():
+    sched = make_scheduler(num_gpu_blocks=16, eos_token_ids=frozenset({EOS}))
+    seq = make_request(sched, 1, 12, max_tokens=10, ignore_eos=True, stop_token_ids=[9]).seqs[0]
+    run_step(sched, 5)
+    _, update = run_step(sched, 9)
+    assert update.finished == [seq] and (seq.finish_reason, seq.stop_reason) == ("stop", 9)
+    assert seq.output_token_ids == [5, 9]
+    assert_freed(sched, seq)
+
+
+def test_max_tokens_ends_by_length():
+    sched = make_scheduler(num_gpu_blocks=16)
+    seq = make_request(sched, 1, 12, max_tokens=2).seqs[0]
+    assert run_step(sched, 5)[1].finished == []
+    assert run_step(sched, 6)[1].finished == [seq]
+    assert (seq.finish_reason, seq.stop_reason, seq.output_token_ids) == ("length", None, [5, 6])
+    assert_freed(sched, seq)
+
+
+def test_max_model_len_ends_by_length_before_max_tokens():
+    sched = make_scheduler(num_gpu_blocks=16, max_model_len=14)
+    seq = make_request(sched, 1, 12, max_tokens=None).seqs[0]
+    run_step(sched, 5)
+    _, update = run_step(sched, 6)
+    assert update.finished == [seq] and seq.finish_reason == "length" and len(seq.token_ids) == 14
+    assert_freed(sched, seq)
+
+
+def test_parallel_samples_fork_from_sample_0_and_share_its_blocks():
+    sched = make_scheduler(num_gpu_blocks=16)
+    req = make_request(sched, 1, 20, n=3, max_tokens=4)
+    s0, s1, s2 = req.seqs
+    rows, update = run_step(sched, [5, 6, 7])
+    assert rows == [s0, s1, s2] and update.appended == [s0, s1, s2]
+    assert [s.output_token_ids for s in req.seqs] == [[5], [6], [7]]
+    assert all(s.status is SequenceStatus.RUNNING and s.num_computed_tokens == 20 for s in req.seqs)
+    assert sched.running == [s0, s1, s2]  # the scheduler keeps its own queue: the forks run from the next step
+    table = sched.bm.get_block_table(s0.seq_id)
+    assert sched.bm.get_block_table(s1.seq_id) == sched.bm.get_block_table(s2.seq_id) == table
+    assert sched.bm.num_used_gpu_blocks == 3  # 20 prompt tokens in blocks of 8, held once
+    out = sched.schedule()
+    assert out.decode_seqs == [s0, s1, s2] and len(out.blocks_to_copy) == 2  # the shared last block, copied on write
+    sched.bm.check_invariants()
+
+
+def test_parallel_samples_that_finish_at_once_free_every_block():
+    """The fork runs before the stop rules: sample 0 ending on its first token cannot free blocks its forks need."""
+    sched = make_scheduler(num_gpu_blocks=16)
+    req = make_request(sched, 1, 20, n=3, max_tokens=1)
+    _, update = run_step(sched, [5, 6, 7])
+    assert update.finished == req.seqs and req.finished
+    assert all(s.finish_reason == "length" for s in req.seqs)
+    assert_freed(sched, *req.seqs)
+    assert sched.bm.num_free_gpu_blocks == 16 and sched.bm.seq_ids() == []
+
+
+def test_a_failed_row_fails_its_request_alone():
+    """A row whose sampling raised: its request is reported failed and its later rows get no token; the other
+    requests of the step go on."""
+    sched = make_scheduler(num_gpu_blocks=32)
+    bad = make_request(sched, 1, 12, n=2, max_tokens=4)
+    good = make_request(sched, 10, 12, max_tokens=4)
+    error = RuntimeError("bad row")
+    rows, update = run_step(sched, [-1, 6, 7], errors=[error, None, None])
+    assert rows == [*bad.seqs, good.seqs[0]]
+    assert update.failed == {"r1": (bad, error)} and update.appended == [good.seqs[0]]
+    assert [s.output_token_ids for s in bad.seqs] == [[], []] and good.seqs[0].output_token_ids == [7]
+    assert list(update.requests) == ["r10"]
+
+
+def test_finish_with_a_reason_frees_a_running_sequence():
+    sched = make_scheduler(num_gpu_blocks=16)
+    seq = make_request(sched, 1, 12, max_tokens=8).seqs[0]
+    run_step(sched, 5)
+    sched.abort(seq, "stop", "###")
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", "###")
+    assert_freed(sched, seq)
+    assert sched.schedule().is_empty

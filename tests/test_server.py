@@ -26,7 +26,7 @@ import openai
 import pagedkv
 import pytest
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.llm_engine import EngineArgs
+from pagedkv.config import EngineArgs
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import bound_socket, running_server, wait_idle, wait_until
 

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.llm_engine import EngineArgs
+from pagedkv.config import EngineArgs
 from server_util import post, running_server, wait_idle, wait_until
 
 MODEL = "guarded"

@@ -52,7 +52,7 @@ def engine_kill(checkpoint: str) -> None:
 def server_kill(checkpoint: str) -> None:
     import httpx
     import uvicorn
-    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.config import EngineArgs
     from pagedkv.server.api_server import build_app
 
     args = EngineArgs(model=checkpoint, device="cpu", tensor_parallel_size=2, kv_cache_memory=1 << 24)

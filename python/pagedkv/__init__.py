@@ -17,7 +17,8 @@ from pagedkv import (  # noqa: F401
 __version__ = "0.1.0"
 built_with_cuda: bool = bool(_C.built_with_cuda)
 
-from pagedkv.engine import EngineArgs, LLMEngine  # noqa: E402
+from pagedkv.config import EngineArgs  # noqa: E402
+from pagedkv.engine import LLMEngine  # noqa: E402
 from pagedkv.llm import LLM  # noqa: E402
 from pagedkv.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedkv.sampling_params import SamplingParams  # noqa: E402

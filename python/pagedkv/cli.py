@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import time
@@ -150,7 +151,7 @@ def add_kv_calc_parser(sub) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     """`pagedkv serve`: the OpenAI-compatible server (pagedkv.server)."""
-    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.config import EngineArgs
     from pagedkv.server import run_server
 
     return run_server(EngineArgs(**engine_kwargs(ns)), ns)
@@ -190,10 +191,12 @@ def _is_torchrun_worker() -> bool:
 
 def _run_torchrun_worker(ns: argparse.Namespace) -> int:
     """Ranks > 0 under torchrun run the steps rank 0 sends; rank 0 generates or serves."""
-    from pagedkv.distributed.worker import run_torchrun_worker
-    from pagedkv.engine.llm_engine import EngineArgs
+    from pagedkv.config import EngineArgs
+    from pagedkv.distributed.launch import run_torchrun_worker
+    from pagedkv.engine.worker import serve_steps
 
-    return run_torchrun_worker(EngineArgs(**engine_kwargs(ns)))
+    args = EngineArgs(**engine_kwargs(ns))
+    return run_torchrun_worker(args.tensor_parallel_size, args.device, functools.partial(serve_steps, args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 PREEMPTION_MODES = ("recompute", "swap")
@@ -240,3 +242,61 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence needs a token of the step's budget")
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything `LLM(...)` and `pagedkv serve` accept (vLLM's names and defaults)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    swap_space: float = 4.0
+    preemption_mode: str = "recompute"
+    max_model_len: int | None = None
+    seed: int = 0
+    hash_algo: str = "sha256"
+    long_prefill_token_threshold: int = 0
+    skip_tokenizer_init: bool = False  # token-id prompts only, no output text (checkpoints without a tokenizer)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (one per GPU; processes on the CPU)
+    enforce_eager: bool = False  # CUDA: no captured decode graphs (every step launched kernel by kernel)
+    max_logprobs: int = 20  # most logprobs a request may ask for (vLLM's default)
+    # Sampling defaults for what a request leaves out: "auto" reads the checkpoint's generation_config.json,
+    # "vllm" uses vLLM's own defaults, anything else is a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # Where the engine core runs: "process" (its own process, the front end over ZeroMQ), "inproc" (in the
+    # caller's process and thread), or "auto" (the server: process; LLM offline: inproc, measured faster).
+    engine_core: str = "auto"
+    # The core's compute CPUs (engine/cpu_binding.py): "auto", "all", "nobind" or a list such as "0-3";
+    # None reads $PAGEDKV_CPU_THREADS_BIND.
+    cpu_threads_bind: str | None = None
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                           kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
+                           enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo)
+
+    def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=_max_model_len(model_config, self.max_model_len), preemption_mode=self.preemption_mode,
+            long_prefill_token_threshold=self.long_prefill_token_threshold)
+
+
+def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
+    limit = cfg.max_position_embeddings
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
+    length = asked or limit
+    if cfg.sliding_window and length > cfg.sliding_window:
+        # The kernels attend to the whole context; within the window that is exactly the model.
+        logger.warning("capping max_model_len %d to the model's sliding window %d", length, cfg.sliding_window)
+        length = cfg.sliding_window
+    return length

@@ -7,9 +7,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
-from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LoadedModel, PromptType
+from pagedkv.engine.llm_engine import EngineStats
 from pagedkv.engine.make_engine import make_engine
+from pagedkv.engine.request_checks import PromptType
+from pagedkv.model.loader import LoadedModel
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 

@@ -1,4 +1,5 @@
-"""What `LLM.generate` and `LLMEngine.step` return (vLLM's RequestOutput shape)."""
+"""What `LLM.generate` and `LLMEngine.step` return (vLLM's RequestOutput shape), and what the sampler hands the
+scheduler each step (SamplerOutput)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """token_ids[i]: row i's token. logprobs[i]: {token: Logprob} with the sampled token and the top ones, or None."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)

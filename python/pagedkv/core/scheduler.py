@@ -15,18 +15,28 @@ The result is one plain `SchedulerOutput`: the decode sequences, the prefill
 sequences with their chunk lengths, and the block copies (swap out, swap in,
 copy-on-write) to apply before the forward pass. All block bookkeeping goes
 through the C++ manager: one `append_slots_batch` for the decodes.
+
+After the forward, `update_from_output` (vLLM's name) closes the step: the
+computed tokens move on, the `n > 1` samples of a prompt just computed fork
+from sample 0, each sampled row gets its token, and a sequence that reached
+EOS, a stop token id or its length limit finishes and frees its blocks.
+Text (detokenization, stop strings) is the engine's: the scheduler knows
+token ids only.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from pagedkv._block_manager import NoFreeBlocksError
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.sequence import Sequence, SequenceStatus
+from pagedkv.core.sequence import Request, Sequence, SequenceStatus
+from pagedkv.outputs import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +74,34 @@ class SchedulerOutput:
         return s.num_computed_tokens + self.prefill_lens[i] == len(s.token_ids)
 
 
+@dataclass(slots=True)
+class StepUpdate:
+    """What `update_from_output` did with one step's sampled rows.
+
+    appended: the sequences that got a token, in row order. finished: those of
+    them that stopped (finish_reason set, blocks freed). failed: request id ->
+    (request, the error its row raised); the engine fails these requests, whose
+    later rows this step got no token.
+    """
+
+    appended: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    failed: dict[str, tuple[Request, Exception]] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests that moved (got a token), by id, in row order."""
+        return {s.request.request_id: s.request for s in self.appended}
+
+
 class Scheduler:
     """FCFS continuous batching with chunked prefill, preemption and prefix caching."""
 
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager,
+                 eos_token_ids: Set[int] = frozenset()) -> None:
+        """eos_token_ids: the tokens that end a sequence (unless its request sets ignore_eos)."""
         self.config = config
+        self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
         self.bm = block_manager
         self.caching = cache_config.enable_prefix_caching
@@ -83,18 +116,22 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Frees a sequence's blocks; it leaves `running` at the next schedule (no O(n) removal here)."""
+    def finish(self, seq: Sequence, reason: str | None = None, stop_reason: int | str | None = None) -> None:
+        """Frees a sequence's blocks and records why it ended (reason None: as set already); it leaves `running`
+        at the next schedule (no O(n) removal here)."""
         if seq.seq_id in self.bm:
             self.bm.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence, reason: str | None = None, stop_reason: int | str | None = None) -> None:
+        """Finishes a sequence wherever it is: running, waiting or swapped out."""
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-        self.finish(seq)
+        self.finish(seq, reason, stop_reason)
 
     @property
     def num_unfinished(self) -> int:
@@ -201,6 +238,83 @@ class Scheduler:
             out.prefill_seqs.append(seq)
             out.prefill_lens.append(n)
             budget -= n
+
+    # --- after the forward: the request lifecycle ------------------------------------
+    def update_from_output(self, out: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput,
+                           errors: list[Exception | None] | None = None, now: float | None = None) -> StepUpdate:
+        """Closes the step `out` scheduled: rows[i] (the model runner's sampled rows) gets sampled.token_ids[i],
+        with sampled.logprobs[i] ({token: Logprob} or None).
+
+        errors[i]: the exception sampling row i raised (its token is then -1), or
+        None; such a row's request is reported failed and its later rows get no
+        token. now: the step's wall-clock time (time.time()) for the metrics.
+        """
+        now = time.time() if now is None else now
+        for seq in out.decode_seqs:
+            seq.num_computed_tokens += 1
+        for seq, n in zip(out.prefill_seqs, out.prefill_lens, strict=True):
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+            seq.num_computed_tokens += n
+        # Fork first: sample 0 may finish on its first token and free its blocks below.
+        for seq in rows:
+            if seq.status is SequenceStatus.FORK_PENDING:
+                self._fork(seq)
+        update = StepUpdate()
+        errors = errors if errors is not None else [None] * len(rows)
+        for seq, token, logprobs, error in zip(rows, sampled.token_ids, sampled.logprobs, errors, strict=True):
+            req = seq.request
+            if req.request_id in update.failed:
+                continue
+            if error is None:
+                try:
+                    self._append_token(seq, token, logprobs, now)
+                    finished = self._check_stop(seq, token)
+                except Exception as e:  # this row's own state (e.g. logprobs without its token): its request fails
+                    error = e
+            if error is not None:
+                update.failed[req.request_id] = (req, error)
+                continue
+            update.appended.append(seq)
+            if finished:
+                update.finished.append(seq)
+        return update
+
+    def _fork(self, child: Sequence) -> None:
+        """Sample i > 0 of a prompt just computed: share sample 0's blocks (copy-on-write from here on)."""
+        parent = child.request.seqs[0]
+        self.bm.fork(parent.seq_id, child.seq_id)
+        child.token_ids = list(parent.token_ids[:parent.num_computed_tokens])
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    @staticmethod
+    def _append_token(seq: Sequence, token: int, logprobs, now: float) -> None:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        if seq.request.metrics.first_token_time is None:
+            seq.request.metrics.first_token_time = now
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Stops by id (EOS unless ignore_eos, a stop token id; neither before min_tokens), then by length
+        (max_tokens, max_model_len). Returns whether the sequence finished."""
+        p = seq.request.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, "stop")
+                return True
+            if token in p.all_stop_token_ids:
+                self.finish(seq, "stop", token)
+                return True
+        if seq.num_output_tokens >= (p.max_tokens or 1 << 62) or len(seq.token_ids) >= self.config.max_model_len:
+            self.finish(seq, "length")
+            return True
+        return False
 
     # --- preemption -------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -1,15 +1,7 @@
-"""Starting, watching and stopping the ranks of a tensor-parallel engine.
+"""A rank's membership in a tensor-parallel group: joining, the plan's collectives, watching, leaving.
 
-Two ways in:
-
-- one machine: the driver (this process, rank 0) starts `tp - 1` worker
-  processes with torch.multiprocessing (spawn); they meet on a free local
-  TCP port. Like vLLM, a script that builds a tensor-parallel engine
-  needs an `if __name__ == "__main__":` guard (spawn re-imports it).
-- several machines: torchrun starts every rank with the standard
-  MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE environment; rank 0 builds
-  the engine (and serves), the others run `pagedkv.distributed.worker`
-  from the same command line (see `pagedkv.cli`).
+`pagedkv.distributed.launch` starts the ranks (spawned on one machine, or
+by torchrun) and hands each its TPRuntime.
 
 Backends: gloo on the CPU; on CUDA, NCCL for the model's collectives and a
 gloo group for the per-step metadata, which is built on the host.
@@ -20,24 +12,21 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pagedkv.config import resolve_device
 from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.errors import EngineDeadError
 from pagedkv.model.parallel_state import init_tensor_parallel, reset_tensor_parallel
-
-if TYPE_CHECKING:
-    from pagedkv.engine.llm_engine import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +54,12 @@ def torchrun_env() -> tuple[int, int, int, int] | None:
 
 def rank_device(device: str, local_rank: int) -> torch.device:
     """This rank's device: its own GPU on CUDA (by local rank), the CPU otherwise."""
-    from pagedkv.config import resolve_device
-
     dev = resolve_device(device)
     if dev.type != "cuda":
         return dev
     if local_rank >= torch.cuda.device_count():
         raise ValueError(f"local rank {local_rank} has no GPU: this machine sees {torch.cuda.device_count()}")
     return torch.device("cuda", local_rank)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_threads_per_rank(local_world_size: int) -> int:
@@ -129,43 +110,12 @@ class TPRuntime:
         return cls(rank, world_size, local_world_size, dev, meta_group, StepChannel(meta_group),
                    threads_before=threads_before)
 
-    @classmethod
-    def start(cls, args: EngineArgs) -> TPRuntime:
-        """The driver's way in: joins torchrun's group, or spawns the workers of a one-machine group."""
-        tp = args.tensor_parallel_size
-        env = torchrun_env()
-        if env is not None:
-            rank, world, local_rank, local_world = env
-            if world != tp:
-                raise ValueError(f"tensor_parallel_size={tp} but torchrun started {world} ranks (WORLD_SIZE): "
-                                 "they must be equal")
-            if rank != 0:
-                raise ValueError(f"rank {rank} is a worker: run it through `pagedkv` (which serves the steps of "
-                                 "rank 0), not LLMEngine")
-            return cls.join(0, world, local_rank, local_world, "env://", args.device)
-        if args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < tp:
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, this machine has "
-                             f"{torch.cuda.device_count()}")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = torch.multiprocessing.get_context("spawn")
-        errors = ctx.SimpleQueue()
-        from pagedkv.distributed.worker import run_spawned_worker
-
-        workers = [ctx.Process(target=run_spawned_worker, args=(rank, tp, init_method, args, errors),
-                               name=f"pagedkv-tp{rank}", daemon=True) for rank in range(1, tp)]
-        for w in workers:
-            w.start()
-        try:
-            runtime = cls.join(0, tp, 0, tp, init_method, args.device)
-        except Exception:
-            for w in workers:
-                w.kill()
-            raise
-        runtime.workers, runtime.errors = workers, errors
-        atexit.register(_shutdown_at_exit, weakref.ref(runtime))
-        if runtime.device.type == "cuda":
-            threading.Thread(target=runtime._watch_workers, name="pagedkv-tp-watch", daemon=True).start()
-        return runtime
+    def adopt_workers(self, workers: list, errors: Any) -> None:
+        """The driver keeps the worker processes it spawned: it watches them, and stops them at exit."""
+        self.workers, self.errors = workers, errors
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        if self.device.type == "cuda":
+            threading.Thread(target=self._watch_workers, name="pagedkv-tp-watch", daemon=True).start()
 
     def _watch_workers(self) -> None:
         """CUDA: a collective waiting on a dead rank would sit in NCCL until the timeout (gloo notices the closed

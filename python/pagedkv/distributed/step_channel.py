@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pagedkv.engine.step_batch import BlockOps, StepBatch
+from pagedkv.core.step_batch import BlockOps, StepBatch
 from pagedkv.model.parallel_state import record_collective
 
 _STEP, _SHUTDOWN = 1, 2

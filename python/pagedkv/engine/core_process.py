@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.core_messages import (
     AbortRequests,
@@ -49,7 +50,7 @@ from pagedkv.engine.core_messages import (
     unpack_ids,
 )
 from pagedkv.engine.cpu_binding import apply_core_binding
-from pagedkv.engine.llm_engine import EngineArgs, EngineStats, LLMEngine
+from pagedkv.engine.llm_engine import EngineStats, LLMEngine
 from pagedkv.errors import EngineDeadError
 from pagedkv.outputs import RequestOutput
 
@@ -107,7 +108,10 @@ class EngineCore:
             self.engine.abort_request(message.request_ids)
         elif isinstance(message, FinishSamples):
             for request_id, index in message.samples:
-                self.engine.finish_sequence(request_id, index)
+                try:
+                    self.engine.finish_sequence(request_id, index)
+                except ValueError:  # not forked yet: the front end cannot have seen its text; nothing to stop
+                    logger.warning("finish of %s sample %d before its first token: ignored", request_id, index)
         elif isinstance(message, Shutdown):
             return False
         return True

@@ -12,23 +12,27 @@ and takes its rows of the logits. Steps with prompt chunks run eagerly.
 The kernels run in the graph with their index checks off (the runner checks
 each step's metadata on the host first) and `max_seq_len` = max_model_len,
 so nothing in a step syncs with the host.
+
+The graphs are given the forward to capture (ids, positions, attention
+metadata -> logits, over the runner's KV caches), not the runner itself.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from pagedkv import ops
-from pagedkv.engine.step_batch import StepBatch
+from pagedkv.core.step_batch import StepBatch
 from pagedkv.model.attention import AttentionMetadata
 
-if TYPE_CHECKING:
-    from pagedkv.engine.model_runner import ModelRunner
+# input_ids int64 [b], positions int64 [b], metadata of b decodes -> float32 logits [b, vocab]
+# (None on a tensor-parallel worker, which gathers nothing).
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | None]
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +46,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode graphs of one runner, and the static buffers they read."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
-        self.runner = runner
+    def __init__(self, forward: DecodeForward, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
+                 max_model_len: int) -> None:
+        self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
-        dev, n = runner.device, self.sizes[-1]
+        dev, n = device, self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(n, runner.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.replays = 0  # steps run from a graph (tests and logs read it)
@@ -61,9 +66,7 @@ class DecodeGraphs:
             decode_seq_lens=self.seq_lens[:b], decode_max_seq_len=self.max_model_len, num_prefills=0,
             prefill_block_tables=self.block_tables[:0], prefill_seq_lens=self.seq_lens[:0],
             prefill_query_start_loc=self.seq_lens[:1], prefill_max_query_len=0, prefill_max_seq_len=0)
-        model = self.runner.model
-        hidden = model(self.input_ids[:b], self.positions[:b], self.runner.kv_caches, meta)
-        return model.compute_logits(hidden)
+        return self.forward(self.input_ids[:b], self.positions[:b], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -21,12 +21,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.core_client import EngineCoreClient
 from pagedkv.engine.core_messages import AbortRequests, AddRequest, FinishSamples, StepOutputs, pack_ids, params_to_wire
 from pagedkv.engine.core_process import stats_from_wire
 from pagedkv.engine.cpu_binding import CpuBinding, plan_cpu_binding
-from pagedkv.engine.llm_engine import EngineArgs, EngineStats
+from pagedkv.engine.llm_engine import EngineStats
 from pagedkv.engine.output_processor import OutputProcessor, RequestState
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.model.loader import load_tokenizer, resolve_model

@@ -1,17 +1,19 @@
 """LLMEngine: requests in, tokens out, one step at a time.
 
-    step = schedule -> run -> postprocess
+    step = schedule -> execute -> update
 
 `add_request` tokenizes and queues a prompt; `step` asks the scheduler for
-a batch, runs it on the model, appends the sampled tokens, stops the
-sequences that are done and frees their blocks, and returns the outputs of
-the requests that moved. vLLM's LLMEngine has the same surface.
+a batch, runs it on the model and samples, hands the sampled tokens back to
+the scheduler (`update_from_output`: it appends them, stops the sequences
+that are done by id or length and frees their blocks), then applies text
+(incremental detokenization, stop strings) and returns the outputs of the
+requests that moved. vLLM's LLMEngine has the same surface.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-import json
 import logging
 import time
 from collections import deque
@@ -22,76 +24,26 @@ from typing import Any
 
 import torch
 
-from pagedkv.config import CacheConfig, GiB, ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
-from pagedkv.core.block_manager import BlockManager
+from pagedkv.config import EngineArgs, GiB, ModelConfig
 from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
-from pagedkv.core.scheduler import Scheduler, SchedulerOutput
+from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
+from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import find_stop_string, update_text
-from pagedkv.engine.memory_pool import plan_kv_cache
-from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.device_setup import build_device_side
+from pagedkv.engine.memory_pool import KVCachePlan
+from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
+from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
-from pagedkv.model.loader import load_model, load_tokenizer, resolve_model
-from pagedkv.model.sampler import SamplerOutput
-from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
+from pagedkv.model.loader import LoadedModel, generation_defaults, resolve_model
+from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
+from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_STEP_TIMES = 1 << 16
-# Keys of generation_config.json that set sampling defaults, with HF's own defaults (a value equal to HF's
-# default is not a choice of the checkpoint's authors: vLLM skips those too).
-_GENERATION_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
-                    "max_new_tokens": None}
 
-PromptType = str | list[int] | dict[str, Any]
-
-
-@dataclass(slots=True)
-class EngineArgs:
-    """Everything `LLM(...)` and `pagedkv serve` accept (vLLM's names and defaults)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str | torch.dtype = "auto"
-    device: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = False
-    swap_space: float = 4.0
-    preemption_mode: str = "recompute"
-    max_model_len: int | None = None
-    seed: int = 0
-    hash_algo: str = "sha256"
-    long_prefill_token_threshold: int = 0
-    skip_tokenizer_init: bool = False  # token-id prompts only, no output text (checkpoints without a tokenizer)
-    tensor_parallel_size: int = 1  # ranks the model is sharded over (one per GPU; processes on the CPU)
-    enforce_eager: bool = False  # CUDA: no captured decode graphs (every step launched kernel by kernel)
-    max_logprobs: int = 20  # most logprobs a request may ask for (vLLM's default)
-    # Sampling defaults for what a request leaves out: "auto" reads the checkpoint's generation_config.json,
-    # "vllm" uses vLLM's own defaults, anything else is a folder holding a generation_config.json.
-    generation_config: str = "auto"
-    # Where the engine core runs: "process" (its own process, the front end over ZeroMQ), "inproc" (in the
-    # caller's process and thread), or "auto" (the server: process; LLM offline: inproc, measured faster).
-    engine_core: str = "auto"
-    # The core's compute CPUs (engine/cpu_binding.py): "auto", "all", "nobind" or a list such as "0-3";
-    # None reads $PAGEDKV_CPU_THREADS_BIND.
-    cpu_threads_bind: str | None = None
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
-                           kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
-                           enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo)
-
-    def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=_max_model_len(model_config, self.max_model_len), preemption_mode=self.preemption_mode,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
 
 
 @dataclass(slots=True)
@@ -129,18 +81,6 @@ class _Counters:
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_STEP_TIMES))
 
 
-def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
-    limit = cfg.max_position_embeddings
-    if asked is not None and asked > limit:
-        raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
-    length = asked or limit
-    if cfg.sliding_window and length > cfg.sliding_window:
-        # The kernels attend to the whole context; within the window that is exactly the model.
-        logger.warning("capping max_model_len %d to the model's sliding window %d", length, cfg.sliding_window)
-        length = cfg.sliding_window
-    return length
-
-
 def _start_tensor_parallel(args: EngineArgs, loaded: LoadedModel | None) -> TPRuntime | None:
     """Checks the size against the model, then starts (or joins) the ranks; None on one device."""
     tp = args.tensor_parallel_size
@@ -153,70 +93,7 @@ def _start_tensor_parallel(args: EngineArgs, loaded: LoadedModel | None) -> TPRu
         raise ValueError("tensor parallelism loads safetensors checkpoints shard by shard; a GGUF file would be "
                          "dequantized whole on every rank: save it as safetensors first")
     ModelConfig.from_pretrained(source.path).check_tensor_parallel_size(tp)
-    return TPRuntime.start(args)
-
-
-def _eos_token_ids(source_path, cfg: ModelConfig, tokenizer) -> set[int]:
-    ids = set(cfg.eos_token_id)
-    gen = source_path / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def generation_defaults(folder: Path | None) -> dict[str, Any]:
-    """SamplingParams defaults set by `folder`/generation_config.json (vLLM's `--generation-config`).
-
-    Only the sampling keys the checkpoint sets to something other than HF's
-    own default count; `max_new_tokens` becomes `max_tokens`. A missing or
-    unreadable file sets nothing.
-    """
-    path = folder / "generation_config.json" if folder is not None else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        logger.warning("ignoring %s: %s", path, e)
-        return {}
-    out = {}
-    for key, hf_default in _GENERATION_KEYS.items():
-        value = config.get(key)
-        if value is not None and value != hf_default:
-            out["max_tokens" if key == "max_new_tokens" else key] = value
-    return out
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """A model and its tokenizer, loaded once; several engines (e.g. tests of different cache settings) can share it."""
-
-    model: Any
-    tokenizer: Any
-    name: str
-    dtype: torch.dtype
-    device: torch.device
-    eos_token_ids: set[int]
-    source_path: Path | None = None  # the checkpoint folder (its generation_config.json gives sampling defaults)
-
-    @classmethod
-    def load(cls, args: EngineArgs, device: torch.device | None = None, with_tokenizer: bool = True) -> LoadedModel:
-        """device: this rank's device under tensor parallelism (default: args.device resolved)."""
-        device = device or resolve_device(args.device)
-        source = resolve_model(args.model)
-        start = time.perf_counter()
-        checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
-        dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
-        torch.manual_seed(args.seed)
-        model = load_model(source, dtype, device)
-        tokenizer = None if args.skip_tokenizer_init or not with_tokenizer else load_tokenizer(source, args.tokenizer)
-        name = str(args.model) if args.model else source.name
-        logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)
-        return cls(model, tokenizer, name, dtype, device, _eos_token_ids(source.path, model.config, tokenizer),
-                   Path(source.path))
+    return start_tensor_parallel(tp, args.device, functools.partial(serve_steps, args))
 
 
 class LLMEngine:
@@ -226,6 +103,7 @@ class LLMEngine:
         """loaded: a model already in memory (not with tensor parallelism, where each rank loads its shard)."""
         if not isinstance(args.max_logprobs, int) or args.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {args.max_logprobs!r}")
+        self._check_generation_config(args)
         self.args = args
         self.tp = _start_tensor_parallel(args, loaded)
         try:
@@ -236,16 +114,19 @@ class LLMEngine:
             raise
 
     def _build(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
-        loaded = loaded or LoadedModel.load(args, self.tp.device if self.tp else None)
+        device_side = build_device_side(args, self.tp, loaded)
+        loaded = device_side.loaded
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.dtype, self.device, self.eos_token_ids = loaded.dtype, loaded.device, loaded.eos_token_ids
         self.model_config = self.model.config
-        self.cache_config = args.cache_config()
-        self.scheduler_config = args.scheduler_config(self.model_config)
+        self.cache_config, self.scheduler_config = device_side.cache_config, device_side.scheduler_config
         self.default_sampling = self._sampling_defaults(args, loaded)
-        if self.tp is not None:
-            self.tp.barrier()  # every rank has its shard
-        self._init_cache()
+        self.kv_spec = device_side.plan.spec
+        self.limits = RequestLimits(self.model_config.vocab_size, self.scheduler_config.max_model_len,
+                                    self.scheduler_config.max_num_seqs, args.max_logprobs)
+        self.block_manager, self.runner = device_side.block_manager, device_side.runner
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids)
+        self._log_cache(device_side.plan)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -254,13 +135,18 @@ class LLMEngine:
                                    if self.cache_config.enable_prefix_caching else None)
 
     @staticmethod
+    def _check_generation_config(args: EngineArgs) -> None:
+        """A generation_config folder without the file is refused before anything loads."""
+        folder = args.generation_config
+        if folder not in ("auto", "vllm") and not (Path(folder) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config={folder!r}: no generation_config.json there "
+                             f"(use 'auto' for the checkpoint's, 'vllm' for vLLM's defaults, or a folder)")
+
+    @staticmethod
     def _sampling_defaults(args: EngineArgs, loaded: LoadedModel) -> dict[str, Any]:
         if args.generation_config == "vllm":
             return {}
         folder = loaded.source_path if args.generation_config == "auto" else Path(args.generation_config)
-        if args.generation_config != "auto" and not (folder / "generation_config.json").is_file():
-            raise ValueError(f"generation_config={args.generation_config!r}: no generation_config.json there "
-                             f"(use 'auto' for the checkpoint's, 'vllm' for vLLM's defaults, or a folder)")
         defaults = generation_defaults(folder)
         if defaults:
             logger.info("sampling defaults from %s/generation_config.json: %s", folder, defaults)
@@ -271,17 +157,8 @@ class LLMEngine:
         return SamplingParams(**self.default_sampling)
 
     # --- set-up -----------------------------------------------------------------
-    def _init_cache(self) -> None:
-        cc, sc = self.cache_config, self.scheduler_config
-        plan = plan_kv_cache(self.model, cc, sc, self.dtype, self.device, self.args.seed, self.tp)
-        self.kv_spec = spec = plan.spec
-        self.block_manager = BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark,
-                                          cc.enable_prefix_caching, cc.hash_algo)
-        self.runner = ModelRunner(self.model, self.block_manager, cc, sc, plan.num_blocks, plan.num_cpu_blocks,
-                                  self.dtype, self.device, self.args.seed, self.tp.channel if self.tp else None,
-                                  cuda_graphs=not self.args.enforce_eager)
-        self.runner.eos_token_ids = self.eos_token_ids
-        self.scheduler = Scheduler(sc, cc, self.block_manager)
+    def _log_cache(self, plan: KVCachePlan) -> None:
+        cc, sc, spec = self.cache_config, self.scheduler_config, plan.spec
         tokens = plan.num_blocks * cc.block_size
         per_device = f" per device (x{self.tp.world_size} ranks)" if self.tp else ""
         logger.info("KV cache%s: %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); max concurrency at "
@@ -298,58 +175,17 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True): pass token ids")
-            try:
-                return prompt, self.tokenizer.encode(prompt)
-            except (UnicodeError, TypeError) as e:  # e.g. a lone surrogate, which no tokenizer can encode
-                raise ValueError(f"the prompt is not valid text: {e}") from e
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def validate_params(self, params: SamplingParams) -> None:
         """Refuses what the model or the engine's limits rule out (SamplingParams checked the rest itself)."""
-        vocab, limit = self.model_config.vocab_size, self.scheduler_config.max_num_seqs
-        if params.top_k > vocab:
-            raise SamplingParamsError("top_k", f"top_k must be -1, 0 or in [1, {vocab}] (the vocabulary), "
-                                               f"got {params.top_k}")
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise SamplingParamsError("stop_token_ids", f"stop token id {bad} is outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
-            raise SamplingParamsError("logprobs", f"requested {params.logprobs} logprobs, more than the "
-                                                  f"{self.args.max_logprobs} allowed (max_logprobs)")
-        if params.n > limit:
-            raise SamplingParamsError("n", f"n={params.n} is more than max_num_seqs={limit}")
+        self.limits.check_params(params)
 
     def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams,
                   cache_salt: str | None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        limit = self.scheduler_config.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {limit}: it must be at "
-                             f"most {limit - 1} to leave room for one output token")
-        self.validate_params(params)
-        salt_ok = isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS
-        if cache_salt is not None and not salt_ok:
-            raise SamplingParamsError("cache_salt", f"cache_salt must be a non-empty string of at most "
-                                                    f"{MAX_CACHE_SALT_CHARS} characters, got {cache_salt!r:.80}")
+        self.limits.check_request(token_ids, params, cache_salt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
@@ -385,23 +221,27 @@ class LLMEngine:
                 self._finish_request(req, "abort")
 
     def finish_sequence(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
-        """Ends sample `index` of a request now with finish reason "stop" and frees its blocks (a front end
-        found a stop string); the request finishes with its last sample. Unknown ids are ignored."""
+        """Finishes sample `index` of a request now, with finish reason "stop" (and `stop_reason`), and frees its
+        blocks: for a front end that found a stop string itself. The request finishes when all its samples have
+        (no output is made for it here: the caller has the one it found the stop in). Unknown ids are ignored.
+
+        Raises ValueError for a request whose samples have not forked yet (n > 1, its prompt not yet computed):
+        none of them has any output to stop.
+        """
         req = self.requests.get(request_id)
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
             return
-        seq = req.seqs[index]
-        self.scheduler.abort(seq)
-        seq.finish_reason, seq.stop_reason = "stop", stop_reason
+        if any(s.status is SequenceStatus.FORK_PENDING for s in req.seqs):
+            raise ValueError(f"request {request_id!r} has not sampled its first token yet: nothing to stop")
+        self.scheduler.abort(req.seqs[index], "stop", stop_reason)
         if req.finished:
             req.metrics.finished_time = time.time()
-            self.requests.pop(request_id, None)
+            del self.requests[request_id]
 
     def _finish_request(self, req: Request, reason: str) -> None:
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.abort(seq)
-                seq.finish_reason = reason
+                self.scheduler.abort(seq, reason)
         req.metrics.finished_time = time.time()
 
     def has_unfinished_requests(self) -> bool:
@@ -435,9 +275,18 @@ class LLMEngine:
                 raise died from e
             return self._fail_step(out, e)
         sampled, errors = self._sample(rows, logits)
-        self.counters.num_steps += 1
-        self.counters.step_times.append(time.perf_counter() - t0)
-        return self._postprocess(out, rows, sampled, errors)
+        self._count(out, rows, t0)
+        now = time.time()
+        update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
+        return self._process_outputs(update, now)
+
+    def _count(self, out: SchedulerOutput, rows: list[Sequence], t0: float) -> None:
+        c = self.counters
+        c.num_steps += 1
+        c.step_times.append(time.perf_counter() - t0)
+        c.prompt_tokens += sum(out.prefill_lens)
+        c.generation_tokens += len(rows)
+        c.peak_used_blocks = max(c.peak_used_blocks, self.block_manager.num_used_gpu_blocks)
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[SamplerOutput, list[Exception | None]]:
         try:
@@ -490,101 +339,64 @@ class LLMEngine:
         except Exception as e:
             raise EngineDeadError(f"the engine cannot run a step any more: {e!r}") from e
 
-    def _postprocess(self, out: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput,
-                     errors: list[Exception | None]) -> list[RequestOutput]:
-        now = time.time()
-        for seq in out.decode_seqs:
-            seq.num_computed_tokens += 1
-        for seq, n in zip(out.prefill_seqs, out.prefill_lens, strict=True):
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-            seq.num_computed_tokens += n
-            self.counters.prompt_tokens += n
-        self.counters.generation_tokens += len(rows)
-        self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, self.block_manager.num_used_gpu_blocks)
-        # Fork first: sample 0 may finish on its first token and free its blocks below.
-        for seq in rows:
-            if seq.status is SequenceStatus.FORK_PENDING:
-                self._fork(seq)
-        touched: dict[str, Request] = {}
-        faulty: dict[str, tuple[Request, Exception]] = {}
-        for seq, token, logprobs, error in zip(rows, sampled.token_ids, sampled.logprobs, errors, strict=True):
-            req = seq.request
-            if error is None and req.request_id not in faulty:
-                error = self._append_token(seq, token, logprobs, now)
-            if error is not None:
-                faulty.setdefault(req.request_id, (req, error))
-                continue
-            touched[req.request_id] = req
+    # --- after update_from_output: text, failures, outputs ----------------------------
+    def _process_outputs(self, update: StepUpdate, now: float) -> list[RequestOutput]:
+        """Text for the rows that got a token, then the outputs: failed requests first, then those that moved."""
+        failed = dict(update.failed)
+        self._apply_text(update.appended, failed)
         outputs = []
-        for req, error in faulty.values():
+        for req, error in failed.values():
             logger.error("request %s failed in this step", req.request_id, exc_info=error)
-            touched.pop(req.request_id, None)
             outputs.extend(self._fail_requests([req], f"the engine failed while running this request: {error!r}"))
-        for req in touched.values():
+        for rid, req in update.requests.items():
+            if rid in failed:
+                continue
             if req.finished:
                 req.metrics.finished_time = now
-                self.requests.pop(req.request_id, None)
+                self.requests.pop(rid, None)
             output = self._make_output(req)
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> Exception | None:
-        """Appends a sampled token and applies the stop rules; returns the error if that raised (its request
-        alone fails: e.g. its tokenizer could not decode the text)."""
-        try:
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                if seq.logprobs is None:
-                    seq.logprobs = []
-                seq.logprobs.append(logprobs)
-                seq.cumulative_logprob += logprobs[token].logprob
-            if seq.request.metrics.first_token_time is None:
-                seq.request.metrics.first_token_time = now
-            self._check_stop(seq, token)
-        except Exception as e:
-            return e
-        return None
-
-    def _fork(self, child: Sequence) -> None:
-        """Sample i > 0 of a prompt just computed: share sample 0's blocks (copy-on-write from here on)."""
-        parent = child.request.seqs[0]
-        self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.token_ids = list(parent.token_ids[:parent.num_computed_tokens])
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(child)
+    def _apply_text(self, appended: list[Sequence], failed: dict[str, tuple[Request, Exception]]) -> None:
+        """Each row's text, in row order; a row whose text raises (e.g. its tokenizer cannot decode it) fails its
+        request alone, and that request's samples from that row on end with "error"."""
+        if self.tokenizer is None:
+            return
+        for i, seq in enumerate(appended):
+            req = seq.request
+            if req.request_id in failed:
+                continue
+            try:
+                self._update_text(seq)
+            except Exception as e:
+                failed[req.request_id] = (req, e)
+                # As when text came before the stop rules: these samples did not end by their own rule.
+                for later in appended[i:]:
+                    if later.request is req:
+                        self.scheduler.finish(later, "error")
 
     def _needs_text(self, req: Request) -> bool:
         if self.tokenizer is None:
             return False
         return bool(req.params.stop_strings) or req.output_kind is not OutputKind.FINAL_ONLY
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _update_text(self, seq: Sequence) -> None:
+        """Streaming text and stop strings while the sequence runs; the whole text, once, when the others finish."""
         p = seq.request.params
-        reason, stop_reason = None, None
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
-            elif token in p.all_stop_token_ids:
-                reason, stop_reason = "stop", token
-        if reason is None and self._needs_text(seq.request):
+        if self._needs_text(seq.request):
+            if seq.finish_reason == "stop":  # an id ended it: nothing of it is text
+                return
             new = update_text(self.tokenizer, seq, p.skip_special_tokens)
             stop = find_stop_string(seq, len(new), p.stop_strings, p.include_stop_str_in_output)
-            if stop is not None:
-                reason, stop_reason = "stop", stop
-        if reason is None and (seq.num_output_tokens >= (p.max_tokens or 1 << 62)
-                               or len(seq.token_ids) >= self.scheduler_config.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            if not self._needs_text(seq.request) and self.tokenizer is not None:
-                ids = seq.output_token_ids
-                if stop_reason is not None or (reason == "stop" and not p.ignore_eos):
-                    ids = ids[:-1]  # the stop token is not part of the text
-                seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
-            self.scheduler.finish(seq)
+            if stop is not None:  # also on the token that ended it by length: the stop string is the reason
+                self.scheduler.finish(seq, "stop", stop)
+        elif seq.is_finished:
+            ids = seq.output_token_ids
+            if seq.stop_reason is not None or (seq.finish_reason == "stop" and not p.ignore_eos):
+                ids = ids[:-1]  # the stop token is not part of the text
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         kind = req.output_kind

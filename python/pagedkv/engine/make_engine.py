@@ -13,8 +13,10 @@ A model already in memory (`loaded`) can only serve an in-process engine.
 
 from __future__ import annotations
 
+from pagedkv.config import EngineArgs
 from pagedkv.engine.frontend import FrontendEngine
-from pagedkv.engine.llm_engine import EngineArgs, LLMEngine, LoadedModel
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.model.loader import LoadedModel
 
 ENGINE_CORES = ("auto", "process", "inproc")
 

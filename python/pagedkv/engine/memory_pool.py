@@ -9,6 +9,11 @@ The budget: on CUDA, gpu_memory_utilization x total device memory, minus the
 weights, minus the activation peak of a profiling forward at
 max_num_batched_tokens; on the CPU, `kv_cache_memory` bytes (default 4 GiB,
 at most half the available RAM). `kv_cache_memory` overrides both.
+
+Pure sizing: the caller hands in what it measured (the activation peak) and
+what it knows of the tensor-parallel group (its size, the ranks on this
+host), and agrees on one block count with the other ranks itself
+(`pagedkv.engine.device_setup`).
 """
 
 from __future__ import annotations
@@ -16,14 +21,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.config import CacheConfig, GiB, ModelConfig, SchedulerConfig
-
-if TYPE_CHECKING:
-    from pagedkv.distributed.runtime import TPRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -105,26 +106,26 @@ class KVCachePlan:
     num_cpu_blocks: int
 
 
-def plan_kv_cache(model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, dtype: torch.dtype,
-                  device: torch.device, seed: int, tp: TPRuntime | None = None) -> KVCachePlan:
-    """Sizes the pool from the budget; every tensor-parallel rank runs this together and takes the smallest count.
+def needs_activation_profile(cache_config: CacheConfig, device: torch.device) -> bool:
+    """Whether the budget depends on the activation peak (CUDA, sized by gpu_memory_utilization)."""
+    return device.type == "cuda" and cache_config.kv_cache_memory is None
 
-    The ranks hold the same share of KV heads, so one block count fits all; on
-    CUDA each measures its own free memory and activation peak.
-    """
+
+def local_num_blocks(spec: KVCacheSpec, cache_config: CacheConfig, device: torch.device, activation_peak: int = 0,
+                     ranks_on_host: int = 1) -> int:
+    """Blocks this device's budget holds. activation_peak: bytes (counted only where needs_activation_profile)."""
+    cc = cache_config
+    if needs_activation_profile(cc, device):
+        return spec.num_blocks(cuda_kv_budget(cc.gpu_memory_utilization, activation_peak, device))
+    return spec.num_blocks(cpu_kv_budget(cc.kv_cache_memory, ranks_on_host))
+
+
+def plan_kv_cache(spec: KVCacheSpec, num_blocks: int, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                  device: torch.device) -> KVCachePlan:
+    """The plan for `num_blocks` GPU blocks (under tensor parallelism the smallest of the ranks' local counts:
+    they hold the same share of KV heads, so one count fits all); refuses a pool too small for max_model_len."""
     cc, sc = cache_config, scheduler_config
-    spec = kv_cache_spec(model.config, dtype, cc.block_size, tp.world_size if tp else 1)
-    if device.type == "cuda" and cc.kv_cache_memory is None:
-        from pagedkv.engine.model_runner import profile_activation_peak
-
-        peak = profile_activation_peak(model, cc, sc, dtype, device, seed)
-        budget, setting = cuda_kv_budget(cc.gpu_memory_utilization, peak, device), "gpu_memory_utilization"
-    else:
-        budget = cpu_kv_budget(cc.kv_cache_memory, tp.local_world_size if tp else 1)
-        setting = "kv_cache_memory"
-    num_blocks = spec.num_blocks(budget)
-    if tp is not None:
-        num_blocks = tp.min_over_ranks(num_blocks)
+    setting = "gpu_memory_utilization" if needs_activation_profile(cc, device) else "kv_cache_memory"
     check_fits(spec, num_blocks, int(cc.watermark * num_blocks), sc.max_model_len, setting)
     num_cpu_blocks = spec.num_blocks(int(cc.swap_space * GiB)) if sc.preemption_mode == "swap" else 0
     return KVCachePlan(spec, num_blocks, num_cpu_blocks)

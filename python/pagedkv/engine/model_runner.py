@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,14 +20,13 @@ from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.scheduler import SchedulerOutput
 from pagedkv.core.sequence import Sequence
+from pagedkv.core.step_batch import BlockOps, StepBatch
+from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.engine.cuda_graphs import DecodeGraphs
-from pagedkv.engine.step_batch import BlockOps, StepBatch
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.model.sampler import Sampler, SamplerOutput, SamplingBatch
-
-if TYPE_CHECKING:
-    from pagedkv.distributed.step_channel import StepChannel
+from pagedkv.model.sampler import Sampler, SamplingBatch
+from pagedkv.outputs import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +90,14 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
-            self.graphs = DecodeGraphs(self, max_seqs, scheduler_config.max_model_len)
+            self.graphs = DecodeGraphs(self._forward_logits, device, max_seqs, self.max_blocks_per_seq,
+                                       scheduler_config.max_model_len)
             self.graphs.capture()
+
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor | None:
+        """The forward a decode graph captures: logits of every row (a graph's batch is all decodes)."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     # --- block copies --------------------------------------------------------
     def apply_block_ops(self, block_ops: BlockOps) -> None:

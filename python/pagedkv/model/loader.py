@@ -4,24 +4,33 @@ A model is named by a folder with `config.json` and safetensors files
 (sharded through `model.safetensors.index.json` or not), by a `.gguf` file
 (dequantized through transformers + gguf), or by None: the built-in default
 model (pagedkv.model.default_model). The tokenizer comes from the same
-place unless another is named.
+place unless another is named. `LoadedModel.load` does all of it for an
+`EngineArgs`, and finds the EOS tokens and sampling defaults the checkpoint
+sets.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from pagedkv.config import ModelConfig
+from pagedkv.config import EngineArgs, ModelConfig, resolve_device, resolve_dtype
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.parallel_state import get_tp_size
 
 logger = logging.getLogger(__name__)
+
+# Keys of generation_config.json that set sampling defaults, with HF's own defaults (a value equal to HF's
+# default is not a choice of the checkpoint's authors: vLLM skips those too).
+_GENERATION_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                    "max_new_tokens": None}
 
 
 @dataclass(slots=True)
@@ -152,3 +161,67 @@ def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None):
     if source.gguf_file:
         return AutoTokenizer.from_pretrained(str(source.path), gguf_file=source.gguf_file)
     return AutoTokenizer.from_pretrained(str(source.path))
+
+
+def eos_token_ids(source_path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
+    """Every id that ends a sequence: config.json's, generation_config.json's and the tokenizer's."""
+    ids = set(cfg.eos_token_id)
+    gen = source_path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def generation_defaults(folder: Path | None) -> dict[str, Any]:
+    """SamplingParams defaults set by `folder`/generation_config.json (vLLM's `--generation-config`).
+
+    Only the sampling keys the checkpoint sets to something other than HF's
+    own default count; `max_new_tokens` becomes `max_tokens`. A missing or
+    unreadable file sets nothing.
+    """
+    path = folder / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring %s: %s", path, e)
+        return {}
+    out = {}
+    for key, hf_default in _GENERATION_KEYS.items():
+        value = config.get(key)
+        if value is not None and value != hf_default:
+            out["max_tokens" if key == "max_new_tokens" else key] = value
+    return out
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model and its tokenizer, loaded once; several engines (e.g. tests of different cache settings) can share it."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: set[int]
+    source_path: Path | None = None  # the checkpoint folder (its generation_config.json gives sampling defaults)
+
+    @classmethod
+    def load(cls, args: EngineArgs, device: torch.device | None = None, with_tokenizer: bool = True) -> LoadedModel:
+        """device: this rank's device under tensor parallelism (default: args.device resolved)."""
+        device = device or resolve_device(args.device)
+        source = resolve_model(args.model)
+        start = time.perf_counter()
+        checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
+        dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
+        torch.manual_seed(args.seed)
+        model = load_model(source, dtype, device)
+        tokenizer = None if args.skip_tokenizer_init or not with_tokenizer else load_tokenizer(source, args.tokenizer)
+        name = str(args.model) if args.model else source.name
+        logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)
+        return cls(model, tokenizer, name, dtype, device, eos_token_ids(source.path, model.config, tokenizer),
+                   Path(source.path))

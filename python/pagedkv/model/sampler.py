@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.outputs import Logprob
+from pagedkv.outputs import Logprob, SamplerOutput
 
 
 @dataclass(slots=True)
@@ -46,14 +46,6 @@ class SamplingBatch:
     @property
     def needs_filters(self) -> tuple[bool, bool, bool]:
         return (bool((self.top_ks > 0).any()), bool((self.top_ps < 1.0).any()), bool((self.min_ps > 0.0).any()))
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    """token_ids[i]: row i's token. logprobs[i]: {token: Logprob} with the sampled token and the top ones, or None."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, penalties: list[tuple[float, list[int]] | None]) -> None:

@@ -49,9 +49,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv
+from pagedkv.config import EngineArgs
 from pagedkv.engine.cpu_binding import apply_frontend_binding
-from pagedkv.engine.llm_engine import EngineArgs, LLMEngine, LoadedModel
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.make_engine import make_engine
+from pagedkv.model.loader import LoadedModel
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (

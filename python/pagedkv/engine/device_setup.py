@@ -1,0 +1,71 @@
+"""The device side of one rank: its model, its KV-cache plan and its ModelRunner, built the same way on every rank.
+
+The driver (LLMEngine) and every tensor-parallel worker build it with
+`build_device_side`, so the ranks meet the same collectives in the same
+order: the barrier once every shard is loaded, the activation profile's
+forward (CUDA), the minimum over ranks of the block count, and the capture
+of the decode graphs (which hold the model's collectives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.distributed.runtime import TPRuntime
+from pagedkv.engine.memory_pool import (
+    KVCachePlan,
+    kv_cache_spec,
+    local_num_blocks,
+    needs_activation_profile,
+    plan_kv_cache,
+)
+from pagedkv.engine.model_runner import ModelRunner, profile_activation_peak
+from pagedkv.model.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class DeviceSide:
+    """What one rank runs steps with. block_manager: the driver's (None on a worker, which gets its batches built)."""
+
+    loaded: LoadedModel
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    plan: KVCachePlan
+    block_manager: BlockManager | None
+    runner: ModelRunner
+
+
+def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: LoadedModel | None = None) -> DeviceSide:
+    """Loads the model onto this rank's device (unless `loaded`), plans the KV cache with the other ranks, and
+    builds the ModelRunner (with the block manager and the step channel on the driver).
+
+    tp: this process's tensor-parallel membership (None on one device). Only the
+    driver loads a tokenizer.
+    """
+    driver = tp is None or tp.is_driver
+    loaded = loaded or LoadedModel.load(args, tp.device if tp else None, with_tokenizer=driver)
+    cc, sc = args.cache_config(), args.scheduler_config(loaded.model.config)
+    if tp is not None:
+        tp.barrier()  # every rank has its shard
+    plan = _plan_cache(loaded, cc, sc, args.seed, tp)
+    bm = (BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark, cc.enable_prefix_caching,
+                       cc.hash_algo) if driver else None)
+    runner = ModelRunner(loaded.model, bm, cc, sc, plan.num_blocks, plan.num_cpu_blocks, loaded.dtype,
+                         loaded.device, args.seed, tp.channel if tp is not None and driver else None,
+                         cuda_graphs=not args.enforce_eager)
+    runner.eos_token_ids = loaded.eos_token_ids
+    return DeviceSide(loaded, cc, sc, plan, bm, runner)
+
+
+def _plan_cache(loaded: LoadedModel, cc: CacheConfig, sc: SchedulerConfig, seed: int,
+                tp: TPRuntime | None) -> KVCachePlan:
+    """Every rank measures its own budget (its free memory, its activation peak); all take the smallest count."""
+    spec = kv_cache_spec(loaded.model.config, loaded.dtype, cc.block_size, tp.world_size if tp else 1)
+    peak = (profile_activation_peak(loaded.model, cc, sc, loaded.dtype, loaded.device, seed)
+            if needs_activation_profile(cc, loaded.device) else 0)
+    num_blocks = local_num_blocks(spec, cc, loaded.device, peak, tp.local_world_size if tp else 1)
+    if tp is not None:
+        num_blocks = tp.min_over_ranks(num_blocks)
+    return plan_kv_cache(spec, num_blocks, cc, sc, loaded.device)
