@@ -50,10 +50,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-# pagedkv: `pagedkv serve` as shipped (the engine core in its own process); pagedkv-inproc: the core on the
-# server's engine thread (--engine-core inproc); vllm: vLLM CPU at --vllm-omp-bind; vllm-allcores: vLLM CPU
-# with VLLM_CPU_OMP_THREADS_BIND listing every core of this process.
-SYSTEMS = ("pagedkv", "pagedkv-inproc", "vllm", "vllm-allcores")
+# pagedkv: `pagedkv serve` as shipped (the engine core in its own process, --cpu-threads-bind auto);
+# pagedkv-onecore: the core computes on the last CPU only, the front end keeps the others (vLLM's default
+# split); pagedkv-inproc: the core on the server's engine thread (--engine-core inproc); vllm: vLLM CPU at
+# --vllm-omp-bind; vllm-allcores: vLLM CPU with VLLM_CPU_OMP_THREADS_BIND listing every core.
+SYSTEMS = ("pagedkv", "pagedkv-onecore", "pagedkv-inproc", "vllm", "vllm-allcores")
 DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
 GiB = 1 << 30
 
@@ -210,8 +211,9 @@ def server_command(system: str, args: argparse.Namespace, model_dir: Path, port:
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--dtype", args.dtype,
                "--kv-cache-memory", str(args.kv_cache_gib * GiB), "--uvicorn-log-level", "warning",
                "--engine-core", "inproc" if system == "pagedkv-inproc" else "process", *common]
-        if args.pagedkv_cpu_bind:
-            cmd += ["--cpu-threads-bind", args.pagedkv_cpu_bind]
+        bind = str(max(os.sched_getaffinity(0))) if system == "pagedkv-onecore" else args.pagedkv_cpu_bind
+        if bind:
+            cmd += ["--cpu-threads-bind", bind]
         return cmd, env
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
     bind = "all" if system == "vllm-allcores" else args.vllm_omp_bind

@@ -119,6 +119,15 @@ def tiny_reference(tiny_checkpoint):
     return prompts, outputs, stats
 
 
+def test_tiny_llama_sharded_under_the_engine_core_process(tiny_checkpoint, tiny_reference):
+    """The core process starts the ranks under itself: the same outputs as size 1 in-process."""
+    prompts, ref_outputs, _ = tiny_reference
+    kwargs = _engine_kwargs(tiny_checkpoint, 2, NUM_BLOCKS, "recompute") | {"engine_core": "process"}
+    outputs, stats = _run(kwargs, prompts, _params())
+    assert_same_greedy(ref_outputs, outputs, "tiny Llama at tensor_parallel_size=2 in the core process")
+    assert stats.prefix_cache_hits > 0 and all(o.finished for o in outputs)
+
+
 @pytest.mark.parametrize("tp, preemption_mode", [(2, "swap"), (4, "recompute")])
 def test_tiny_llama_sharded_matches_one_device(tiny_checkpoint, tiny_reference, tp, preemption_mode):
     prompts, ref_outputs, ref_stats = tiny_reference
@@ -198,7 +207,8 @@ def test_killed_worker_raises_a_clear_error(tiny_checkpoint):
 def test_killed_worker_makes_the_server_answer_503(tiny_checkpoint):
     out = _scenario("server-kill", tiny_checkpoint)
     assert "BEFORE: 200" in out
-    assert re.search(r"AFTER: 503 tensor-parallel worker died: rank 1", out), out
+    # The ranks run under the engine core's process: the core reports the death, the server answers for it.
+    assert re.search(r"AFTER: 503 the engine core failed: tensor-parallel worker died: rank 1", out), out
     assert "LATER: 503 server_error" in out and "HEALTH: 503" in out and "SHUTDOWN OK" in out
 
 

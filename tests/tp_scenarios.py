@@ -68,7 +68,8 @@ def server_kill(checkpoint: str) -> None:
     body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
     with httpx.Client(base_url=url, timeout=120) as client:
         print(f"BEFORE: {client.post('/v1/completions', json=body).status_code}", flush=True)
-        os.kill(app.state.engine.tp.workers[0].pid, signal.SIGKILL)
+        # The ranks run under the engine core's process: kill rank 1, a child of the core.
+        os.kill(_children(app.state.engine.core_pid)[0], signal.SIGKILL)
         reply = client.post("/v1/completions", json=body | {"max_tokens": 64})
         print(f"AFTER: {reply.status_code} {reply.json()['error']['message']}", flush=True)
         reply = client.post("/v1/completions", json=body)
@@ -77,6 +78,22 @@ def server_kill(checkpoint: str) -> None:
     server.should_exit = True
     thread.join(30)
     print("SHUTDOWN OK", flush=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` that run Python (the tensor-parallel ranks the core spawned)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "spawn_main" in open(f"/proc/{entry}/cmdline").read():
+            found.append(int(entry))
+    assert found, f"no worker under the engine core {pid}"
+    return found
 
 
 if __name__ == "__main__":

@@ -115,7 +115,12 @@ class EngineCoreClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:  # in slices, so a missed wake-up can never leave it waiting for ever
             left = _LIVENESS_POLL_S if deadline is None else min(_LIVENESS_POLL_S, deadline - time.monotonic())
-            events = dict(self._poller.poll(max(0, int(left * 1000))))
+            try:
+                events = dict(self._poller.poll(max(0, int(left * 1000))))
+            except (zmq.ZMQError, OSError) as e:
+                if self._closed:  # closed under a waiting thread (interpreter exit, shutdown)
+                    raise EngineDeadError("the engine core was shut down") from e
+                raise
             if events or (deadline is not None and time.monotonic() >= deadline):
                 break
             self.check_alive()
