@@ -64,6 +64,20 @@ redraws it from an earlier `--json` without running anything."""),
 vLLM's serving benchmark, run against `pagedkv serve` and vLLM's OpenAI server from its CPU backend on the
 same requests (random token ids, streamed, greedy, ignore_eos) at several Poisson rates: TTFT, TPOT, ITL and
 end-to-end latency. The client runs on the same 2 cores as the server."""),
+    ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
+48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
+batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine
+core's IPC: its outputs as msgpack structs, and the front end's decoding, detokenization and outputs, which
+run in the front end's process beside the core's next step. Host work is everything on the core's critical
+path that is not compute; the target is under 5% of the step."""),
+    ("bf16 on the CPU (`bench/bench_bf16_cpu.py`, `bench/bench_cpu_linear.py`)", "bf16_cpu.md", [], """\
+Why dtype "auto" picks bfloat16 on CPUs with AVX512-BF16: the attention kernels in fp32, bf16 on the AVX-512
+variant, and bf16 on the `vdpbf16ps` variant (interleaved, last-level cache flushed); the model's linear
+shapes fp32 vs bf16 through oneDNN; a 48-sequence decode step and the offline workload in both dtypes."""),
+    ("Fused per-layer ops (`bench/bench_kernels.py --fused`, `bench/bench_fused_decode.py`)", "fused_ops_cpu.md",
+     [], """\
+`fused_add_rms_norm`, `rms_norm` and `rotary_embedding_and_cache` against the unfused torch sequences they
+replace, per layer, and a 48-sequence decode step with the fused ops on and off on alternate steps."""),
     ("Sampler (`bench/bench_sampler.py`)", "sampler_cpu.md", [], """\
 One step's sampling for a decode batch (48 rows, the default model's 49k vocabulary) beside the sampler it
 replaced, interleaved in one process. Before: top-k / top-p over a full sort of the vocabulary, then a random

@@ -5,8 +5,9 @@
     "inproc"   LLMEngine: everything in the caller's thread
     "auto"     the caller's default: the server runs the core in a process (its
                event loop and its clients must never stall the compute
-               threads); offline `LLM` runs it in-process (no IPC, measured
-               faster: bench/results/throughput_cpu.md)
+               threads); offline `LLM` runs it in-process (the two measure level
+               offline, bench/results/throughput_cpu.md, and in-process needs no
+               second interpreter nor a __main__ guard)
 
 A model already in memory (`loaded`) can only serve an in-process engine.
 """
