@@ -10,6 +10,7 @@ requests fail and that the prefix cache never offers KV that a failed step did n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -33,16 +34,32 @@ PROMPT = "The capital of France is"
 VOCAB = 49152
 
 
+GUARDED_ARGS = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=128 << 20, max_model_len=MAX_MODEL_LEN,
+                          max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=64, enable_prefix_caching=True)
+
+
 @pytest.fixture(scope="module")
-def guarded(loaded_model):
+def guarded(default_model_dir):
+    """The server as `pagedkv serve` runs it (the engine core in its own process), with tight guards."""
     from pagedkv.server import ServerOptions, build_app
 
-    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=128 << 20, max_model_len=MAX_MODEL_LEN,
-                      max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=64, enable_prefix_caching=True)
+    args = GUARDED_ARGS
     options = ServerOptions(api_keys=(KEY,), max_request_body_bytes=BODY_LIMIT, max_json_nesting_depth=DEPTH_LIMIT,
                             enable_prompt_tokens_details=True)
-    app = build_app(args, served_model_names=[MODEL], loaded=loaded_model, options=options)
+    app = build_app(dataclasses.replace(args, model=str(default_model_dir), engine_core="process"),
+                    served_model_names=[MODEL], options=options)
     with running_server(app, sndbuf=4096) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def guarded_thread(loaded_model):
+    """`guarded`'s settings with the engine on the server's own thread: faults can be planted in it."""
+    from pagedkv.server import ServerOptions, build_app
+
+    options = ServerOptions(api_keys=(KEY,), enable_prompt_tokens_details=True)
+    app = build_app(GUARDED_ARGS, served_model_names=[MODEL], loaded=loaded_model, options=options)
+    with running_server(app) as srv:
         yield srv
 
 
@@ -218,9 +235,10 @@ LONG_PROMPT = ("Paged attention keeps the keys and values of every sequence in f
                "table maps each sequence's logical blocks to physical ones, so memory is allocated on demand. ") * 2
 
 
-def test_failed_step_does_not_poison_the_prefix_cache(guarded, llm, loaded_model):
+def test_failed_step_does_not_poison_the_prefix_cache(guarded_thread, llm, loaded_model):
     """A forward that fails after its blocks were offered to the prefix cache: the retry of the same prompt
     must compute them again (and get the right text), not reuse blocks whose KV was never written."""
+    guarded = guarded_thread
     runner = guarded.engine.runner
     num_prompt = len(loaded_model.tokenizer.encode(LONG_PROMPT))
     assert num_prompt > 3 * 16  # several full blocks get registered by the failed step
@@ -325,19 +343,17 @@ def test_disconnect_while_queued_aborts(guarded, stream):
             sock.close()
     wait_idle(guarded)
     assert _aborted(guarded) == aborted + MAX_NUM_SEQS + 1
-    assert engine.block_manager.num_used_gpu_blocks == 0
+    assert guarded.async_engine.inspect()["used_blocks"] == 0
 
 
 def test_disconnect_while_prefilling_aborts(guarded):
     """A long prompt prefills in chunks of 64 tokens; its client leaves in the middle: it stops there."""
     wait_idle(guarded)
     aborted = _aborted(guarded)
-    engine = guarded.engine
     prompt = LONG_PROMPT * 3  # ~230 tokens: four chunks of 64
 
-    def prefilling() -> bool:
-        seqs = [s for s in list(engine.scheduler.running) if s.request.prompt == prompt]
-        return any(0 < s.num_computed_tokens < s.num_prompt_tokens for s in seqs)
+    def prefilling() -> bool:  # the only prompt of over 200 tokens, part-way through
+        return any(n > 200 and 0 < done < n for done, n in guarded.async_engine.inspect()["prompt_progress"])
 
     sock = _raw_request(guarded.port, "/v1/completions",
                         completion(prompt=prompt, max_tokens=200, ignore_eos=True, stream=True))
@@ -347,7 +363,7 @@ def test_disconnect_while_prefilling_aborts(guarded):
         sock.close()
     wait_idle(guarded)
     assert _aborted(guarded) == aborted + 1  # not finished: 200 tokens would take seconds
-    assert engine.block_manager.num_used_gpu_blocks == 0
+    assert guarded.async_engine.inspect()["used_blocks"] == 0
 
 
 def test_slow_reader_costs_one_merged_output(guarded, llm):
@@ -487,10 +503,11 @@ def test_nothing_is_left_behind(guarded):
     wait_idle(guarded)
     engine, async_engine = guarded.engine, guarded.async_engine
     wait_until(lambda: not async_engine._streams, 10, "the engine thread to drop its streams")
-    assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.swapped
-    assert all(s.is_finished for s in engine.scheduler.running)
-    assert engine.block_manager.seq_ids() == [] and engine.block_manager.num_used_gpu_blocks == 0
-    assert not engine.block_manager.prefix_cache._seqs  # per-sequence hash state
+    assert not engine.requests  # the front end's per-request text state
+    core = async_engine.inspect()  # the engine core's own state, from its process
+    assert core["requests"] == [] and core["waiting"] == 0 and core["swapped"] == 0, core
+    assert core["running_unfinished"] == 0 and core["block_manager_seqs"] == [] and core["used_blocks"] == 0, core
+    assert core["prefix_cache_seqs"] == 0  # per-sequence hash state
+    assert core["invariants_error"] is None, core
     assert not guarded.app.state.metrics._timings  # per-request metric timings
     assert async_engine.pending_outputs() == [] and async_engine.num_active == 0
-    engine.block_manager.check_invariants()

@@ -296,6 +296,11 @@ class BlockManager:
     def __contains__(self, seq_id: int) -> bool:
         return self.core.has_seq(seq_id)
 
+    @property
+    def num_prefix_cache_seqs(self) -> int:
+        """Sequences whose prompt hashes the prefix cache still tracks (0 when caching is off)."""
+        return len(self.prefix_cache._seqs) if self.prefix_cache is not None else 0
+
     def seq_ids(self) -> list[int]:
         return self.core.seq_ids()
 

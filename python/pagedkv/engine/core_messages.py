@@ -1,7 +1,7 @@
 """What the front end and the engine-core process say to each other, as msgspec structs over ZeroMQ.
 
-    front end --(PUSH: AddRequest | AbortRequests | FinishSamples | Shutdown)--> core
-    front end <--(PULL: StepOutputs | CoreDied)---------------------------------- core
+    front end --(PUSH: AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown)--> core
+    front end <--(PULL: StepOutputs | Inspection | CoreDied)---------------------------------- core
 
 Everything is msgpack (`msgspec.msgpack`), decoded into typed structs on the
 other side. Token ids travel as packed int32 arrays (`bytes`), never as
@@ -67,6 +67,14 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
+class Inspect(msgspec.Struct, tag="inspect", array_like=True):
+    """Asks for `LLMEngine.inspect()` (answered with an Inspection after the core's current step)."""
+
+
+class Inspection(msgspec.Struct, tag="inspection", array_like=True):
+    state: dict
+
+
 class WireLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
@@ -112,8 +120,8 @@ class CoreDied(msgspec.Struct, tag="died", array_like=True):
     reason: str
 
 
-ToCore = AddRequest | AbortRequests | FinishSamples | Shutdown
-FromCore = StepOutputs | CoreDied
+ToCore = AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown
+FromCore = StepOutputs | Inspection | CoreDied
 
 _METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(RequestMetrics))
 

@@ -36,6 +36,8 @@ from pagedkv.engine.core_messages import (
     AddRequest,
     CoreDied,
     FinishSamples,
+    Inspect,
+    Inspection,
     RequestDelta,
     SampleDelta,
     Shutdown,
@@ -99,6 +101,7 @@ class EngineCore:
         self.decoder = to_core_decoder()
         self.encoder = encoder()
         self._refused: list[RequestDelta] = []
+        self._inspections = 0
 
     def apply(self, message: Any) -> bool:
         """Applies one front-end message; False for Shutdown."""
@@ -112,9 +115,16 @@ class EngineCore:
                     self.engine.finish_sequence(request_id, index)
                 except ValueError:  # not forked yet: the front end cannot have seen its text; nothing to stop
                     logger.warning("finish of %s sample %d before its first token: ignored", request_id, index)
+        elif isinstance(message, Inspect):
+            self._inspections += 1
         elif isinstance(message, Shutdown):
             return False
         return True
+
+    def take_inspections(self) -> list[Inspection]:
+        """The answers to the Inspect messages applied since the last call (the engine as it is now)."""
+        n, self._inspections = self._inspections, 0
+        return [Inspection(self.engine.inspect()) for _ in range(n)]
 
     def _add(self, m: AddRequest) -> None:
         try:
@@ -181,6 +191,8 @@ def run_busy_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, paren
                 return "shutdown"
         if applied or engine.has_unfinished_requests():
             outbox.send(core.encoder.encode(core.step()), copy=False)
+        for answer in core.take_inspections():
+            outbox.send(core.encoder.encode(answer), copy=False)
 
 
 def run_engine_core(start: CoreStart, ready) -> None:

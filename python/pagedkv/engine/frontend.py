@@ -17,14 +17,25 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 import torch
 
 from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.core_client import EngineCoreClient
-from pagedkv.engine.core_messages import AbortRequests, AddRequest, FinishSamples, StepOutputs, pack_ids, params_to_wire
+from pagedkv.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    FinishSamples,
+    Inspect,
+    Inspection,
+    StepOutputs,
+    pack_ids,
+    params_to_wire,
+)
 from pagedkv.engine.core_process import stats_from_wire
 from pagedkv.engine.cpu_binding import CpuBinding, plan_cpu_binding
 from pagedkv.engine.llm_engine import EngineStats
@@ -64,6 +75,7 @@ class FrontendEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self._request_ids = itertools.count()
         self._stats = EngineStats(0, 0, 0, facts.num_gpu_blocks, 0, 0.0, 0, 0, 0, 0, 0)
+        self._inspections: deque[Future] = deque()  # asked, not answered yet (the core answers in order)
 
     @staticmethod
     def _plan_binding(args: EngineArgs) -> CpuBinding:
@@ -125,6 +137,10 @@ class FrontendEngine:
             return []
         outputs: list[RequestOutput] = []
         for message in self.client.recv(timeout_s):
+            if isinstance(message, Inspection):
+                if self._inspections:
+                    self._inspections.popleft().set_result(message.state)
+                continue
             if isinstance(message, StepOutputs):
                 if message.stats is not None:
                     self._stats = stats_from_wire(message.stats.values)
@@ -133,6 +149,11 @@ class FrontendEngine:
                 if stopped:
                     self.client.send(FinishSamples(stopped))
         return outputs
+
+    def request_inspection(self, answer: Future) -> None:
+        """Asks the core for `LLMEngine.inspect()`; `answer` gets it when a later step reads the reply."""
+        self._inspections.append(answer)
+        self.client.send(Inspect())
 
     def wake(self) -> None:
         """Ends a `step` that is waiting (any thread may call it)."""

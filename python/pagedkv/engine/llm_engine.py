@@ -428,6 +428,24 @@ class LLMEngine:
         seq.num_emitted_chars = end
         return text
 
+    def inspect(self) -> dict[str, Any]:
+        """What the engine holds right now, for tests and debugging (plain values, so it crosses a process
+        boundary): requests, queues, per-request prompt progress, the block manager's sequences and blocks,
+        per-sequence prefix-cache state, and whether the block manager's invariants hold."""
+        bm, sched = self.block_manager, self.scheduler
+        try:
+            bm.check_invariants()
+            invariants = None
+        except Exception as e:  # reported, not raised: the caller asks what is wrong
+            invariants = repr(e)
+        progress = [[s.num_computed_tokens, s.num_prompt_tokens] for s in sched.running if not s.is_finished]
+        return {"requests": sorted(self.requests),
+                "waiting": len(sched.waiting), "swapped": len(sched.swapped),
+                "running_unfinished": sum(1 for s in sched.running if not s.is_finished),
+                "prompt_progress": progress, "block_manager_seqs": list(bm.seq_ids()),
+                "used_blocks": bm.num_used_gpu_blocks, "prefix_cache_seqs": bm.num_prefix_cache_seqs,
+                "invariants_error": invariants}
+
     # --- stats ---------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler

@@ -32,6 +32,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +171,13 @@ class AsyncEngine:
         """Ends every request in flight with EngineDraining(message) (streams get it as their last event)."""
         self._submit(("abort_all", message))
 
+    def inspect(self, timeout: float = 30.0) -> dict[str, Any]:
+        """`LLMEngine.inspect()` of the engine (in its core process, if it runs in one), from any thread: what
+        it holds between two steps. For tests and debugging."""
+        answer: Future = Future()
+        self._submit(("inspect", answer))
+        return answer.result(timeout)
+
     def _submit(self, *commands: tuple[Any, ...]) -> None:
         with self._cond:
             self._inbox.extend(commands)
@@ -274,6 +282,12 @@ class AsyncEngine:
             self._add(command[1], command[2], deliveries)
         elif command[0] == "abort":
             self._abort(command[1])
+        elif command[0] == "inspect":
+            ask = getattr(self.engine, "request_inspection", None)
+            if ask is not None:
+                ask(command[1])  # answered when the core's reply is read
+            else:
+                command[1].set_result(self.engine.inspect())
         else:  # abort_all: the drain ran out of time
             self._fail_all(EngineDraining(command[1]), "abort", deliveries)
 
