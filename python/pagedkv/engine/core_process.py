@@ -54,7 +54,7 @@ from pagedkv.engine.core_messages import (
 from pagedkv.engine.cpu_binding import apply_core_binding
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine
 from pagedkv.errors import EngineDeadError
-from pagedkv.outputs import RequestOutput
+from pagedkv.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class EngineCore:
                                     arrival_time=m.arrival_time, cache_salt=m.cache_salt,
                                     output_kind=OutputKind.DELTA)
         except ValueError as e:  # the front end checks first: this is a second opinion, answered as a failure
-            self._refused.append(RequestDelta(m.request_id, [], True, (m.arrival_time, None, None, None, 0, 0),
-                                              f"refused by the engine core: {e}"))
+            metrics = metrics_to_wire(RequestMetrics(m.arrival_time))
+            self._refused.append(RequestDelta(m.request_id, [], True, metrics, f"refused by the engine core: {e}"))
 
     def step(self) -> StepOutputs:
         """One engine step (if anything is unfinished) as a message; raises EngineDeadError."""

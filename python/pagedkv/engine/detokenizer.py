@@ -10,7 +10,11 @@ pay for this; the others are decoded once, when they finish.
 
 from __future__ import annotations
 
-from pagedkv.core.sequence import Sequence
+from typing import Any
+
+from pagedkv.core.sequence import OutputKind, Sequence
+from pagedkv.outputs import CompletionOutput
+from pagedkv.sampling_params import SamplingParams
 
 
 def update_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
@@ -43,3 +47,48 @@ def find_stop_string(seq: Sequence, new_text_len: int, stops: list[str], include
             seq.text = seq.text[:at + len(stop)] if include else seq.text[:at]
             return stop
     return None
+
+
+def needs_text(params: SamplingParams, kind: OutputKind) -> bool:
+    """Whether a sample needs its text while it runs: for stop strings, or for outputs sent before the end."""
+    return bool(params.stop_strings) or kind is not OutputKind.FINAL_ONLY
+
+
+def final_text(tokenizer, ids: list[int], params: SamplingParams, finish_reason: str | None,
+               stop_reason: int | str | None) -> str:
+    """The whole output's text, decoded once when it finished (no text was needed while it ran). The token
+    that stopped it (EOS, a stop id) is not part of the text."""
+    if stop_reason is not None or (finish_reason == "stop" and not params.ignore_eos):
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+
+def completion_output(sample: Any, kind: OutputKind, holdback: int,
+                      finish_reason: str | None = None) -> CompletionOutput:
+    """One sample's CompletionOutput per its request's output kind; a DELTA output advances what was emitted.
+
+    `sample` has index, output_token_ids, text, logprobs, cumulative_logprob, finish_reason, stop_reason,
+    is_finished and the emitted counts (a Sequence, or the front end's SampleState). finish_reason
+    overrides the sample's own (a failed request's samples end with "error").
+    """
+    ids, text, logprobs = sample.output_token_ids, sample.text, sample.logprobs
+    if kind is OutputKind.DELTA:
+        start = sample.num_emitted_tokens
+        ids, logprobs = ids[start:], logprobs[start:] if logprobs else None
+        text = _delta_text(sample, holdback)
+        sample.num_emitted_tokens = len(sample.output_token_ids)
+    return CompletionOutput(sample.index, text, list(ids),
+                            sample.cumulative_logprob if sample.logprobs is not None else None,
+                            list(logprobs) if logprobs is not None else None,
+                            finish_reason or sample.finish_reason, sample.stop_reason)
+
+
+def _delta_text(sample: Any, holdback: int) -> str:
+    """The text a DELTA output may send now. Until the sample finishes, the last `holdback` (the longest stop
+    string's length - 1) characters are kept back: they may be the start of a stop string that is cut out."""
+    end = len(sample.text)
+    if not sample.is_finished:
+        end = max(sample.num_emitted_chars, end - holdback)
+    text = sample.text[sample.num_emitted_chars:end]
+    sample.num_emitted_chars = end
+    return text

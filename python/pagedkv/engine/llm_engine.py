@@ -30,14 +30,14 @@ from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
 from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
-from pagedkv.engine.detokenizer import find_stop_string, update_text
+from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
 from pagedkv.engine.device_setup import build_device_side
 from pagedkv.engine.memory_pool import KVCachePlan
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import LoadedModel, generation_defaults, resolve_model
-from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
+from pagedkv.outputs import RequestMetrics, RequestOutput, SamplerOutput
 from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -377,15 +377,10 @@ class LLMEngine:
                     if later.request is req:
                         self.scheduler.finish(later, "error")
 
-    def _needs_text(self, req: Request) -> bool:
-        if self.tokenizer is None:
-            return False
-        return bool(req.params.stop_strings) or req.output_kind is not OutputKind.FINAL_ONLY
-
     def _update_text(self, seq: Sequence) -> None:
         """Streaming text and stop strings while the sequence runs; the whole text, once, when the others finish."""
         p = seq.request.params
-        if self._needs_text(seq.request):
+        if needs_text(p, seq.request.output_kind):
             if seq.finish_reason == "stop":  # an id ended it: nothing of it is text
                 return
             new = update_text(self.tokenizer, seq, p.skip_special_tokens)
@@ -393,40 +388,17 @@ class LLMEngine:
             if stop is not None:  # also on the token that ended it by length: the stop string is the reason
                 self.scheduler.finish(seq, "stop", stop)
         elif seq.is_finished:
-            ids = seq.output_token_ids
-            if seq.stop_reason is not None or (seq.finish_reason == "stop" and not p.ignore_eos):
-                ids = ids[:-1]  # the stop token is not part of the text
-            seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            seq.text = final_text(self.tokenizer, seq.output_token_ids, p, seq.finish_reason, seq.stop_reason)
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         kind = req.output_kind
         if kind is OutputKind.FINAL_ONLY and not req.finished:
             return None
-        completions = []
-        for seq in req.seqs:
-            if seq.status is SequenceStatus.FORK_PENDING:
-                continue
-            ids, text, logprobs = seq.output_token_ids, seq.text, seq.logprobs
-            if kind is OutputKind.DELTA:
-                ids, logprobs = ids[seq.num_emitted_tokens:], logprobs[seq.num_emitted_tokens:] if logprobs else None
-                text = self._delta_text(seq)
-                seq.num_emitted_tokens = seq.num_output_tokens
-            completions.append(CompletionOutput(
-                seq.index, text, list(ids), seq.cumulative_logprob if seq.logprobs is not None else None,
-                list(logprobs) if logprobs is not None else None, seq.finish_reason, seq.stop_reason))
+        holdback = req.params.stop_holdback
+        completions = [completion_output(seq, kind, holdback) for seq in req.seqs
+                       if seq.status is not SequenceStatus.FORK_PENDING]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
                              req.metrics, req.metrics.num_cached_tokens, req.error)
-
-    @staticmethod
-    def _delta_text(seq: Sequence) -> str:
-        """The text a DELTA output may send now. Until the sequence finishes, the last len(longest stop) - 1
-        characters are kept back: they may be the start of a stop string that the engine would cut out."""
-        end = len(seq.text)
-        if not seq.is_finished:
-            end = max(seq.num_emitted_chars, end - seq.request.params.stop_holdback)
-        text = seq.text[seq.num_emitted_chars:end]
-        seq.num_emitted_chars = end
-        return text
 
     def inspect(self) -> dict[str, Any]:
         """What the engine holds right now, for tests and debugging (plain values, so it crosses a process

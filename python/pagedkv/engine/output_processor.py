@@ -18,7 +18,7 @@ from typing import Any
 
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.core_messages import RequestDelta, logprobs_from_wire, metrics_from_wire, unpack_ids
-from pagedkv.engine.detokenizer import find_stop_string, update_text
+from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
 from pagedkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -62,8 +62,7 @@ class RequestState:
 
     @property
     def needs_text(self) -> bool:
-        """Text during generation: for stop strings, or for outputs sent before the end."""
-        return bool(self.params.stop_strings) or self.output_kind is not OutputKind.FINAL_ONLY
+        return needs_text(self.params, self.output_kind)
 
 
 class OutputProcessor:
@@ -151,41 +150,18 @@ class OutputProcessor:
         sample.finish_reason, sample.stop_reason = reason, stop_reason
         if req.needs_text or self.tokenizer is None:
             return
-        ids = sample.output_token_ids
-        if stop_reason is not None or (reason == "stop" and not req.params.ignore_eos):
-            ids = ids[:-1]  # the stop token is not part of the text
-        sample.text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        sample.text = final_text(self.tokenizer, sample.output_token_ids, req.params, reason, stop_reason)
 
     def _make_output(self, req: RequestState) -> RequestOutput | None:
         kind = req.output_kind
         finished = req.finished
         if kind is OutputKind.FINAL_ONLY and not finished:
             return None
-        completions = []
-        for index in sorted(req.samples):
-            s = req.samples[index]
-            ids, text, logprobs = s.output_token_ids, s.text, s.logprobs
-            if kind is OutputKind.DELTA:
-                ids, logprobs = ids[s.num_emitted_tokens:], logprobs[s.num_emitted_tokens:] if logprobs else None
-                text = _delta_text(s, req.params.stop_holdback)
-                s.num_emitted_tokens = len(s.output_token_ids)
-            reason = s.finish_reason if req.error is None else "error"
-            completions.append(CompletionOutput(
-                index, text, list(ids), s.cumulative_logprob if s.logprobs is not None else None,
-                list(logprobs) if logprobs is not None else None, reason, s.stop_reason))
+        holdback, failed = req.params.stop_holdback, "error" if req.error is not None else None
+        completions = [completion_output(req.samples[i], kind, holdback, failed) for i in sorted(req.samples)]
         if req.error is not None:
             completions = completions or [CompletionOutput(i, "", [], finish_reason="error")
                                           for i in range(req.params.n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
                              req.metrics, req.metrics.num_cached_tokens, req.error)
 
-
-def _delta_text(s: SampleState, holdback: int) -> str:
-    """The text a DELTA output may send now. Until the sample finishes, the last len(longest stop) - 1
-    characters are kept back: they may be the start of a stop string that would be cut out."""
-    end = len(s.text)
-    if not s.is_finished:
-        end = max(s.num_emitted_chars, end - holdback)
-    text = s.text[s.num_emitted_chars:end]
-    s.num_emitted_chars = end
-    return text
