@@ -86,3 +86,14 @@ def post(url: str, body, path: str = "/v1/completions", headers: dict | None = N
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(url + path, content=content, timeout=timeout,
                       headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def assert_stops_dead(server, timeout: float = 30.0) -> None:
+    """The engine is dead: /health answers 503 (unless the server has stopped already), and the server stops
+    with exit status 1."""
+    try:
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+    except httpx.TransportError:
+        pass  # already stopped
+    server.thread.join(timeout)
+    assert not server.thread.is_alive() and server.result.exit_code == 1

@@ -21,7 +21,7 @@ import openai
 import pytest
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import EngineArgs
-from server_util import post, running_server, wait_idle, wait_until
+from server_util import assert_stops_dead, post, running_server, wait_idle, wait_until
 
 MODEL = "guarded"
 KEY = "hostile-test-key"
@@ -420,12 +420,7 @@ def test_dead_engine_turns_health_503_and_exits_nonzero(loaded_model):
         runner.profile_run = poisoned  # the health probe after the failed step fails too
         r = post(srv.url, {"prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 503 and "device-side assert" in r.json()["error"]["message"]
-        try:
-            assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
-        except httpx.TransportError:
-            pass  # already stopped
-        srv.thread.join(30)
-        assert not srv.thread.is_alive() and srv.result.exit_code == 1
+        assert_stops_dead(srv)
 
 
 def test_sampling_defaults_come_from_generation_config(loaded_model, default_model_dir, tmp_path):
