@@ -14,27 +14,11 @@
 
 #include "attention/attention_launch.h"
 #include "common/validation.h"
+#include "cuda/launch_checks.h"
 #include "ops.h"
 
 namespace pagedkv {
 namespace {
-
-cuda::DType to_kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return cuda::DType::kFloat32;
-    case at::kHalf:
-      return cuda::DType::kFloat16;
-    case at::kBFloat16:
-      return cuda::DType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "pagedkv: unsupported dtype ", t);
-  }
-}
-
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
 
 void check_fits_int(const char* op, const char* what, int64_t value) {
   TORCH_CHECK(value <= std::numeric_limits<int32_t>::max(), op, ": ", what, " = ", value,
@@ -89,7 +73,7 @@ cuda::DecodeArgs make_decode_args(const char* op, const AttentionDims& d, at::Te
   a.scale = static_cast<float>(scale);
   a.num_seqs = static_cast<int>(d.num_seqs);
   a.num_heads = static_cast<int>(d.num_heads);
-  a.dtype = to_kernel_dtype(query.scalar_type());
+  a.dtype = cuda::to_kernel_dtype(query.scalar_type());
   return a;
 }
 
@@ -122,7 +106,7 @@ void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at:
   const c10::cuda::CUDAGuard guard(query.device());
   const cuda::DecodeArgs a =
       make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes);
-  check_launch(op, cuda::launch_paged_attention_v1(a, c10::cuda::getCurrentCUDAStream()));
+  cuda::check_launch(op, cuda::launch_paged_attention_v1(a, c10::cuda::getCurrentCUDAStream()));
 }
 
 void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits, at::Tensor& tmp_out,
@@ -149,7 +133,7 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
   s.tmp_out = tmp_out.data_ptr();
   s.max_partitions = static_cast<int>(exp_sums.size(2));
   s.partition_size = static_cast<int>(partition_size);
-  check_launch(op, cuda::launch_paged_attention_v2(a, s, static_cast<int>(max_seq_len),
+  cuda::check_launch(op, cuda::launch_paged_attention_v2(a, s, static_cast<int>(max_seq_len),
                                                    c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -177,8 +161,8 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, cons
   a.num_heads = static_cast<int>(pd.attn.num_heads);
   a.num_tokens = static_cast<int>(pd.num_tokens);
   a.max_query_len = static_cast<int>(max_query_len);
-  a.dtype = to_kernel_dtype(query.scalar_type());
-  check_launch(op, cuda::launch_paged_prefill_attention(a, c10::cuda::getCurrentCUDAStream()));
+  a.dtype = cuda::to_kernel_dtype(query.scalar_type());
+  cuda::check_launch(op, cuda::launch_paged_prefill_attention(a, c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace pagedkv

@@ -8,27 +8,11 @@
 
 #include "common/validation.h"
 #include "fused/fused_launch.h"
+#include "cuda/launch_checks.h"
 #include "ops.h"
 
 namespace pagedkv {
 namespace {
-
-cuda::DType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return cuda::DType::kFloat32;
-    case at::kHalf:
-      return cuda::DType::kFloat16;
-    case at::kBFloat16:
-      return cuda::DType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "unsupported dtype ", t);
-  }
-}
-
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
-}
 
 void check_cuda(const char* op, const at::Tensor& t) {
   TORCH_CHECK(t.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got one on ", t.device());
@@ -38,7 +22,7 @@ cuda::RmsNormArgs norm_args(const char* op, const at::Tensor& out, const at::Ten
                             double epsilon) {
   TORCH_CHECK(input.size(1) <= 0x7fffffffLL, op, ": hidden_size ", input.size(1), " is too large");
   cuda::RmsNormArgs a{};
-  a.dtype = kernel_dtype(input.scalar_type());
+  a.dtype = cuda::to_kernel_dtype(input.scalar_type());
   a.out = out.data_ptr();
   a.out_stride = out.stride(0);
   a.input = input.const_data_ptr();
@@ -58,7 +42,7 @@ void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& w
   TORCH_CHECK(out.defined(), op, ": out is required");
   check_cuda(op, input);
   const c10::cuda::CUDAGuard guard(input.device());
-  check_launch(op, cuda::launch_rms_norm(norm_args(op, out, input, weight, epsilon),
+  cuda::check_launch(op, cuda::launch_rms_norm(norm_args(op, out, input, weight, epsilon),
                                          c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -71,7 +55,7 @@ void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::
   cuda::RmsNormArgs a = norm_args(op, input, input, weight, epsilon);
   a.residual = residual.data_ptr();
   a.residual_stride = residual.stride(0);
-  check_launch(op, cuda::launch_rms_norm(a, c10::cuda::getCurrentCUDAStream()));
+  cuda::check_launch(op, cuda::launch_rms_norm(a, c10::cuda::getCurrentCUDAStream()));
 }
 
 void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
@@ -83,7 +67,7 @@ void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& qu
   check_cuda(op, key_cache);
   const c10::cuda::CUDAGuard guard(key_cache.device());
   cuda::RotaryCacheArgs a{};
-  a.dtype = kernel_dtype(key_cache.scalar_type());
+  a.dtype = cuda::to_kernel_dtype(key_cache.scalar_type());
   a.positions = positions.data_ptr<int64_t>();
   a.query = query.data_ptr();
   a.query_stride_token = query.stride(0);
@@ -106,7 +90,7 @@ void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& qu
   a.head_size = static_cast<int>(c.head_size);
   a.num_slots = c.num_blocks * c.block_size;
   a.is_neox = is_neox;
-  check_launch(op, cuda::launch_rotary_embedding_and_cache(a, c10::cuda::getCurrentCUDAStream()));
+  cuda::check_launch(op, cuda::launch_rotary_embedding_and_cache(a, c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace pagedkv
