@@ -643,6 +643,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "vLLM's come from --vllm-omp-bind")
     p.add_argument("--timeout-s", type=float, default=3600, help="give up on HF CB after this long")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed 2-request warm-up")
+    p.add_argument("--model", help="checkpoint folder to run (with its tokenizer; default: the default model)")
     p.add_argument("--json", help="write the results (rows, outputs' agreement, machine info) here")
     p.add_argument("--out", help="write the markdown report here, e.g. bench/results/throughput_cpu.md")
     p.add_argument("--plot", help="draw output tok/s per system as a bar chart (PNG) here")
@@ -663,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedkv.model.default_model import ensure_default_model
-    model_dir = ensure_default_model()
+    model_dir = Path(args.model) if args.model else ensure_default_model()
     wl = make_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len),
                        tuple(args.token_range))
     warm = make_warmup(args)

@@ -22,18 +22,17 @@ import re
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from model_util import assert_same_greedy
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-TIE_GAP = 1e-4
 BLOCK_SIZE = 16
 NUM_BLOCKS = 12  # 192 tokens for 7 sequences of ~20 + 32: preemption is certain
 MAX_MODEL_LEN = 128
@@ -79,29 +78,6 @@ def _engine_kwargs(path: Path, tp: int, num_blocks: int, preemption_mode: str) -
     return dict(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=tp,
                 kv_cache_memory=_kv_memory(path, tp, num_blocks), enable_prefix_caching=True,
                 preemption_mode=preemption_mode, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
-
-
-def _first_divergence(ref: list[int], got: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), None)
-
-
-def assert_same_greedy(ref_outputs, outputs, what: str) -> list[str]:
-    """Token ids equal, or equal up to a top-2 logit tie (< TIE_GAP) of the reference; returns the ties seen."""
-    ties = []
-    for ref, got in zip(ref_outputs, outputs, strict=True):
-        for rc, gc in zip(ref.outputs, got.outputs, strict=True):
-            assert len(rc.token_ids) == len(gc.token_ids), f"{what}: request {ref.request_id} length differs"
-            i = _first_divergence(rc.token_ids, gc.token_ids)
-            if i is None:
-                continue
-            top = sorted((lp.logprob for lp in rc.logprobs[i].values()), reverse=True)
-            gap = top[0] - top[1]
-            assert gap < TIE_GAP, (f"{what}: request {ref.request_id} sample {rc.index} differs at output token {i} "
-                                   f"({rc.token_ids[i]} vs {gc.token_ids[i]}) where the top-2 gap is {gap:.2e}")
-            ties.append(f"request {ref.request_id} token {i} (gap {gap:.1e})")
-    if ties:
-        warnings.warn(f"{what}: diverged at float ties only: {ties}", stacklevel=2)
-    return ties
 
 
 def _run(kwargs: dict, prompts, params):

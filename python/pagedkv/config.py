@@ -8,18 +8,17 @@ The names are vLLM's, so that a vLLM launch line reads the same here:
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedkv.model_config import ModelConfig
+from pagedkv.supported import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 PREEMPTION_MODES = ("recompute", "swap")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -79,122 +78,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
     return dev
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    """The architecture of a Llama-family checkpoint, read from its HF `config.json`.
-
-    Llama (with Llama-3 rope scaling), Mistral, Qwen2 (QKV bias) and SmolLM2
-    share this decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: list[int] = field(default_factory=list)
-    torch_dtype: torch.dtype | None = None
-
-    SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-    def __post_init__(self) -> None:
-        if self.architecture not in self.SUPPORTED:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; "
-                             f"pagedkv runs {', '.join(self.SUPPORTED)}")
-        _positive("ModelConfig", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                  num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                  num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim not in SUPPORTED_HEAD_SIZES:
-            raise ValueError(f"head_dim {self.head_dim} has no paged-attention kernel; supported: "
-                             f"{SUPPORTED_HEAD_SIZES}")
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """From the dict of an HF `config.json` (or `PretrainedConfig.to_dict()`)."""
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type", "")
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(model_type, model_type)
-        heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_list = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        # Transformers 5 keeps rope parameters in `rope_parameters`; older configs
-        # have rope_theta / rope_scaling at the top level.
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", model_type != "qwen2") else None
-        dtype = hf.get("torch_dtype") or hf.get("dtype")
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=window,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos_list,
-            torch_dtype=_DTYPES.get(str(dtype).replace("torch.", "")) if dtype else None,
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
-
-    def tensor_parallel_size_fits(self, tp: int) -> bool:
-        """Whether the model shards over `tp` ranks: query heads, MLP width and vocabulary split evenly, and KV
-        heads split evenly or (tp a multiple of them) replicated."""
-        kv = self.num_key_value_heads
-        return (tp >= 1 and self.num_attention_heads % tp == 0 and self.intermediate_size % tp == 0
-                and self.vocab_size % tp == 0 and (kv % tp == 0 or tp % kv == 0))
-
-    def check_tensor_parallel_size(self, tp: int) -> None:
-        """Refuses a tensor-parallel size the model does not shard over, listing those it does."""
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
-        if not self.tensor_parallel_size_fits(tp):
-            valid = [t for t in range(1, self.num_attention_heads + 1) if self.tensor_parallel_size_fits(t)]
-            raise ValueError(
-                f"tensor_parallel_size={tp} does not divide this model ({self.num_attention_heads} attention heads, "
-                f"{self.num_key_value_heads} KV heads, intermediate size {self.intermediate_size}, vocabulary "
-                f"{self.vocab_size}); valid sizes: {valid}")
-
-    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-        """KV-cache bytes one token takes on one device: 2 (K and V) x layers x kv heads x head_dim x dtype bytes.
-
-        With tensor parallelism each device holds its share of the KV heads
-        (at least one: heads are replicated when there are fewer than devices).
-        """
-        kv_heads = max(1, self.num_key_value_heads // tensor_parallel_size)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * kv_heads * self.head_dim * itemsize
 
 
 @dataclass(slots=True)
@@ -294,9 +177,4 @@ def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
     limit = cfg.max_position_embeddings
     if asked is not None and asked > limit:
         raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
-    length = asked or limit
-    if cfg.sliding_window and length > cfg.sliding_window:
-        # The kernels attend to the whole context; within the window that is exactly the model.
-        logger.warning("capping max_model_len %d to the model's sliding window %d", length, cfg.sliding_window)
-        length = cfg.sliding_window
-    return length
+    return asked or limit

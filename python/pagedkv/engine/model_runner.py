@@ -24,7 +24,7 @@ from pagedkv.core.step_batch import BlockOps, StepBatch
 from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.engine.cuda_graphs import DecodeGraphs
 from pagedkv.model.attention import AttentionMetadata
-from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.protocol import CausalLM
 from pagedkv.model.sampler import Sampler, SamplingBatch
 from pagedkv.outputs import SamplerOutput
 
@@ -64,7 +64,7 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
 class ModelRunner:
     """Owns the model, its paged KV cache (and CPU swap cache), and the per-step input buffers."""
 
-    def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager | None, cache_config: CacheConfig,
+    def __init__(self, model: CausalLM, block_manager: BlockManager | None, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
                  device: torch.device, seed: int = 0, channel: StepChannel | None = None,
                  cuda_graphs: bool = False) -> None:
@@ -330,7 +330,7 @@ class ModelRunner:
         self.model.compute_logits(hidden.index_select(0, rows))
 
 
-def profile_activation_peak(model: LlamaForCausalLM, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+def profile_activation_peak(model: CausalLM, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                             dtype: torch.dtype, device: torch.device, seed: int) -> int:
     """CUDA bytes a forward of max_num_batched_tokens tokens needs beyond the weights (on one scratch block).
 

@@ -47,11 +47,19 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Attention over this layer's paged KV cache; q already rotated, this step's K/V already cached."""
+    """Attention over this layer's paged KV cache; q already rotated, this step's K/V already cached.
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+    sliding_window > 0: each query sees only the last `sliding_window` positions (the kernels skip the
+    blocks before them); logits_soft_cap > 0: scores become cap * tanh(score / cap) (Gemma 2).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, sliding_window: int = 0,
+                 logits_soft_cap: float = 0.0) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        # Only the non-default values are passed, so a full-attention layer calls the kernels as before.
+        self.extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
+                      if v}
 
     def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -62,13 +70,13 @@ class PagedAttention(nn.Module):
         if nd:
             parts.append(torch.ops.pagedkv.paged_attention(
                 q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                meta.decode_max_seq_len, None))
+                meta.decode_max_seq_len, None, **self.extra))
         if meta.num_prefills:
             qp = q[nd:]
             out = torch.empty(qp.shape, dtype=q.dtype, device=q.device)
             ops.paged_prefill_attention(out, qp, key_cache, value_cache, meta.prefill_block_tables,
                                         meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale,
-                                        meta.prefill_max_query_len, meta.prefill_max_seq_len)
+                                        meta.prefill_max_query_len, meta.prefill_max_seq_len, **self.extra)
             parts.append(out)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(out.shape[0], self.num_heads * self.head_size)

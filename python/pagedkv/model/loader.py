@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 from pagedkv.config import EngineArgs, ModelConfig, resolve_device, resolve_dtype
-from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.parallel_state import get_tp_size
+from pagedkv.model.protocol import CausalLM
+from pagedkv.model.registry import model_class
+from pagedkv.model.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ def load_gguf(source: ModelSource) -> tuple[dict, Iterator[tuple[str, torch.Tens
     return cfg, iter(hf.state_dict().items())
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Builds the model for `source` in `dtype` on `device` and loads every weight."""
     if source.gguf_file:
         hf_config, weights = load_gguf(source)
@@ -131,11 +133,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
         hf_config = json.loads((source.path / "config.json").read_text())
         weights = iter_safetensors(source.path, lazy=get_tp_size() > 1)
     cfg = ModelConfig.from_hf(hf_config)
+    cls = model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(default_dtype)
     loaded = model.load_weights(weights)
@@ -143,12 +146,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
     if missing:
         raise ValueError(f"checkpoint {source.path} lacks weights for {sorted(missing)[:5]} "
                          f"({len(missing)} parameters)")
-    # The rotary table stays float32 whatever the model dtype (positions up to 128K need it).
-    model.rotary_emb.cos_sin = model.rotary_emb.cos_sin.float()
-    if device.type == "cpu":
-        for module in model.modules():
-            if hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            # The rotary table stays float32 whatever the model dtype (positions up to 128K need it).
+            module.cos_sin = module.cos_sin.float()
+        elif device.type == "cpu" and hasattr(module, "pack_for_cpu"):
+            module.pack_for_cpu()
     return model.eval()
 
 

@@ -87,6 +87,18 @@ def gather_last_dim_to_driver(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` [*, n] concatenated along the last dim on every rank [*, n * size] (identity at size 1)."""
+    if _STATE.size == 1:
+        return x
+    start = time.perf_counter()
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
+    dist.all_gather(parts, x, group=_STATE.group)
+    record_collective(x, start)
+    return torch.cat(parts, dim=-1)
+
+
 def reset_tensor_parallel() -> None:
     """Back to size 1 (after the group is destroyed): later models are built unsharded."""
     _STATE.rank, _STATE.size, _STATE.group = 0, 1, None

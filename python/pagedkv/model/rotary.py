@@ -49,27 +49,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates query and key heads by their positions."""
+    """Rotates query and key heads by their positions: the first `rotary_dim` dims of each head (all by default;
+    fewer with a partial rotary factor, as Phi models have)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, head_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
+        # [max_position, rotary_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-        self.half = head_dim // 2
+        self.half = self.rotary_dim // 2
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim / 2], in `dtype`."""
+        """positions int64 [num_tokens] -> (cos, sin), each [num_tokens, 1, rotary_dim / 2], in `dtype`."""
         cs = self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1)
         return cs[..., :self.half], cs[..., self.half:]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, heads, head_dim] (q and k heads together) -> rotated, a new contiguous tensor."""
-        x1, x2 = x[..., :self.half], x[..., self.half:]
+        """x [num_tokens, heads, head_dim] -> rotated, a new contiguous tensor (dims past rotary_dim copied)."""
+        x1, x2 = x[..., :self.half], x[..., self.half:self.rotary_dim]
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        o1, o2 = out[..., :self.half], out[..., self.half:]
+        if self.rotary_dim < x.shape[-1]:
+            out[..., self.rotary_dim:] = x[..., self.rotary_dim:]
+        o1, o2 = out[..., :self.half], out[..., self.half:self.rotary_dim]
         torch.mul(x1, cos, out=o1)
         o1.sub_(x2 * sin)
         torch.mul(x2, cos, out=o2)
@@ -81,3 +85,28 @@ class RotaryEmbedding(nn.Module):
         """The fused path: q [T, heads, head_dim] and k rotated in place, k and v written to their slots."""
         ops.rotary_embedding_and_cache(positions, q, k, v, kv_cache[0], kv_cache[1], slot_mapping, self.cos_sin,
                                        True)
+
+    def apply(self, pos: StepPositions, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotates q [T, heads, D] and k, writes k and v to the cache; returns the rotated q (q itself when fused)."""
+        if pos.fused:
+            self.rotate_and_cache(pos.positions, q, k, v, kv_cache, slot_mapping)
+            return q
+        cos, sin = pos.cos_sin(self)
+        ops.reshape_and_cache(self(k, cos, sin), v, kv_cache[0], kv_cache[1], slot_mapping)
+        return self(q, cos, sin)
+
+
+class StepPositions:
+    """One step's positions int64 [num_tokens], and each rotary table's cos/sin rows for them, looked up once per
+    step and shared by every layer (only on the unfused path: the fused kernel reads the table itself)."""
+
+    def __init__(self, positions: torch.Tensor, fused: bool, dtype: torch.dtype) -> None:
+        self.positions, self.fused, self.dtype = positions, fused, dtype
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rows.get(id(rope))
+        if rows is None:
+            rows = self._rows[id(rope)] = rope.lookup(self.positions, self.dtype)
+        return rows

@@ -1,0 +1,234 @@
+"""What the decoder families share: the attention block, the gated MLP, and the causal-LM shell.
+
+Each family module (llama.py, qwen3.py, gemma.py, ...) composes these with its
+own layer (where its norms sit) and its checkpoint names. The shell runs one
+flat batch per step: `input_ids` and `positions` [num_tokens] from many
+sequences, prefill chunks and decode tokens mixed, no padding; logits are
+computed separately (`compute_logits`) and only for the rows that are sampled.
+
+The residual stream is carried as (hidden, residual) pairs whose sum is the
+stream, so that each norm can be vLLM's fused_add_rms_norm (one pass adds the
+residual and normalizes); a layer that keeps no separate residual returns
+(stream, None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv import ops
+from pagedkv.model.attention import AttentionMetadata, PagedAttention
+from pagedkv.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pagedkv.model.parallel_state import all_gather_last_dim, get_tp_rank, get_tp_size
+from pagedkv.model.rotary import RotaryEmbedding, StepPositions
+from pagedkv.model_config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# (our fused parameter, checkpoint part, shard) for checkpoints that store q/k/v and gate/up apart.
+STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+                  ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """Gated activation: x = [gate | up] [*, 2d] -> act(gate) * up [*, d] (SwiGLU for silu, GeGLU for gelu)."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    if act == "silu":
+        return F.silu(gate).mul_(up)
+    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return F.gelu(gate, approximate="tanh").mul_(up)
+    if act == "gelu":
+        return F.gelu(gate).mul_(up)
+    raise ValueError(f"unsupported hidden activation {act!r}; pagedkv runs silu, gelu and gelu_pytorch_tanh")
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one column-parallel GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        act_and_mul(torch.zeros(2), act)  # an unknown activation fails at build time, not in the first step
+        self.act = act
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+
+class DecoderAttention(nn.Module):
+    """QKV projection, optional q/k RMSNorm, rotary + cache write, paged attention, output projection.
+
+    qk_norm: None; "head" (one RMSNorm over each head's dims: Qwen3, Gemma 3); or "full" (over all heads'
+    dims of the projection: OLMo 2; under tensor parallelism q and k are gathered for it).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, *, qk_norm: str | None = None,
+                 norm_cls: type[RMSNorm] = RMSNorm, o_bias: bool | None = None) -> None:
+        super().__init__()
+        self.head_dim = d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size,
+                                        bias=cfg.attention_bias if o_bias is None else o_bias)
+        self.rotary_emb = rope  # shared by the layers that use the same table (registered once per model)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = norm_cls(d, cfg.rms_norm_eps), norm_cls(d, cfg.rms_norm_eps)
+        elif qk_norm == "full":
+            if self.qkv_proj.kv_replicas > 1:
+                raise ValueError("a q/k norm over all heads needs num_key_value_heads divisible by the "
+                                 "tensor-parallel size")
+            self.q_norm = norm_cls(cfg.num_attention_heads * d, cfg.rms_norm_eps)
+            self.k_norm = norm_cls(cfg.num_key_value_heads * d, cfg.rms_norm_eps)
+        elif qk_norm is not None:
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+        self.attn = PagedAttention(self.num_heads, d, self.num_kv_heads, cfg.attention_scale,
+                                   sliding_window=cfg.layer_window(layer),
+                                   logits_soft_cap=cfg.attn_logit_softcapping or 0.0)
+
+    def forward(self, hidden: torch.Tensor, pos: StepPositions, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, hidden_size] -> attention output [T, hidden_size] (this step's K/V written to the cache)."""
+        t, d = hidden.shape[0], self.head_dim
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
+        qs, ks = self.num_heads * d, self.num_kv_heads * d
+        q, k = qkv[:, :qs], qkv[:, qs:qs + ks]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
+        elif self.qk_norm == "full":
+            q, k = self._full_norm(self.q_norm, q), self._full_norm(self.k_norm, k)
+        v = qkv[:, qs + ks:].view(t, self.num_kv_heads, d)
+        q = self.rotary_emb.apply(pos, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v, kv_cache,
+                                  meta.slot_mapping)
+        return self.o_proj(self.attn(q, kv_cache, meta))
+
+    @staticmethod
+    def _full_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over every rank's heads: gathers this rank's [T, n] slice, normalizes, keeps the slice."""
+        tp = get_tp_size()
+        if tp == 1:
+            return norm(x.contiguous())
+        n = x.shape[1]
+        return norm(all_gather_last_dim(x.contiguous())).narrow(1, get_tp_rank() * n, n).contiguous()
+
+
+class DecoderForCausalLM(nn.Module):
+    """The shell every family shares: embedding, layers, final norm, LM head, weight loading.
+
+    A family passes its layer factory `make_layer(cfg, index, rope_for_layer) -> nn.Module` whose forward is
+    `(hidden, residual, pos, kv_cache, meta) -> (hidden, residual)`, and overrides the hooks it needs:
+    `embed` (scaled embeddings), `checkpoint_target` (checkpoint names), `norm_cls` (Gemma's 1 + w).
+    """
+
+    norm_cls: type[RMSNorm] = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, make_layer: Callable[[ModelConfig, int, RotaryEmbedding], nn.Module]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling, cfg.rotary_dim)
+        # Gemma 3's sliding layers rotate with their own base.
+        self.rotary_emb_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
+                                                 None, cfg.rotary_dim)
+                                 if cfg.rope_local_theta is not None else None)
+        self.layers = nn.ModuleList(make_layer(cfg, i, self.rope_for_layer(i)) for i in range(cfg.num_hidden_layers))
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size))
+
+    def rope_for_layer(self, layer: int) -> RotaryEmbedding:
+        if self.rotary_emb_local is not None and self.config.layer_window(layer):
+            return self.rotary_emb_local
+        return self.rotary_emb
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held by this rank (what its cache stores)."""
+        return self.layers[0].self_attn.num_kv_heads
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            hidden = hidden.mul_(self.config.embedding_multiplier)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: int64 [num_tokens] -> hidden states [num_tokens, hidden_size] (pre-final-norm)."""
+        hidden = self.embed(input_ids)
+        pos = StepPositions(positions, ops.fused_ops_supported(hidden), hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, pos, kv_cache, meta)
+        return hidden if residual is None else residual.add_(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Rows of `forward`'s output to sample from [n, hidden_size] -> float32 logits [n, vocab_size].
+
+        Under tensor parallelism every rank calls it; only rank 0 gets the logits (None elsewhere).
+        Gemma 2's final soft-cap and Granite's logit scaling apply here, on the sampled rows only.
+        """
+        logits = self.lm_head.logits(self.norm(hidden))
+        if logits is None:
+            return None
+        cfg = self.config
+        if cfg.logits_scaling != 1.0:
+            logits.div_(cfg.logits_scaling)
+        if cfg.final_logit_softcapping:
+            cap = cfg.final_logit_softcapping
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    def checkpoint_target(self, name: str) -> tuple[str, object] | None:
+        """Checkpoint tensor name (without "model.") -> (our parameter, shard id), or None to skip it."""
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        for fused, part, shard in STACKED_PARAMS:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors (HF names) into the parameters; returns the names of those loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            for target, shard, part in self.split_checkpoint_tensor(name.removeprefix("model."), tensor):
+                self._load_one(params, target, shard, part, name)
+                loaded.add(target)
+        return loaded
+
+    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
+        """(our parameter, shard id, tensor) for one checkpoint tensor: usually one, none if skipped.
+
+        Families whose checkpoints fuse what pagedkv keeps apart (or the reverse) override it.
+        """
+        target = self.checkpoint_target(name)
+        return () if target is None else ((target[0], target[1], tensor),)
+
+    def _load_one(self, params: dict[str, nn.Parameter], target: str, shard, tensor, name: str) -> None:
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in {self.config.architecture}")
+        with torch.no_grad():  # the loaders copy_ into the parameter, which converts the dtype
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)

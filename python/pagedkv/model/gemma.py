@@ -1,0 +1,86 @@
+"""Gemma 2 and Gemma 3 (text): scaled embeddings, four norms per layer, GeGLU, per-layer sliding windows.
+
+* RMSNorm scales by (1 + weight); the checkpoint stores `weight`, pagedkv adds
+  the 1 when loading so the fused norm kernels serve it unchanged.
+* Embeddings are multiplied by sqrt(hidden_size), rounded to the model dtype
+  first, as HF does.
+* Each layer normalizes its input, its attention output, the MLP input and
+  the MLP output (`post_*` norms before the residual add).
+* Layers alternate sliding-window and full attention (`layer_types`); the
+  full-attention layers read the whole context, so no block is freed.
+* Gemma 2: attention logits soft-capped (tanh, cap 50) in the kernels, final
+  logits soft-capped (cap 30); softmax scale query_pre_attn_scalar^-1/2.
+* Gemma 3: an RMSNorm over each q and k head; sliding layers rotate with
+  their own base (rope_local_base_freq), full layers with rope_theta and
+  its scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedkv.model.attention import AttentionMetadata
+from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, KVCache
+from pagedkv.model.layers import RMSNorm, default_weight_loader
+from pagedkv.model.rotary import RotaryEmbedding, StepPositions
+from pagedkv.model_config import ModelConfig
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w): loads the checkpoint's w as 1 + w (in float32, then the parameter's dtype)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded) -> None:
+        tensor = loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+        default_weight_loader(param, tensor.float() + 1.0)
+
+
+class GemmaDecoderLayer(nn.Module):
+    QK_NORM: str | None = None
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer, rope, qk_norm=self.QK_NORM, norm_cls=GemmaRMSNorm)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm, self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps), GemmaRMSNorm(
+            cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = GemmaRMSNorm(
+            cfg.hidden_size, eps), GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, pos: StepPositions, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, pos, kv_cache, meta))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3DecoderLayer(GemmaDecoderLayer):
+    QK_NORM = "head"
+
+
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    norm_cls = GemmaRMSNorm
+
+    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module] = GemmaDecoderLayer) -> None:
+        super().__init__(cfg, layer_cls)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # HF multiplies by sqrt(hidden_size) held in the model dtype: round it the same way.
+        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype).item()
+        return hidden.mul_(scale)
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, Gemma3DecoderLayer)

@@ -1,0 +1,35 @@
+"""Phi-3: the Llama decoder, with q/k/v and gate/up stored fused in the checkpoint.
+
+pagedkv fuses them too, but loads per part (`q`/`k`/`v`, gate/up) so that each
+tensor-parallel rank takes its own heads and its own MLP columns; the fused
+checkpoint tensors are split into those parts first. A partial rotary factor
+(Phi-4-mini) rotates only the first dims of each head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedkv.model.decoder import DecoderForCausalLM
+from pagedkv.model.llama import LlamaDecoderLayer
+from pagedkv.model_config import ModelConfig
+
+
+class Phi3ForCausalLM(DecoderForCausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        if (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type")) in ("longrope", "su"):
+            raise ValueError("Phi-3 checkpoints with longrope scaling (the 128K-context variants) are not supported "
+                             "yet; the 4K-context checkpoints (default rope) are")
+        super().__init__(cfg, LlamaDecoderLayer)
+
+    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
+        """qkv_proj [(H + 2 Hkv) * D, hidden] -> its q, k, v rows; gate_up_proj [2 I, hidden] -> gate, up rows."""
+        cfg = self.config
+        if ".qkv_proj." in name:
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            return ((name, "q", tensor.narrow(0, 0, q)), (name, "k", tensor.narrow(0, q, kv)),
+                    (name, "v", tensor.narrow(0, q + kv, kv)))
+        if ".gate_up_proj." in name:
+            i = cfg.intermediate_size
+            return (name, 0, tensor.narrow(0, 0, i)), (name, 1, tensor.narrow(0, i, i))
+        return super().split_checkpoint_tensor(name, tensor)

@@ -1,0 +1,38 @@
+"""The small surface every model class offers the loader and the model runner.
+
+A model runs one flat batch per step (no padding): `forward` takes the step's
+token ids and positions [num_tokens] and this rank's paged KV caches, one
+(key_cache, value_cache) pair per layer, and returns hidden states
+[num_tokens, hidden_size]; `compute_logits` turns the rows to sample into
+float32 logits (rank 0 only under tensor parallelism). `load_weights` takes
+checkpoint tensors by their HF names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from pagedkv.config import ModelConfig
+from pagedkv.model.attention import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: ModelConfig
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held by this rank (what its cache stores per layer)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...

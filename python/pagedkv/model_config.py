@@ -1,0 +1,272 @@
+"""The architecture of a checkpoint, read from its HF `config.json`.
+
+One dataclass serves every family in `pagedkv.supported.ARCHITECTURES`: the
+fields every decoder has (sizes, heads, norms, rope) plus the ones some
+families add, each with the value that means "not used" as its default:
+
+* per-layer attention: `layer_types` ("full_attention" / "sliding_attention"
+  per layer, as transformers 5 writes them) with `sliding_window`; sliding
+  layers may have their own rope base (`rope_local_theta`, Gemma 3);
+* Gemma: `hidden_act` gelu, `query_pre_attn_scalar`, attention and final
+  logit soft-capping;
+* Granite: embedding, residual, attention and logit multipliers;
+* Phi: `partial_rotary_factor` (the share of each head that rotates);
+* mixture of experts: `num_experts`, `num_experts_per_tok`,
+  `moe_intermediate_size`, `norm_topk_prob`, and which layers are dense.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.supported import ARCHITECTURES, MODEL_TYPES, SUPPORTED_HEAD_SIZES
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _positive(**values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    model_type: str = ""
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"pagedkv runs {', '.join(sorted(ARCHITECTURES))}")
+        _positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+                  num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                  head_dim=self.head_dim)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"head_dim {self.head_dim} has no paged-attention kernel; supported: "
+                             f"{SUPPORTED_HEAD_SIZES}")
+        if not self.layer_types:
+            kind = SLIDING if self.sliding_window else FULL
+            self.layer_types = (kind,) * self.num_hidden_layers
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise ValueError(f"layer_types {sorted(unknown)} are not supported (pagedkv runs {FULL!r} and "
+                             f"{SLIDING!r} layers)")
+        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(f"sliding-window layers need a positive sliding_window, got {self.sliding_window!r}")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not (0 < rotary <= self.head_dim and rotary == int(rotary) and int(rotary) % 2 == 0):
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives {rotary} rotary dims of "
+                             f"head_dim {self.head_dim}; need an even count in (0, head_dim]")
+
+    # --- derived ------------------------------------------------------------------------------------
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` (its keys are the last `window` positions), 0 for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else 0
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window when every layer slides (blocks wholly outside it can be freed), else None.
+
+        With one full-attention layer (Gemma 2/3) every block stays: that layer reads the whole context.
+        """
+        return self.sliding_window if all(t == SLIDING for t in self.layer_types) else None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale: Granite's attention_multiplier, Gemma's query_pre_attn_scalar^-1/2, else head_dim^-1/2."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def mlp_shard_size(self) -> int:
+        """The MLP width tensor parallelism splits (the experts' width for an all-MoE model)."""
+        return self.moe_intermediate_size if self.num_experts and self.moe_intermediate_size else self.intermediate_size
+
+    # --- reading config.json ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """From the dict of an HF `config.json` (or `PretrainedConfig.to_dict()`)."""
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type", "")
+        arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type)
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        dtype = hf.get("torch_dtype") or hf.get("dtype")
+        theta, scaling, local_theta, partial = _rope(hf)
+        layers = hf["num_hidden_layers"]
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf.get("intermediate_size") or 0,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            model_type=model_type,
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rope_local_theta=local_theta,
+            partial_rotary_factor=partial,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=_window(hf, model_type),
+            layer_types=_layer_types(hf, model_type, layers),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+            attention_multiplier=hf.get("attention_multiplier"),
+            logits_scaling=float(hf.get("logits_scaling", 1.0)),
+            num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "mixtral")),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=[] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos],
+            torch_dtype=_DTYPE_NAMES.get(str(dtype).replace("torch.", "")) if dtype else None,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+    # --- tensor parallelism and memory --------------------------------------------------------------
+
+    def tensor_parallel_size_fits(self, tp: int) -> bool:
+        """Whether the model shards over `tp` ranks: query heads, MLP width and vocabulary split evenly, and KV
+        heads split evenly or (tp a multiple of them) replicated."""
+        kv = self.num_key_value_heads
+        return (tp >= 1 and self.num_attention_heads % tp == 0 and self.mlp_shard_size % tp == 0
+                and self.intermediate_size % tp == 0 and self.vocab_size % tp == 0 and (kv % tp == 0 or tp % kv == 0))
+
+    def check_tensor_parallel_size(self, tp: int) -> None:
+        """Refuses a tensor-parallel size the model does not shard over, listing those it does."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        if not self.tensor_parallel_size_fits(tp):
+            valid = [t for t in range(1, self.num_attention_heads + 1) if self.tensor_parallel_size_fits(t)]
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide this model ({self.num_attention_heads} attention heads, "
+                f"{self.num_key_value_heads} KV heads, intermediate size {self.mlp_shard_size}, vocabulary "
+                f"{self.vocab_size}); valid sizes: {valid}")
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """KV-cache bytes one token takes on one device: 2 (K and V) x layers x kv heads x head_dim x dtype bytes.
+
+        With tensor parallelism each device holds its share of the KV heads
+        (at least one: heads are replicated when there are fewer than devices).
+        """
+        kv_heads = max(1, self.num_key_value_heads // tensor_parallel_size)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * kv_heads * self.head_dim * itemsize
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None, float]:
+    """(theta, scaling, local theta, partial rotary factor) from either config style.
+
+    transformers 5 keeps rope settings in `rope_parameters`, keyed by layer type
+    when sliding and full layers differ (Gemma 3); older configs have
+    rope_theta / rope_scaling / rope_local_base_freq at the top level.
+    """
+    params = dict(hf.get("rope_parameters") or {})
+    local = params.pop(SLIDING, None)
+    params = params.pop(FULL, None) or params
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    local_theta = (local or {}).get("rope_theta", hf.get("rope_local_base_freq"))
+    partial = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+    return theta, dict(scaling) if scaling else None, None if local_theta is None else float(local_theta), partial
+
+
+def _window(hf: dict[str, Any], model_type: str) -> int | None:
+    # Qwen2/3 configs carry a sliding_window that only applies with use_sliding_window.
+    if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
+        return None
+    return hf.get("sliding_window") or None
+
+
+def _layer_types(hf: dict[str, Any], model_type: str, layers: int) -> tuple[str, ...]:
+    """Per-layer attention kinds: config.json's `layer_types`, else each family's published rule."""
+    window = _window(hf, model_type)
+    if not window:
+        return (FULL,) * layers
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    if model_type == "gemma2":  # even layers slide
+        return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(layers))
+    if model_type == "gemma3_text":  # five sliding layers, then one full
+        pattern = hf.get("sliding_window_pattern", 6)
+        return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
+    if model_type.startswith("qwen"):  # layers from max_window_layers on slide
+        first = hf.get("max_window_layers", layers)
+        return tuple(SLIDING if i >= first else FULL for i in range(layers))
+    return (SLIDING,) * layers

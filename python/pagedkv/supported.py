@@ -1,0 +1,38 @@
+"""What pagedkv runs, in one place: architectures, head sizes, block sizes, dtypes.
+
+The kernel sets mirror csrc/common/supported.h (the C++ checks and their error
+messages use that copy). The architectures name the module under
+`pagedkv.model` that implements each one; `pagedkv.model.registry` imports it
+on demand, so reading this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# HF architecture name -> (module under pagedkv.model, class name).
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+}
+
+# config.json `model_type` -> architecture, for configs that do not name one.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM", "mixtral": "MixtralForCausalLM",
+}
