@@ -168,6 +168,17 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window (tokens) the KV cache may be bounded by: set only when every layer attends within it.
+
+        Then no layer reads a key older than the window, and the block manager
+        releases the blocks before it as sequences grow. A model where only some
+        layers slide (Gemma 2 style) must keep every block for its full-attention
+        layers: None there. Today every supported model slides in all layers or none.
+        """
+        return self.sliding_window or None
+
     def tensor_parallel_size_fits(self, tp: int) -> bool:
         """Whether the model shards over `tp` ranks: query heads, MLP width and vocabulary split evenly, and KV
         heads split evenly or (tp a multiple of them) replicated."""
@@ -294,9 +305,6 @@ def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
     limit = cfg.max_position_embeddings
     if asked is not None and asked > limit:
         raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
-    length = asked or limit
-    if cfg.sliding_window and length > cfg.sliding_window:
-        # The kernels attend to the whole context; within the window that is exactly the model.
-        logger.warning("capping max_model_len %d to the model's sliding window %d", length, cfg.sliding_window)
-        length = cfg.sliding_window
-    return length
+    # No cap at the sliding window: the attention ops take the window, and the block manager keeps only the
+    # blocks inside it (ModelConfig.kv_sliding_window).
+    return asked or limit

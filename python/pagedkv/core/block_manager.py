@@ -40,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pagedkv import _block_manager as _cpp
-from pagedkv._block_manager import DROPPED_BLOCK, AllocStatus
+from pagedkv._block_manager import AllocStatus
 from pagedkv.core.prefix_cache import ExtraKey, HashAlgo, PrefixCache, PrefixCacheStats
 from pagedkv.core.py_block_manager import PyBlockManager
 
