@@ -18,14 +18,20 @@ order, counters, step journal, results and error types) and that:
     sequence's tokens (multi-turn), with its salt or another, make such hits
     common, also on blocks filled by appends and by forked children;
   - after all sequences are freed every block is free (cached ones evictable),
-    and with caching off no block is even evictable: the pool is full again.
+    and with caching off no block is even evictable: the pool is full again;
+  - with a sliding window (the *Window machines), each sequence has dropped
+    exactly the blocks wholly before the window of its latest earliest query
+    (the first uncached prompt token at allocate, the old length at an
+    append), its dropped entries are DROPPED_BLOCK and every walk over a table
+    (fork, free, swap, metadata, caching) skips them. Sequences then grow far
+    past the pool's size, and dropped cached blocks stay hittable.
 """
 
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from pagedkv.core import BlockManager, BlockManagerError, block_hashes
+from pagedkv.core import DROPPED_BLOCK, BlockManager, BlockManagerError, block_hashes
 
 BS = 4
 NUM_GPU = 24
@@ -36,10 +42,11 @@ SALTS = [(), ("tenant-b",)]
 
 class BlockManagerMachine(RuleBasedStateMachine):
     enable_caching = True
+    sliding_window: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        kw = {"watermark": 0.05, "enable_caching": self.enable_caching}
+        kw = {"watermark": 0.05, "enable_caching": self.enable_caching, "sliding_window": self.sliding_window}
         self.cpp = BlockManager(BS, NUM_GPU, NUM_CPU, backend="cpp", **kw)
         self.model = BlockManager(BS, NUM_GPU, NUM_CPU, backend="python", **kw)
         self.next_id = 0
@@ -50,6 +57,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.salt_of: dict[int, tuple] = {}
         self.history: list[tuple[tuple, list[int]]] = []
         self.content: dict[int, tuple] = {}
+        # Per live sequence: the position of the earliest query of its latest growth (what its window drop used).
+        self.first_query: dict[int, int] = {}
 
     # --- helpers ---------------------------------------------------------------
     def both(self, method: str, *args, **kwargs):
@@ -88,9 +97,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if status != "ok":
             return
         self.tokens_of[seq], self.salt_of[seq] = list(prompt), salt
+        self.first_query[seq] = cached
         table = self.cpp.get_block_table(seq)
         assert cached % BS == 0 and cached < len(prompt)
         for i in range(cached // BS):  # each hit must hold this prompt's block, under this salt
+            if table[i] == DROPPED_BLOCK:  # a hit before the window: not taken
+                continue
             assert self.content.get(table[i]) == self.block_key(seq, i), (
                 f"prefix hit on block {table[i]} holding {self.content.get(table[i])}, "
                 f"prompt wants {self.block_key(seq, i)}")
@@ -126,8 +138,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.running()))
         toks = self.tokens(n, data)
         self.both("can_append", [seq], n)
+        old_len = self.cpp.get_num_tokens(seq)
         status, cow = self.both("append_slots", seq, n, toks if self.enable_caching else None)
         if status == "ok":
+            self.first_query[seq] = old_len
             self.tokens_of[seq] += toks
             self.check_no_shared_write(seq, n)
             if cow is not None:  # the old last block was shared: the sequence now writes into dst
@@ -140,11 +154,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def append_batch(self, data):
         seqs = data.draw(st.lists(st.sampled_from(self.running()), min_size=1, max_size=8, unique=True))
         toks = [self.tokens(1, data) for _ in seqs]
+        old_lens = [self.cpp.get_num_tokens(s) for s in seqs]
         status, _ = self.both("append_slots_batch", seqs, 1, toks if self.enable_caching else None)
         if status == "ok":
-            for seq, t in zip(seqs, toks, strict=True):
+            for seq, t, old_len in zip(seqs, toks, old_lens, strict=True):
+                self.first_query[seq] = old_len
                 self.tokens_of[seq] += t
                 self.check_no_shared_write(seq, 1)
+
+    @precondition(lambda self: self.sliding_window and self.running())
+    @rule(data=st.data(), steps=st.integers(4, 24))
+    def decode_run(self, data, steps):
+        """Many one-token decodes of a few sequences: they grow past their window (and the pool's size)."""
+        seqs = data.draw(st.lists(st.sampled_from(self.running()), min_size=1, max_size=3, unique=True))
+        for _ in range(steps):
+            toks = [self.tokens(1, data) for _ in seqs]
+            old_lens = [self.cpp.get_num_tokens(s) for s in seqs]
+            status, _ = self.both("append_slots_batch", seqs, 1, toks if self.enable_caching else None)
+            if status != "ok":
+                return
+            for seq, t, old_len in zip(seqs, toks, old_lens, strict=True):
+                self.first_query[seq] = old_len
+                self.tokens_of[seq] += t
+            self.same_state()
+            self.blocks_hold_the_same_tokens()  # records what each block holds before the window drops it
 
     @precondition(lambda self: self.running())
     @rule(data=st.data())
@@ -152,12 +185,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         parent, child = data.draw(st.sampled_from(self.running())), self.new_id()
         if self.both("fork", parent, child)[0] == "ok":
             self.tokens_of[child], self.salt_of[child] = list(self.tokens_of[parent]), self.salt_of[parent]
+            self.first_query[child] = self.first_query[parent]
 
     @precondition(lambda self: self.cpp.seq_ids())
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.cpp.seq_ids()))
         if self.both("free", seq)[0] == "ok":
+            del self.first_query[seq]
             self.history = [*self.history[-15:], (self.salt_of.pop(seq), self.tokens_of.pop(seq))]
 
     @precondition(lambda self: self.running())
@@ -200,14 +235,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def metadata(self, data):
         seqs = data.draw(st.lists(st.sampled_from(self.running()), min_size=1, max_size=6))
-        query_lens = [data.draw(st.integers(0, self.cpp.get_num_tokens(s))) for s in seqs]
+        # Queries sit in live blocks (the slots of dropped ones are gone).
+        live = [self.cpp.get_num_tokens(s) - self.cpp.num_dropped_blocks(s) * BS for s in seqs]
+        query_lens = [data.draw(st.integers(0, n)) for n in live]
+        width = max(len(self.cpp.get_block_table(s)) for s in seqs)
         outs = []
         for bm in (self.cpp, self.model):
-            bt, sm, sl = np.full((6, 24), -1, np.int32), np.full(300, -1, np.int64), np.zeros(6, np.int32)
+            bt, sm = np.full((6, width), -7, np.int32), np.full(sum(query_lens) + 4, -1, np.int64)
+            sl = np.zeros(6, np.int32)
             outs.append((bm.fill_metadata(seqs, bt, sm, sl, query_lens=query_lens), bt, sm, sl))
         assert outs[0][0] == outs[1][0]
         for a, b in zip(outs[0][1:], outs[1][1:], strict=True):
             np.testing.assert_array_equal(a, b)
+        bt, sm = outs[0][1], outs[0][2]
+        for i, s in enumerate(seqs):  # the rows carry the markers; no slot lands in a dropped block
+            assert list(bt[i, :len(self.cpp.get_block_table(s))]) == self.cpp.get_block_table(s)
+        assert (sm[:sum(query_lens)] >= 0).all()
 
     # --- invariants ----------------------------------------------------------------
     @invariant()
@@ -216,6 +259,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert cpp.seq_ids() == model.seq_ids()
         for s in cpp.seq_ids():
             assert cpp.get_block_table(s) == model.get_block_table(s)
+            assert cpp.num_held_blocks(s) == model.num_held_blocks(s)
             assert cpp.get_num_tokens(s) == model.get_num_tokens(s)
             assert cpp.is_swapped(s) == model.is_swapped(s)
         assert cpp.core.gpu_free_list() == model.core.gpu_free_list()
@@ -238,6 +282,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     continue
                 assert len(self.tokens_of[s]) == self.cpp.get_num_tokens(s)
                 for i, b in enumerate(self.cpp.get_block_table(s)):
+                    if b == DROPPED_BLOCK:
+                        continue
                     key = self.block_key(s, i)
                     assert seen.setdefault(b, key) == key, f"block {b} shared by sequences holding different tokens"
                     if not swapped:
@@ -269,7 +315,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         holders = {"gpu": [0] * NUM_GPU, "cpu": [0] * NUM_CPU}
         for s in cpp.seq_ids():
             for b in cpp.get_block_table(s):
-                holders["cpu" if cpp.is_swapped(s) else "gpu"][b] += 1
+                if b != DROPPED_BLOCK:
+                    holders["cpu" if cpp.is_swapped(s) else "gpu"][b] += 1
         for pool, ref_count, free_list in (("gpu", cpp.core.gpu_ref_count, cpp.core.gpu_free_list()),
                                            ("cpu", cpp.core.cpu_ref_count, cpp.core.cpu_free_list())):
             free = set(free_list)
@@ -281,6 +328,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert cpp.num_free_cpu_blocks + sum(1 for h in holders["cpu"] if h) == NUM_CPU
         if not self.enable_caching:
             assert cpp.num_evictable_gpu_blocks == 0
+
+    @invariant()
+    def window_drops_exactly(self):
+        """Each sequence dropped exactly the blocks wholly before the window of its latest earliest query."""
+        w = self.sliding_window or 0
+        for s in self.cpp.seq_ids():
+            expect = max(0, self.first_query[s] - w + 1) // BS if w else 0
+            table = self.cpp.get_block_table(s)
+            assert self.cpp.num_dropped_blocks(s) == expect, (s, self.first_query[s], table)
+            assert table[:expect] == [DROPPED_BLOCK] * expect and DROPPED_BLOCK not in table[expect:]
+            assert self.cpp.num_held_blocks(s) == len(table) - expect
 
     def teardown(self):
         for s in self.cpp.seq_ids():
@@ -297,6 +355,17 @@ class BlockManagerMachineNoCaching(BlockManagerMachine):
     enable_caching = False
 
 
+class BlockManagerMachineWindow(BlockManagerMachine):
+    """A window that is not a multiple of the block size: the drop bound falls inside blocks."""
+
+    sliding_window = 7
+
+
+class BlockManagerMachineWindowNoCaching(BlockManagerMachine):
+    enable_caching = False
+    sliding_window = 4
+
+
 COMMON = {"deadline": None, "database": None, "derandomize": True,
           "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
@@ -304,3 +373,7 @@ TestBlockManagerWithCaching = BlockManagerMachine.TestCase
 TestBlockManagerWithCaching.settings = settings(max_examples=120, stateful_step_count=50, **COMMON)
 TestBlockManagerNoCaching = BlockManagerMachineNoCaching.TestCase
 TestBlockManagerNoCaching.settings = settings(max_examples=60, stateful_step_count=50, **COMMON)
+TestBlockManagerWindow = BlockManagerMachineWindow.TestCase
+TestBlockManagerWindow.settings = settings(max_examples=120, stateful_step_count=50, **COMMON)
+TestBlockManagerWindowNoCaching = BlockManagerMachineWindowNoCaching.TestCase
+TestBlockManagerWindowNoCaching.settings = settings(max_examples=60, stateful_step_count=50, **COMMON)

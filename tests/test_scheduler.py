@@ -20,8 +20,8 @@ BS = 8
 
 def make_scheduler(num_gpu_blocks: int, watermark: float = 0.0, num_cpu_blocks: int = 0, max_num_seqs: int = 8,
                    budget: int = 256, mode: str = "recompute", max_model_len: int = 1024,
-                   eos_token_ids: frozenset[int] = frozenset()) -> Scheduler:
-    bm = BlockManager(BS, num_gpu_blocks, num_cpu_blocks, watermark)
+                   eos_token_ids: frozenset[int] = frozenset(), sliding_window: int | None = None) -> Scheduler:
+    bm = BlockManager(BS, num_gpu_blocks, num_cpu_blocks, watermark, sliding_window=sliding_window)
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                      max_model_len=max_model_len, preemption_mode=mode),
                      CacheConfig(block_size=BS, watermark=watermark), bm, eos_token_ids)
@@ -265,3 +265,64 @@ def test_finish_with_a_reason_frees_a_running_sequence():
     assert (seq.finish_reason, seq.stop_reason) == ("stop", "###")
     assert_freed(sched, seq)
     assert sched.schedule().is_empty
+
+
+# --- sliding window -------------------------------------------------------------------------------
+
+
+def run_steps(sched: Scheduler, max_steps: int) -> int:
+    """Schedules and closes steps (every sampled row gets token 5) until nothing is left; returns the peak of
+    used blocks."""
+    peak = 0
+    for _ in range(max_steps):
+        out = sched.schedule()
+        if out.is_empty:
+            break
+        peak = max(peak, sched.bm.num_used_gpu_blocks)
+        rows = list(out.decode_seqs) + [s for i, s in enumerate(out.prefill_seqs) if out.sampled(i)]
+        sched.update_from_output(out, rows, SamplerOutput([5] * len(rows), [None] * len(rows)), now=1.0)
+        sched.bm.check_invariants()
+    assert sched.num_unfinished == 0, "did not finish in max_steps"
+    return peak
+
+
+def long_seq(seq_id: int, num_prompt: int, max_tokens: int) -> Sequence:
+    prompt = list(range(1, num_prompt + 1))
+    req = Request(f"r{seq_id}", None, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                  RequestMetrics(0.0))
+    seq = Sequence(seq_id, req, 0, list(prompt))
+    req.seqs.append(seq)
+    return seq
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sliding_window_sequences_fit_without_preemption(mode):
+    """6 sequences growing to 10 blocks each need 60 blocks of a 24-block pool: without the window they preempt
+    each other. With a window of 2 blocks each holds at most 3 blocks, so all run side by side, unpreempted, also
+    when they grow far longer (34 blocks each, more than the whole pool)."""
+    plain = make_scheduler(24, num_cpu_blocks=64, mode=mode)
+    for i in range(6):
+        plain.add(long_seq(i, 2 * BS, 8 * BS))
+    run_steps(plain, 400)
+    assert plain.num_preemptions > 0
+    for length in (8 * BS, 32 * BS):
+        sched = make_scheduler(24, num_cpu_blocks=64, mode=mode, sliding_window=2 * BS)
+        seqs = [long_seq(i, 2 * BS, length) for i in range(6)]
+        for s in seqs:
+            sched.add(s)
+        peak = run_steps(sched, 2 * length)
+        assert sched.num_preemptions == 0
+        assert peak <= 6 * 3
+        assert all(s.finish_reason == "length" and s.num_output_tokens == length for s in seqs)
+        assert sched.bm.num_free_gpu_blocks == 24
+
+
+def test_sliding_window_long_prompt_is_admitted_chunk_by_chunk():
+    """A 40-block prompt in a 12-block pool: with chunks of 2 blocks and a 2-block window it needs at most
+    2 + 2 + 1 blocks at a time, so it is admitted and prefilled without preemption."""
+    sched = make_scheduler(12, budget=2 * BS, max_num_seqs=2, sliding_window=2 * BS)
+    seq = long_seq(1, 40 * BS, 4)
+    sched.add(seq)
+    peak = run_steps(sched, 100)
+    assert sched.num_preemptions == 0 and peak <= 5
+    assert seq.num_output_tokens == 4

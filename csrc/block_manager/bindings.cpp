@@ -100,6 +100,8 @@ PYBIND11_MODULE(_block_manager, m) {
     }
   });
 
+  m.attr("DROPPED_BLOCK") = kDroppedBlock;
+
   py::enum_<AllocStatus>(m, "AllocStatus", "Answer of allocate_status: OK now, LATER, or NEVER (too long).")
       .value("OK", AllocStatus::kOk)
       .value("LATER", AllocStatus::kLater)
@@ -130,8 +132,9 @@ PYBIND11_MODULE(_block_manager, m) {
       .def_property_readonly("name", &BlockPool::name);
 
   py::class_<BlockManager>(m, "BlockManager", "Block tables over a GPU pool and a CPU swap pool.")
-      .def(py::init<int32_t, int32_t, int32_t, double, bool>(), py::arg("block_size"), py::arg("num_gpu_blocks"),
-           py::arg("num_cpu_blocks"), py::arg("watermark"), py::arg("enable_caching"))
+      .def(py::init<int32_t, int32_t, int32_t, double, bool, int32_t>(), py::arg("block_size"),
+           py::arg("num_gpu_blocks"), py::arg("num_cpu_blocks"), py::arg("watermark"), py::arg("enable_caching"),
+           py::arg("sliding_window") = 0)
       .def("allocate_status", &BlockManager::allocate_status, py::arg("num_tokens"), py::arg("cached_prefix"))
       .def("allocate", &BlockManager::allocate, py::arg("seq_id"), py::arg("num_tokens"), py::arg("cached_prefix"))
       .def("blocks_to_append", py::overload_cast<SeqId, int64_t>(&BlockManager::blocks_to_append, py::const_),
@@ -164,6 +167,9 @@ PYBIND11_MODULE(_block_manager, m) {
       .def("block_table", [](const BlockManager& bm, int64_t id) { return bm.seq(id).table; }, py::arg("seq_id"))
       .def("num_tokens", [](const BlockManager& bm, int64_t id) { return bm.seq(id).num_tokens; }, py::arg("seq_id"))
       .def("is_swapped", [](const BlockManager& bm, int64_t id) { return bm.seq(id).swapped; }, py::arg("seq_id"))
+      .def("num_held_blocks", &BlockManager::num_held_blocks, py::arg("seq_id"))
+      .def("num_dropped_blocks", [](const BlockManager& bm, int64_t id) { return bm.seq(id).num_dropped; },
+           py::arg("seq_id"))
       .def("has_seq", &BlockManager::has_seq, py::arg("seq_id"))
       .def("seq_ids", &BlockManager::seq_ids)
       .def("gpu_ref_count", [](const BlockManager& bm, int32_t b) { return bm.gpu_pool().ref_count(b); })
@@ -175,6 +181,7 @@ PYBIND11_MODULE(_block_manager, m) {
       .def_property_readonly("block_size", &BlockManager::block_size)
       .def_property_readonly("watermark_blocks", &BlockManager::watermark_blocks)
       .def_property_readonly("enable_caching", &BlockManager::enable_caching)
+      .def_property_readonly("sliding_window", &BlockManager::sliding_window)
       .def_property_readonly("num_gpu_blocks", [](const BlockManager& bm) { return bm.gpu_pool().num_blocks(); })
       .def_property_readonly("num_cpu_blocks", [](const BlockManager& bm) { return bm.cpu_pool().num_blocks(); })
       .def_property_readonly("num_free_gpu_blocks", [](const BlockManager& bm) { return bm.gpu_pool().num_free(); })

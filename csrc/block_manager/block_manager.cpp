@@ -19,12 +19,17 @@ void check_positive(int64_t value, const char* op, const char* what) {
 }  // namespace
 
 BlockManager::BlockManager(int32_t block_size, int32_t num_gpu_blocks, int32_t num_cpu_blocks, double watermark,
-                           bool enable_caching)
+                           bool enable_caching, int32_t sliding_window)
     : block_size_(block_size),
       gpu_(num_gpu_blocks, "gpu"),
       cpu_(num_cpu_blocks, "cpu"),
       watermark_blocks_(0),
-      enable_caching_(enable_caching) {
+      enable_caching_(enable_caching),
+      window_(sliding_window) {
+  if (sliding_window < 0) {
+    throw std::invalid_argument("BlockManager: sliding_window must be >= 0 tokens (0: off), got " +
+                                std::to_string(sliding_window));
+  }
   if (block_size < 1) {
     throw std::invalid_argument("BlockManager: block_size must be >= 1, got " + std::to_string(block_size));
   }
@@ -56,6 +61,37 @@ SeqState& BlockManager::running_seq(SeqId seq_id, const char* op) {
 
 const SeqState& BlockManager::seq(SeqId seq_id) const { return find_seq(seq_id, "seq"); }
 
+int64_t BlockManager::num_held_blocks(SeqId seq_id) const {
+  const SeqState& s = find_seq(seq_id, "num_held_blocks");
+  return static_cast<int64_t>(s.table.size()) - s.num_dropped;
+}
+
+// --- sliding window ----------------------------------------------------------
+
+int64_t BlockManager::blocks_before_window(int64_t first_query) const {
+  if (window_ == 0) return 0;
+  // The query at first_query reads keys from first_query - W + 1 on: block i is
+  // unneeded when (i + 1) * block_size <= that first key.
+  return std::max<int64_t>(0, first_query - window_ + 1) / block_size_;
+}
+
+int64_t BlockManager::freed_by_drop(const SeqState& s, int64_t first_query) const {
+  int64_t freed = 0;
+  for (int64_t i = s.num_dropped; i < blocks_before_window(first_query); ++i) {
+    if (gpu_.ref_count(s.table[i]) == 1) ++freed;  // a shared block stays with its other holders
+  }
+  return freed;
+}
+
+void BlockManager::drop_before_window(SeqState& s, int64_t first_query) {
+  const int64_t end = blocks_before_window(first_query);
+  for (int64_t i = end - 1; i >= s.num_dropped; --i) {
+    gpu_.decref(s.table[i]);
+    s.table[i] = kDroppedBlock;
+  }
+  s.num_dropped = std::max(s.num_dropped, end);
+}
+
 std::vector<SeqId> BlockManager::seq_ids() const {
   std::vector<SeqId> ids;
   ids.reserve(seqs_.size());
@@ -68,11 +104,13 @@ std::vector<SeqId> BlockManager::seq_ids() const {
 
 AllocStatus BlockManager::allocate_status(int64_t num_tokens, const std::vector<BlockId>& cached_prefix) const {
   check_positive(num_tokens, "allocate_status", "num_tokens");
-  const int64_t total = blocks_for(num_tokens);
+  const int64_t prefix = static_cast<int64_t>(cached_prefix.size());
+  const int64_t skip = std::min(prefix, blocks_before_window(prefix * block_size_));
+  const int64_t total = blocks_for(num_tokens) - skip;
   if (total > static_cast<int64_t>(gpu_.num_blocks()) - watermark_blocks_) return AllocStatus::kNever;
-  int64_t needed = total - static_cast<int64_t>(cached_prefix.size());
-  for (BlockId b : cached_prefix) {
-    if (gpu_.ref_count(b) == 0) ++needed;  // reviving an evictable block takes it off the free list
+  int64_t needed = total - (prefix - skip);
+  for (int64_t i = skip; i < prefix; ++i) {
+    if (gpu_.ref_count(cached_prefix[i]) == 0) ++needed;  // reviving an evictable block takes it off the free list
   }
   return gpu_.num_free() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
 }
@@ -90,13 +128,16 @@ void BlockManager::allocate(SeqId seq_id, int64_t num_tokens, const std::vector<
                                 std::to_string(num_tokens - 1) + " of a " + std::to_string(num_tokens) +
                                 "-token prompt may come from the cache");
   }
+  // Hits before the window of the first uncached token are never read: not taken.
+  const int64_t skip = std::min(prefix, blocks_before_window(prefix * block_size_));
   int64_t needed = total - prefix;
-  for (BlockId b : cached_prefix) {
+  for (int64_t i = 0; i < prefix; ++i) {
+    const BlockId b = cached_prefix[i];
     if (!gpu_.is_cached(b)) {
       throw BlockRefCountError("allocate: gpu block " + std::to_string(b) +
                                " is not in the prefix cache and cannot be shared");
     }
-    if (gpu_.ref_count(b) == 0) ++needed;
+    if (i >= skip && gpu_.ref_count(b) == 0) ++needed;
   }
   if (needed > gpu_.num_free()) {
     throw NoFreeBlocksError("allocate: " + seq_str(seq_id) + " needs " + std::to_string(needed) +
@@ -105,11 +146,13 @@ void BlockManager::allocate(SeqId seq_id, int64_t num_tokens, const std::vector<
   }
   SeqState state;
   state.num_tokens = num_tokens;
+  state.num_dropped = skip;
   state.table.reserve(total);
+  state.table.assign(skip, kDroppedBlock);
   // Revive the hits before allocating, so that allocation cannot evict them.
-  for (BlockId b : cached_prefix) {
-    gpu_.incref(b);
-    state.table.push_back(b);
+  for (int64_t i = skip; i < prefix; ++i) {
+    gpu_.incref(cached_prefix[i]);
+    state.table.push_back(cached_prefix[i]);
   }
   while (static_cast<int64_t>(state.table.size()) < total) state.table.push_back(gpu_.allocate());
   seqs_.emplace(seq_id, std::move(state));
@@ -120,8 +163,10 @@ void BlockManager::allocate(SeqId seq_id, int64_t num_tokens, const std::vector<
 int64_t BlockManager::blocks_to_append(const SeqState& s, int64_t num_new_tokens) const {
   int64_t needed = blocks_for(s.num_tokens + num_new_tokens) - static_cast<int64_t>(s.table.size());
   // The new tokens go into a partly filled last block: copy it first if shared.
+  // (The last block is never dropped: it holds the latest token, inside any window.)
   if (s.num_tokens % block_size_ != 0 && gpu_.ref_count(s.table.back()) > 1) ++needed;
-  return needed;
+  // The earliest new query is at position num_tokens: what lies before its window goes first.
+  return needed - freed_by_drop(s, s.num_tokens);
 }
 
 int32_t BlockManager::blocks_to_append(SeqId seq_id, int64_t num_new_tokens) const {
@@ -137,6 +182,8 @@ bool BlockManager::can_append(const std::vector<SeqId>& seq_ids, int64_t num_new
 }
 
 std::optional<BlockPair> BlockManager::append_to(SeqState& s, int64_t num_new_tokens) {
+  // Drop first: the freed blocks (uncached ones at the free list's front) serve this very append.
+  drop_before_window(s, s.num_tokens);
   std::optional<BlockPair> cow;
   if (s.num_tokens % block_size_ != 0 && gpu_.ref_count(s.table.back()) > 1) {
     const BlockId src = s.table.back();
@@ -183,6 +230,8 @@ std::vector<BlockPair> BlockManager::append_slots_batch(const std::vector<SeqId>
                             std::to_string(needed) + " free gpu blocks, " + std::to_string(gpu_.num_free()) +
                             " are free");
   }
+  // All drops first: the count above credits each sequence's freed blocks to the whole batch.
+  for (SeqState* s : states) drop_before_window(*s, s->num_tokens);
   std::vector<BlockPair> cows;
   for (SeqState* s : states) {
     if (auto cow = append_to(*s, num_new_tokens)) cows.push_back(*cow);
@@ -195,7 +244,7 @@ void BlockManager::fork(SeqId parent, SeqId child) {
   if (seqs_.count(child)) {
     throw SequenceExistsError("fork: child " + seq_str(child) + " already exists (parent " + seq_str(parent) + ")");
   }
-  for (BlockId b : p.table) gpu_.incref(b);
+  for (size_t i = p.num_dropped; i < p.table.size(); ++i) gpu_.incref(p.table[i]);
   SeqState copy = p;  // copy before emplace: emplace may rehash and move `p`
   seqs_.emplace(child, std::move(copy));
 }
@@ -209,7 +258,7 @@ void BlockManager::free(SeqId seq_id) {
   // Deepest block first: among blocks freed together the deepest lands
   // nearest the front of the LRU order and is evicted first; shared roots last.
   const auto& table = it->second.table;
-  for (auto b = table.rbegin(); b != table.rend(); ++b) pool.decref(*b);
+  for (auto b = table.rbegin(); b != table.rend() && *b != kDroppedBlock; ++b) pool.decref(*b);
   seqs_.erase(it);
 }
 
@@ -227,7 +276,7 @@ int32_t BlockManager::distinct_blocks(const std::vector<SeqId>& seq_ids, bool sw
     if (!seen_seqs.insert(id).second) {
       throw std::invalid_argument(std::string(op) + ": " + seq_str(id) + " is listed twice");
     }
-    blocks.insert(s.table.begin(), s.table.end());
+    blocks.insert(s.table.begin() + s.num_dropped, s.table.end());
   }
   return static_cast<int32_t>(blocks.size());
 }
@@ -254,18 +303,19 @@ std::vector<BlockPair> BlockManager::move_seqs(const std::vector<SeqId>& seq_ids
   mapping.reserve(needed);
   for (SeqId id : seq_ids) {
     SeqState& s = seqs_.at(id);
-    for (BlockId& b : s.table) {
-      auto it = moved.find(b);
+    const auto live = s.table.begin() + s.num_dropped;  // dropped entries stay dropped in either pool
+    for (auto b = live; b != s.table.end(); ++b) {
+      auto it = moved.find(*b);
       if (it == moved.end()) {
         const BlockId dst = to.allocate();
-        it = moved.emplace(b, dst).first;
-        mapping.emplace_back(b, dst);
+        it = moved.emplace(*b, dst).first;
+        mapping.emplace_back(*b, dst);
       } else {
         to.incref(it->second);
       }
     }
-    for (auto b = s.table.rbegin(); b != s.table.rend(); ++b) from.decref(*b);
-    for (BlockId& b : s.table) b = moved.at(b);
+    for (auto b = s.table.rbegin(); b != s.table.rend() && *b != kDroppedBlock; ++b) from.decref(*b);
+    for (auto b = live; b != s.table.end(); ++b) *b = moved.at(*b);
     s.swapped = now_swapped;
   }
   return mapping;
@@ -306,6 +356,7 @@ int32_t BlockManager::cache_blocks(SeqId seq_id, int64_t first_block, const std:
   int32_t added = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     const BlockId b = s.table[first_block + i];
+    if (b == kDroppedBlock) continue;  // released by the window: nothing held to offer
     if (gpu_.cache_block(b, keys[i])) {
       step_cached_.push_back(b);
       ++added;
@@ -337,9 +388,14 @@ int64_t BlockManager::fill_metadata(const SeqId* seq_ids, int64_t num_seqs, cons
   for (int64_t i = 0; i < num_seqs; ++i) {
     const SeqState& s = running_seq(seq_ids[i], "fill_metadata");
     const int64_t q = query_lens ? query_lens[i] : 1;
-    if (q < 0 || q > s.num_tokens) {
+    // Queries must sit in live blocks: the slots of dropped ones are gone.
+    const int64_t max_q = s.num_tokens - s.num_dropped * block_size_;
+    if (q < 0 || q > max_q) {
       throw std::invalid_argument("fill_metadata: query_lens[" + std::to_string(i) + "] = " + std::to_string(q) +
-                                  " must be in [0, " + std::to_string(s.num_tokens) + "] for " + seq_str(seq_ids[i]));
+                                  " must be in [0, " + std::to_string(max_q) + "] for " + seq_str(seq_ids[i]) +
+                                  (s.num_dropped ? " (its first " + std::to_string(s.num_dropped) +
+                                                       " blocks are dropped by the sliding window)"
+                                                 : std::string()));
     }
     if (static_cast<int64_t>(s.table.size()) > max_blocks) {
       throw std::invalid_argument("fill_metadata: " + seq_str(seq_ids[i]) + " has " +
@@ -373,6 +429,26 @@ int64_t BlockManager::fill_metadata(const SeqId* seq_ids, int64_t num_seqs, cons
 
 // --- invariants --------------------------------------------------------------
 
+void BlockManager::check_dropped(SeqId id, const SeqState& s) const {
+  if (s.num_dropped < 0 || s.num_dropped > static_cast<int64_t>(s.table.size())) {
+    throw std::logic_error(seq_str(id) + " has " + std::to_string(s.num_dropped) + " dropped blocks of " +
+                           std::to_string(s.table.size()));
+  }
+  // Dropping needs a window, and never reaches the last W tokens (the latest query's window).
+  if (s.num_dropped > 0 && (window_ == 0 || s.num_dropped * block_size_ > s.num_tokens - window_)) {
+    throw std::logic_error(seq_str(id) + " dropped " + std::to_string(s.num_dropped) + " blocks of a " +
+                           std::to_string(s.num_tokens) + "-token sequence with sliding window " +
+                           std::to_string(window_));
+  }
+  for (size_t i = 0; i < s.table.size(); ++i) {
+    const bool dropped = static_cast<int64_t>(i) < s.num_dropped;
+    if ((s.table[i] == kDroppedBlock) != dropped) {
+      throw std::logic_error(seq_str(id) + " table entry " + std::to_string(i) + " is " + std::to_string(s.table[i]) +
+                             (dropped ? ", expected the dropped marker" : ", a dropped marker past the live start"));
+    }
+  }
+}
+
 void BlockManager::check_invariants() const {
   gpu_.check_invariants();
   cpu_.check_invariants();
@@ -382,7 +458,8 @@ void BlockManager::check_invariants() const {
       throw std::logic_error(seq_str(id) + " has " + std::to_string(s.table.size()) + " blocks for " +
                              std::to_string(s.num_tokens) + " tokens");
     }
-    for (BlockId b : s.table) ++(s.swapped ? cpu_refs : gpu_refs)[b];
+    check_dropped(id, s);
+    for (size_t i = s.num_dropped; i < s.table.size(); ++i) ++(s.swapped ? cpu_refs : gpu_refs)[s.table[i]];
   }
   for (BlockId b = 0; b < gpu_.num_blocks(); ++b) {
     if (gpu_refs[b] != gpu_.ref_count(b)) {

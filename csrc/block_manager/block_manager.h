@@ -7,6 +7,19 @@
 //
 // Every mutating call checks everything it needs first and then changes the
 // state, so a call that throws (e.g. NoFreeBlocksError) leaves it untouched.
+//
+// Sliding window. For a model whose every layer attends only to the last W
+// positions (HF convention: a query at position p reads keys k with
+// p - W < k <= p), the manager may be given W (`sliding_window`, 0 = off).
+// Then, whenever a sequence gets slots for new tokens whose earliest query is
+// at position p0 (allocate: the first uncached token; append: the old token
+// count), every logical block whose positions all lie below p0 - W + 1 is
+// released: its reference count drops exactly as in free() (a cached block
+// nobody else holds becomes evictable), and its table entry becomes
+// kDroppedBlock. Later queries sit further right, so a dropped block is never
+// needed again. The dropped entries always form a prefix of the table, so a
+// sequence holds at most ceil(W / block_size) + 1 blocks between steps (plus
+// its chunk's blocks during a chunked prefill), whatever its length.
 #pragma once
 
 #include <cstdint>
@@ -25,9 +38,13 @@ using BlockPair = std::pair<BlockId, BlockId>;  // (src, dst)
 
 enum class AllocStatus { kOk, kLater, kNever };
 
+// Table entry of a block released by the sliding window (see the top of this file).
+constexpr BlockId kDroppedBlock = -1;
+
 struct SeqState {
-  std::vector<BlockId> table;
+  std::vector<BlockId> table;  // table[:num_dropped] are kDroppedBlock, the rest live blocks
   int64_t num_tokens = 0;
+  int64_t num_dropped = 0;  // leading entries released by the sliding window
   bool swapped = false;  // table holds CPU-pool blocks
   uint64_t batch_stamp = 0;  // last append_slots_batch that saw it (duplicate check in O(1))
 };
@@ -36,20 +53,26 @@ class BlockManager {
  public:
   // watermark: fraction of GPU blocks that admitting new prompts must leave
   // free, so that running sequences can still append (in [0, 1)).
+  // sliding_window: the model's attention window W in tokens (0: off).
   BlockManager(int32_t block_size, int32_t num_gpu_blocks, int32_t num_cpu_blocks, double watermark,
-               bool enable_caching);
+               bool enable_caching, int32_t sliding_window = 0);
 
   // --- admission --------------------------------------------------------
   // kNever: the prompt can never fit (more blocks than the pool minus the
   // watermark); kLater: not now; kOk: go. `cached_prefix` are blocks a
   // prefix-cache lookup returned; free ones among them still cost a block.
+  // With a sliding window, hits wholly before the window of the first
+  // uncached token are neither taken nor counted.
   AllocStatus allocate_status(int64_t num_tokens, const std::vector<BlockId>& cached_prefix) const;
   // Gives `seq_id` blocks for `num_tokens` tokens, sharing `cached_prefix`
-  // (ref count +1 each) as its first blocks.
+  // (ref count +1 each) as its first blocks; hits before the window become
+  // kDroppedBlock entries.
   void allocate(SeqId seq_id, int64_t num_tokens, const std::vector<BlockId>& cached_prefix);
 
   // --- growth -----------------------------------------------------------
-  // New GPU blocks that appending `num_new_tokens` would take (copy-on-write included).
+  // Net GPU blocks that appending `num_new_tokens` would take: new blocks and
+  // the copy-on-write, minus the blocks the sliding window frees (those only
+  // this sequence holds). Negative when the window frees more than it takes.
   int32_t blocks_to_append(SeqId seq_id, int64_t num_new_tokens) const;
   // Whether every sequence in `seq_ids` can append `num_new_tokens` at once.
   bool can_append(const std::vector<SeqId>& seq_ids, int64_t num_new_tokens) const;
@@ -58,16 +81,19 @@ class BlockManager {
   std::optional<BlockPair> append_slots(SeqId seq_id, int64_t num_new_tokens);
   // append_slots for every sequence of a decode step, all or nothing: throws
   // NoFreeBlocksError before changing anything if the blocks do not suffice.
-  // Returns the copy-on-write pairs.
+  // Every sequence's window drop runs before any allocation, so blocks one
+  // sequence frees serve another's new block. Returns the copy-on-write pairs.
   std::vector<BlockPair> append_slots_batch(const std::vector<SeqId>& seq_ids, int64_t num_new_tokens);
-  // `child` shares every block of `parent` (parallel sampling, beam search).
+  // `child` shares every live block of `parent` (parallel sampling, beam
+  // search); dropped entries stay dropped in the child.
   void fork(SeqId parent, SeqId child);
   void free(SeqId seq_id);
 
   // --- swapping (a group of sequences at once keeps their sharing) ------
   bool can_swap_out(const std::vector<SeqId>& seq_ids) const;
   bool can_swap_in(const std::vector<SeqId>& seq_ids) const;
-  // (gpu, cpu) pairs for swap_blocks, each distinct block once.
+  // (gpu, cpu) pairs for swap_blocks, each distinct live block once (dropped
+  // entries stay kDroppedBlock in either pool).
   std::vector<BlockPair> swap_out(const std::vector<SeqId>& seq_ids);
   // (cpu, gpu) pairs.
   std::vector<BlockPair> swap_in(const std::vector<SeqId>& seq_ids);
@@ -77,7 +103,8 @@ class BlockManager {
   std::vector<BlockId> lookup_prefix(const std::vector<std::string>& keys, int64_t max_blocks) const;
   // Caches the full blocks first_block, first_block+1, ... of a sequence
   // under `keys`. Returns how many were newly cached (a key already present
-  // elsewhere keeps its block).
+  // elsewhere keeps its block). Dropped entries are skipped: the sequence
+  // holds nothing there to offer.
   int32_t cache_blocks(SeqId seq_id, int64_t first_block, const std::vector<std::string>& keys);
   // Also empties the step journal (nothing is left to uncache).
   void reset_prefix_cache();
@@ -103,7 +130,8 @@ class BlockManager {
   // `pad_value`, seq_lens[i] = its token count, and slot_mapping gets the
   // slots of its last query_lens[i] tokens (query_lens null: 1 each).
   // block_tables is row-major [num_seqs, max_blocks]; returns the number of
-  // slots written. Checks everything before writing anything.
+  // slots written. Checks everything before writing anything. Dropped
+  // entries are written as kDroppedBlock; a query may not sit in a dropped block.
   int64_t fill_metadata(const SeqId* seq_ids, int64_t num_seqs, const int64_t* query_lens, int32_t* block_tables,
                         int64_t max_blocks, int64_t* slot_mapping, int64_t slot_capacity, int32_t* seq_lens,
                         int32_t pad_value) const;
@@ -117,11 +145,22 @@ class BlockManager {
   int32_t block_size() const { return block_size_; }
   int32_t watermark_blocks() const { return watermark_blocks_; }
   bool enable_caching() const { return enable_caching_; }
+  int32_t sliding_window() const { return window_; }
+  // Blocks a sequence holds: its table less the dropped entries.
+  int64_t num_held_blocks(SeqId seq_id) const;
   // Pools' invariants, and every ref count equals the number of tables holding the block.
   void check_invariants() const;
 
  private:
   int64_t blocks_for(int64_t num_tokens) const { return (num_tokens + block_size_ - 1) / block_size_; }
+  // Logical blocks wholly before the window of a query at `first_query` (0 without a window).
+  int64_t blocks_before_window(int64_t first_query) const;
+  // Blocks the window drop for `first_query` would return to the free list (those held only by `s`).
+  int64_t freed_by_drop(const SeqState& s, int64_t first_query) const;
+  // Releases the blocks before the window of `first_query` (deepest first, as free() does).
+  void drop_before_window(SeqState& s, int64_t first_query);
+  // check_invariants for one sequence's dropped entries.
+  void check_dropped(SeqId id, const SeqState& s) const;
   SeqState& running_seq(SeqId seq_id, const char* op);
   const SeqState& running_seq(SeqId seq_id, const char* op) const;
   const SeqState& find_seq(SeqId seq_id, const char* op) const;
@@ -136,6 +175,7 @@ class BlockManager {
   BlockPool cpu_;
   int32_t watermark_blocks_;
   bool enable_caching_;
+  int32_t window_;  // sliding window in tokens, 0 = off
   std::unordered_map<SeqId, SeqState> seqs_;
   uint64_t batch_counter_ = 0;
   std::vector<BlockId> step_cached_;  // the step journal, see begin_step()

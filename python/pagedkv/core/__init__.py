@@ -7,6 +7,7 @@ gets a hit, and matches are exact (see pagedkv.core.prefix_cache).
 """
 
 from pagedkv._block_manager import (
+    DROPPED_BLOCK,
     AllocStatus,
     BlockManagerError,
     BlockPool,
@@ -26,6 +27,7 @@ from pagedkv.core.prefix_cache import (
 from pagedkv.core.py_block_manager import PyBlockManager, PyBlockPool
 
 __all__ = [
+    "DROPPED_BLOCK",
     "AllocStatus",
     "BlockManager",
     "BlockManagerError",

@@ -16,6 +16,13 @@ same behaviour, used as a baseline and a test model. With
 their tokens (pagedkv.core.prefix_cache) and reused by later prompts that
 start the same way.
 
+With `sliding_window=W` (a model whose every layer attends only to the last
+W positions), blocks that fall wholly before the window of a sequence's
+earliest new query are released as it grows: their table entries become
+`DROPPED_BLOCK` (-1) and their reference count drops as on `free` (a cached
+block nobody else holds stays findable, evictable). A sequence then holds
+about ceil(W / block_size) + 1 blocks whatever its length.
+
 Errors: every error is a `BlockManagerError`. Running out of blocks raises
 `NoFreeBlocksError`, a normal condition (ask `can_allocate` / `can_append`
 first, or catch it and preempt); misuse raises `UnknownSequenceError`
@@ -70,6 +77,8 @@ class BlockManager:
         enable_caching: reuse the full blocks of identical prefixes.
         hash_algo: "sha256" (default) or "xxhash" (faster, not collision resistant).
         backend: "cpp" (compiled core) or "python" (reference twin).
+        sliding_window: the model's attention window in tokens when every layer slides
+            (None or 0: off); blocks wholly before it are released as sequences grow.
     """
 
     def __init__(
@@ -81,18 +90,25 @@ class BlockManager:
         enable_caching: bool = False,
         hash_algo: HashAlgo = "sha256",
         backend: Backend = "cpp",
+        sliding_window: int | None = None,
     ) -> None:
         for name, value in (("block_size", block_size), ("num_gpu_blocks", num_gpu_blocks),
                             ("num_cpu_blocks", num_cpu_blocks)):
             if not isinstance(value, int) or value < (1 if name == "block_size" else 0):
                 raise ValueError(f"BlockManager: {name} must be a non-negative int (block_size >= 1), got {value!r}")
+        window = sliding_window or 0
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise ValueError(f"BlockManager: sliding_window must be None or an int >= 0 (tokens), "
+                             f"got {sliding_window!r}")
+        args = (block_size, num_gpu_blocks, num_cpu_blocks, float(watermark), enable_caching, window)
         if backend == "cpp":
-            core = _cpp.BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, float(watermark), enable_caching)
+            core = _cpp.BlockManager(*args)
         elif backend == "python":
-            core = PyBlockManager(block_size, num_gpu_blocks, num_cpu_blocks, float(watermark), enable_caching)
+            core = PyBlockManager(*args)
         else:
             raise ValueError(f"BlockManager: backend must be 'cpp' or 'python', got {backend!r}")
         self.block_size = block_size
+        self.sliding_window: int | None = window or None
         self.backend = backend
         self.core = core
         self.prefix_cache: PrefixCache | None = PrefixCache(block_size, hash_algo) if enable_caching else None
@@ -155,7 +171,12 @@ class BlockManager:
 
     # --- growth -------------------------------------------------------------
     def blocks_to_append(self, seq_id: int, num_new_tokens: int = 1) -> int:
-        """New GPU blocks that appending `num_new_tokens` to `seq_id` would take."""
+        """Net GPU blocks that appending `num_new_tokens` to `seq_id` would take.
+
+        New blocks and a copy-on-write count +1 each; with a sliding window each
+        block the append releases that only this sequence holds counts -1, so the
+        result can be negative.
+        """
         return self.core.blocks_to_append(seq_id, num_new_tokens)
 
     def can_append(self, seq_ids: int | Sequence[int], num_new_tokens: int = 1) -> bool:
@@ -201,7 +222,8 @@ class BlockManager:
         return cows
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """`child_id` shares every block of `parent_id`; later writes copy on demand."""
+        """`child_id` shares every live block of `parent_id` (dropped entries stay dropped); later writes copy on
+        demand."""
         self.core.fork(parent_id, child_id)
         if self.prefix_cache is not None:
             self.prefix_cache.on_fork(parent_id, child_id)
@@ -240,7 +262,8 @@ class BlockManager:
                       query_lens: Sequence[int] | np.ndarray | None = None, pad_value: int = 0) -> int:
         """Writes the attention metadata of scheduled sequences into preallocated buffers.
 
-        block_tables: int32 [>= num_seqs, max_blocks_per_seq], rows padded with `pad_value`;
+        block_tables: int32 [>= num_seqs, max_blocks_per_seq], rows padded with `pad_value`; entries the
+        sliding window dropped are DROPPED_BLOCK (-1), and queries may only sit in live blocks;
         seq_lens: int32 [>= num_seqs], each sequence's token count;
         slot_mapping: int64 [>= sum(query_lens)], slot = block * block_size + offset of
         each sequence's last query_lens[i] positions (query_lens None: 1 each, a decode step).
@@ -285,7 +308,16 @@ class BlockManager:
 
     # --- introspection ------------------------------------------------------------
     def get_block_table(self, seq_id: int) -> list[int]:
+        """Logical block i -> physical block, DROPPED_BLOCK where the sliding window released it."""
         return self.core.block_table(seq_id)
+
+    def num_held_blocks(self, seq_id: int) -> int:
+        """Blocks the sequence holds (its table less the dropped entries), in its pool (GPU, or CPU if swapped)."""
+        return self.core.num_held_blocks(seq_id)
+
+    def num_dropped_blocks(self, seq_id: int) -> int:
+        """Leading table entries the sliding window released (0 without a window)."""
+        return self.core.num_dropped_blocks(seq_id)
 
     def get_num_tokens(self, seq_id: int) -> int:
         return self.core.num_tokens(seq_id)

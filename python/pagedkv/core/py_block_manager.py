@@ -8,6 +8,10 @@ push front/back, remove from the middle). Error classes are the C++ module's.
 
 Free-list policy (identical to block_pool.h): front = uncached free blocks,
 then cached free blocks least recently freed first; allocate pops the front.
+
+Sliding window (identical to block_manager.h): the leading table entries
+wholly before the window of a sequence's earliest new query are released and
+become DROPPED_BLOCK; every walk over a table skips them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedkv._block_manager import (
+    DROPPED_BLOCK,
     AllocStatus,
     BlockRefCountError,
     InvalidSequenceStateError,
@@ -148,9 +153,15 @@ class PyBlockPool:
 
 @dataclass(slots=True)
 class _Seq:
-    table: list[int]
+    table: list[int]  # table[:num_dropped] are DROPPED_BLOCK
     num_tokens: int
     swapped: bool = False
+    num_dropped: int = 0
+
+    @property
+    def live(self) -> list[int]:
+        """The blocks it holds, in table order."""
+        return self.table[self.num_dropped:]
 
 
 @dataclass
@@ -162,6 +173,7 @@ class PyBlockManager:
     num_cpu_blocks: int
     watermark: float
     enable_caching: bool
+    sliding_window: int = 0  # tokens, 0 = off
     _seqs: dict[int, _Seq] = field(default_factory=dict)
     # GPU blocks newly cached since the last begin_step(): see block_manager.h.
     _step_cached: list[int] = field(default_factory=list)
@@ -171,6 +183,8 @@ class PyBlockManager:
             raise ValueError(f"BlockManager: block_size must be >= 1, got {self.block_size}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"BlockManager: watermark must be in [0, 1), got {self.watermark}")
+        if self.sliding_window < 0:
+            raise ValueError(f"BlockManager: sliding_window must be >= 0 tokens (0: off), got {self.sliding_window}")
         self.gpu = PyBlockPool(self.num_gpu_blocks, "gpu")
         self.cpu = PyBlockPool(self.num_cpu_blocks, "cpu")
         self.watermark_blocks = int(self.watermark * self.num_gpu_blocks)
@@ -191,6 +205,24 @@ class PyBlockManager:
             raise InvalidSequenceStateError(f"{op}: sequence {seq_id} is swapped out; swap it in first")
         return seq
 
+    # --- sliding window -----------------------------------------------------
+    def _before_window(self, first_query: int) -> int:
+        """Logical blocks wholly before the window of a query at `first_query` (keys from first_query - W + 1)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
+
+    def _freed_by_drop(self, seq: _Seq, first_query: int) -> int:
+        end = self._before_window(first_query)
+        return sum(1 for b in seq.table[seq.num_dropped:end] if self.gpu.ref_count(b) == 1)
+
+    def _drop(self, seq: _Seq, first_query: int) -> None:
+        end = self._before_window(first_query)
+        for i in range(end - 1, seq.num_dropped - 1, -1):  # deepest first, as in free
+            self.gpu.decref(seq.table[i])
+            seq.table[i] = DROPPED_BLOCK
+        seq.num_dropped = max(seq.num_dropped, end)
+
     @staticmethod
     def _positive(value: int, op: str, what: str) -> None:
         if value < 1:
@@ -199,10 +231,12 @@ class PyBlockManager:
     # --- admission --------------------------------------------------------
     def allocate_status(self, num_tokens: int, cached_prefix: list[int]) -> AllocStatus:
         self._positive(num_tokens, "allocate_status", "num_tokens")
-        total = self._blocks_for(num_tokens)
+        skip = min(len(cached_prefix), self._before_window(len(cached_prefix) * self.block_size))
+        total = self._blocks_for(num_tokens) - skip
         if total > self.num_gpu_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        needed = total - len(cached_prefix) + sum(1 for b in cached_prefix if self.gpu.ref_count(b) == 0)
+        kept = cached_prefix[skip:]
+        needed = total - len(kept) + sum(1 for b in kept if self.gpu.ref_count(b) == 0)
         return AllocStatus.OK if self.gpu.num_free - needed >= self.watermark_blocks else AllocStatus.LATER
 
     def allocate(self, seq_id: int, num_tokens: int, cached_prefix: list[int]) -> None:
@@ -212,26 +246,28 @@ class PyBlockManager:
         if len(cached_prefix) * self.block_size > num_tokens - 1:
             raise ValueError(f"allocate: {len(cached_prefix)} cached blocks cover too much of a "
                              f"{num_tokens}-token prompt")
+        skip = min(len(cached_prefix), self._before_window(len(cached_prefix) * self.block_size))
         needed = self._blocks_for(num_tokens) - len(cached_prefix)
-        for b in cached_prefix:
+        for i, b in enumerate(cached_prefix):
             if not self.gpu.is_cached(b):
                 raise BlockRefCountError(f"allocate: gpu block {b} is not in the prefix cache")
-            needed += self.gpu.ref_count(b) == 0
+            needed += i >= skip and self.gpu.ref_count(b) == 0
         if needed > self.gpu.num_free:
             raise NoFreeBlocksError(f"allocate: sequence {seq_id} needs {needed} free gpu blocks, "
                                     f"{self.gpu.num_free} are free")
-        for b in cached_prefix:
+        kept = cached_prefix[skip:]  # hits before the window are never read: not taken
+        for b in kept:
             self.gpu.incref(b)
         fresh = self._blocks_for(num_tokens) - len(cached_prefix)
-        table = list(cached_prefix) + [self.gpu.allocate() for _ in range(fresh)]
-        self._seqs[seq_id] = _Seq(table, num_tokens)
+        table = [DROPPED_BLOCK] * skip + list(kept) + [self.gpu.allocate() for _ in range(fresh)]
+        self._seqs[seq_id] = _Seq(table, num_tokens, num_dropped=skip)
 
     # --- growth -----------------------------------------------------------
     def _needed(self, seq: _Seq, n: int) -> int:
         needed = self._blocks_for(seq.num_tokens + n) - len(seq.table)
         if seq.num_tokens % self.block_size and self.gpu.ref_count(seq.table[-1]) > 1:
             needed += 1
-        return needed
+        return needed - self._freed_by_drop(seq, seq.num_tokens)
 
     def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
         self._positive(num_new_tokens, "blocks_to_append", "num_new_tokens")
@@ -242,6 +278,7 @@ class PyBlockManager:
         return sum(self._needed(self._running(s, "can_append"), num_new_tokens) for s in seq_ids) <= self.gpu.num_free
 
     def _append(self, seq: _Seq, n: int) -> tuple[int, int] | None:
+        self._drop(seq, seq.num_tokens)
         cow = None
         if seq.num_tokens % self.block_size and self.gpu.ref_count(seq.table[-1]) > 1:
             src, dst = seq.table[-1], self.gpu.allocate()
@@ -271,6 +308,8 @@ class PyBlockManager:
         if needed > self.gpu.num_free:
             raise NoFreeBlocksError(f"append_slots_batch: {len(seqs)} sequences need {needed} free gpu blocks, "
                                     f"{self.gpu.num_free} are free")
+        for seq in seqs:  # every drop before any allocation, as the count above assumes
+            self._drop(seq, seq.num_tokens)
         cows = [self._append(seq, num_new_tokens) for seq in seqs]
         return [c for c in cows if c is not None]
 
@@ -278,16 +317,16 @@ class PyBlockManager:
         p = self._running(parent, "fork")
         if child in self._seqs:
             raise SequenceExistsError(f"fork: child sequence {child} already exists (parent sequence {parent})")
-        for b in p.table:
+        for b in p.live:
             self.gpu.incref(b)
-        self._seqs[child] = _Seq(list(p.table), p.num_tokens)
+        self._seqs[child] = _Seq(list(p.table), p.num_tokens, num_dropped=p.num_dropped)
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(f"free: unknown sequence {seq_id} (never allocated, or already freed)")
         pool = self.cpu if seq.swapped else self.gpu
-        for b in reversed(seq.table):  # deepest first: evicted before the shared roots
+        for b in reversed(seq.live):  # deepest first: evicted before the shared roots
             pool.decref(b)
 
     # --- swapping ---------------------------------------------------------
@@ -299,7 +338,7 @@ class PyBlockManager:
             seq = self._find(s, op)
             if seq.swapped != swapped:
                 raise InvalidSequenceStateError(f"{op}: sequence {s} is {'not' if swapped else 'already'} swapped out")
-            blocks.update(seq.table)
+            blocks.update(seq.live)
         return len(blocks)
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
@@ -316,14 +355,14 @@ class PyBlockManager:
         moved: dict[int, int] = {}
         for s in seq_ids:
             seq = self._seqs[s]
-            for b in seq.table:
+            for b in seq.live:
                 if b in moved:
                     dst.incref(moved[b])
                 else:
                     moved[b] = dst.allocate()
-            for b in reversed(seq.table):
+            for b in reversed(seq.live):
                 src.decref(b)
-            seq.table = [moved[b] for b in seq.table]
+            seq.table = seq.table[:seq.num_dropped] + [moved[b] for b in seq.live]
             seq.swapped = now_swapped
         return list(moved.items())
 
@@ -355,6 +394,8 @@ class PyBlockManager:
         added = 0
         for i, key in enumerate(keys):
             block = seq.table[first_block + i]
+            if block == DROPPED_BLOCK:  # released by the window: nothing held to offer
+                continue
             if self.gpu.cache_block(block, key):
                 self._step_cached.append(block)
                 added += 1
@@ -385,8 +426,9 @@ class PyBlockManager:
         for i, s in enumerate(seq_ids):
             seq = self._running(int(s), "fill_metadata")
             q = 1 if query_lens is None else int(query_lens[i])
-            if not 0 <= q <= seq.num_tokens:
-                raise ValueError(f"fill_metadata: query_lens[{i}] = {q} must be in [0, {seq.num_tokens}]")
+            max_q = seq.num_tokens - seq.num_dropped * self.block_size  # queries sit in live blocks
+            if not 0 <= q <= max_q:
+                raise ValueError(f"fill_metadata: query_lens[{i}] = {q} must be in [0, {max_q}]")
             if len(seq.table) > max_blocks:
                 raise ValueError(f"fill_metadata: sequence {s} has {len(seq.table)} blocks, room for {max_blocks}")
             rows.append(seq.table + [pad_value] * (max_blocks - len(seq.table)))
@@ -412,6 +454,13 @@ class PyBlockManager:
     def is_swapped(self, seq_id: int) -> bool:
         return self._find(seq_id, "seq").swapped
 
+    def num_held_blocks(self, seq_id: int) -> int:
+        seq = self._find(seq_id, "num_held_blocks")
+        return len(seq.table) - seq.num_dropped
+
+    def num_dropped_blocks(self, seq_id: int) -> int:
+        return self._find(seq_id, "seq").num_dropped
+
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
@@ -434,17 +483,28 @@ class PyBlockManager:
         return self.cpu.free_list()
 
     def check_invariants(self) -> None:
+        for seq_id, seq in self._seqs.items():
+            self._check_dropped(seq_id, seq)
         for pool, swapped in ((self.gpu, False), (self.cpu, True)):
             holders = [0] * pool.num_blocks
             for seq in self._seqs.values():
                 if seq.swapped == swapped:
-                    for b in seq.table:
+                    for b in seq.live:
                         holders[b] += 1
             if holders != pool.ref_counts:
                 raise AssertionError(f"{pool.name} ref counts {pool.ref_counts} != holders {holders}")
             for b in range(pool.num_blocks):
                 if pool.is_free(b) == (pool.ref_counts[b] > 0):
                     raise AssertionError(f"{pool.name} block {b}: free flag disagrees with ref count")
+
+    def _check_dropped(self, seq_id: int, seq: _Seq) -> None:
+        """Dropped entries: a marker prefix, only with a window, never reaching the last W tokens."""
+        d = seq.num_dropped
+        if d and (not self.sliding_window or d * self.block_size > seq.num_tokens - self.sliding_window):
+            raise AssertionError(f"sequence {seq_id} dropped {d} blocks of a {seq.num_tokens}-token sequence "
+                                 f"with sliding window {self.sliding_window}")
+        if seq.table[:d] != [DROPPED_BLOCK] * d or DROPPED_BLOCK in seq.table[d:]:
+            raise AssertionError(f"sequence {seq_id}: table {seq.table} should start with exactly {d} markers")
 
     @property
     def num_free_gpu_blocks(self) -> int:

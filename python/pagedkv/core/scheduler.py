@@ -16,6 +16,16 @@ sequences with their chunk lengths, and the block copies (swap out, swap in,
 copy-on-write) to apply before the forward pass. All block bookkeeping goes
 through the C++ manager: one `append_slots_batch` for the decodes.
 
+Sliding-window models (the block manager has `sliding_window`): a sequence
+releases the blocks before its window as it grows, so every block count here
+is the manager's net one (`blocks_to_append` subtracts what an append frees,
+a swapped-out sequence costs only the blocks it holds), and nothing is
+refused or preempted for blocks about to be dropped. Admission asks only for
+the blocks of the first chunk, as for any prompt: a long prompt then goes on
+in chunks of at most the step's budget (or `long_prefill_token_threshold`),
+each needing about (window + chunk) / block_size blocks at a time, since the
+blocks before each chunk's window are released when it gets its slots.
+
 After the forward, `update_from_output` (vLLM's name) closes the step: the
 computed tokens move on, the `n > 1` samples of a prompt just computed fork
 from sample 0, each sampled row gets its token, and a sequence that reached
@@ -167,7 +177,9 @@ class Scheduler:
                 break
             if n == 1 and seq.num_uncomputed_tokens == 1:
                 decodes.append(seq)
-                pending += need
+                # A decode's window drop happens in the batched append at the end: blocks it frees
+                # (need < 0) cannot serve the chunks appended before that, so they are not lent here.
+                pending += max(need, 0)
             else:
                 self._append_chunk(out, seq, n)
             budget -= n
@@ -201,15 +213,16 @@ class Scheduler:
             seq = self.swapped[0]
             if not self.bm.can_swap_in(seq.seq_id):
                 break
-            # Room for its blocks and for the token it decodes this step.
-            blocks = len(self.bm.get_block_table(seq.seq_id)) + 1
+            # Room for its blocks (those it holds: the window's dropped entries cost nothing) and for the
+            # token it decodes this step.
+            blocks = self.bm.num_held_blocks(seq.seq_id) + 1
             if blocks > self.bm.num_free_gpu_blocks - pending:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.bm.swap_in(seq.seq_id))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            pending += self.bm.blocks_to_append(seq.seq_id, 1)
+            pending += max(self.bm.blocks_to_append(seq.seq_id, 1), 0)
             decodes.append(seq)
             budget -= 1
         return budget, pending

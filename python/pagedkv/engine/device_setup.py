@@ -51,7 +51,7 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
         tp.barrier()  # every rank has its shard
     plan = _plan_cache(loaded, cc, sc, args.seed, tp)
     bm = (BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark, cc.enable_prefix_caching,
-                       cc.hash_algo) if driver else None)
+                       cc.hash_algo, sliding_window=loaded.model.config.kv_sliding_window) if driver else None)
     runner = ModelRunner(loaded.model, bm, cc, sc, plan.num_blocks, plan.num_cpu_blocks, loaded.dtype,
                          loaded.device, args.seed, tp.channel if tp is not None and driver else None,
                          cuda_graphs=not args.enforce_eager)
@@ -68,4 +68,4 @@ def _plan_cache(loaded: LoadedModel, cc: CacheConfig, sc: SchedulerConfig, seed:
     num_blocks = local_num_blocks(spec, cc, loaded.device, peak, tp.local_world_size if tp else 1)
     if tp is not None:
         num_blocks = tp.min_over_ranks(num_blocks)
-    return plan_kv_cache(spec, num_blocks, cc, sc, loaded.device)
+    return plan_kv_cache(spec, num_blocks, cc, sc, loaded.device, loaded.model.config.kv_sliding_window)

@@ -416,6 +416,8 @@ class LLMEngine:
                 "running_unfinished": sum(1 for s in sched.running if not s.is_finished),
                 "prompt_progress": progress, "block_manager_seqs": list(bm.seq_ids()),
                 "used_blocks": bm.num_used_gpu_blocks, "prefix_cache_seqs": bm.num_prefix_cache_seqs,
+                # Table entries the sliding window released (0 without one): held blocks = tables - these.
+                "dropped_blocks": sum(bm.num_dropped_blocks(s) for s in bm.seq_ids()),
                 "invariants_error": invariants}
 
     # --- stats ---------------------------------------------------------------------------

@@ -87,13 +87,32 @@ def cuda_kv_budget(gpu_memory_utilization: float, activation_peak: int, device: 
     return budget
 
 
-def check_fits(spec: KVCacheSpec, num_blocks: int, watermark_blocks: int, max_model_len: int, setting: str) -> None:
-    """Refuses a pool that cannot hold even one max_model_len sequence, naming what to change."""
+def tokens_held_at_most(max_model_len: int, block_size: int, sliding_window: int | None, max_chunk: int) -> int:
+    """Most token slots one sequence holds at once (whole blocks): max_model_len, or with a sliding window W the
+    blocks of one chunk's keys, from the earliest query's window start to the chunk's end:
+    ceil((W - 1 + max_chunk) / block_size) + 1 blocks (the +1: the window start falls inside a block)."""
+    full = -(-max_model_len // block_size) * block_size
+    if not sliding_window:
+        return full
+    return min(full, (-(-(sliding_window - 1 + max_chunk) // block_size) + 1) * block_size)
+
+
+def check_fits(spec: KVCacheSpec, num_blocks: int, watermark_blocks: int, max_model_len: int, setting: str,
+               sliding_window: int | None = None, max_chunk: int = 1) -> None:
+    """Refuses a pool that cannot hold even one sequence at its largest, naming what to change.
+
+    Without a window that is a max_model_len sequence; with one, a chunk of
+    `max_chunk` tokens and the window before it (`tokens_held_at_most`).
+    """
     usable = (num_blocks - watermark_blocks) * spec.block_size
-    if usable < max_model_len:
+    needed = tokens_held_at_most(max_model_len, spec.block_size, sliding_window, max_chunk)
+    needed = min(needed, max_model_len)
+    if usable < needed:
+        what = (f"max_model_len={max_model_len}" if needed == max_model_len else
+                f"the {needed} one sequence of this sliding-window model (window {sliding_window}) can hold at once")
         raise ValueError(
             f"the KV cache holds {max(usable, 0)} tokens ({num_blocks} blocks of {spec.block_size}, "
-            f"{spec.bytes_per_token} bytes a token), fewer than max_model_len={max_model_len}: raise {setting} "
+            f"{spec.bytes_per_token} bytes a token), fewer than {what}: raise {setting} "
             f"or lower max_model_len")
 
 
@@ -121,11 +140,13 @@ def local_num_blocks(spec: KVCacheSpec, cache_config: CacheConfig, device: torch
 
 
 def plan_kv_cache(spec: KVCacheSpec, num_blocks: int, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                  device: torch.device) -> KVCachePlan:
+                  device: torch.device, sliding_window: int | None = None) -> KVCachePlan:
     """The plan for `num_blocks` GPU blocks (under tensor parallelism the smallest of the ranks' local counts:
-    they hold the same share of KV heads, so one count fits all); refuses a pool too small for max_model_len."""
+    they hold the same share of KV heads, so one count fits all); refuses a pool too small for one sequence
+    (max_model_len, or with `sliding_window` (ModelConfig.kv_sliding_window) a window and a step's chunk)."""
     cc, sc = cache_config, scheduler_config
     setting = "gpu_memory_utilization" if needs_activation_profile(cc, device) else "kv_cache_memory"
-    check_fits(spec, num_blocks, int(cc.watermark * num_blocks), sc.max_model_len, setting)
+    max_chunk = min(sc.max_num_batched_tokens, sc.long_prefill_token_threshold or sc.max_num_batched_tokens)
+    check_fits(spec, num_blocks, int(cc.watermark * num_blocks), sc.max_model_len, setting, sliding_window, max_chunk)
     num_cpu_blocks = spec.num_blocks(int(cc.swap_space * GiB)) if sc.preemption_mode == "swap" else 0
     return KVCachePlan(spec, num_blocks, num_cpu_blocks)
