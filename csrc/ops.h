@@ -6,6 +6,11 @@
 // block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs];
 // slot_mapping int64 [num_tokens], slot = block_id * block_size + offset,
 // a negative slot means "skip this token" (padding).
+//
+// Attention options (trailing, defaults off): sliding_window W > 0 lets a query at
+// position p attend to keys p - W < k <= p only (block-table entries of blocks wholly
+// before every query's window are never read); logits_soft_cap c > 0 turns each score
+// s = scale * q.k into c * tanh(s / c) before ALiBi and the softmax.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,18 +24,21 @@ namespace pagedkv {
 void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& alibi_slopes);
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                            double logits_soft_cap);
 
 void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
                             at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size);
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size,
+                            int64_t sliding_window, double logits_soft_cap);
 
 void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                 double scale, int64_t max_query_len, int64_t max_seq_len);
+                                 double scale, int64_t max_query_len, int64_t max_seq_len,
+                                 int64_t sliding_window, double logits_soft_cap);
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping);
@@ -55,7 +63,8 @@ void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& que
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, std::optional<int64_t> max_seq_len,
-                           const std::optional<at::Tensor>& alibi_slopes);
+                           const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                           double logits_soft_cap);
 
 // True when the split-K v2 kernel should be used for this shape on this device;
 // num_sms: the CUDA device's multiprocessor count (unused on the CPU).
@@ -67,18 +76,21 @@ bool should_use_v2(bool is_cuda, int64_t num_sms, int64_t num_seqs, int64_t num_
 void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
-                             const std::optional<at::Tensor>& alibi_slopes);
+                             const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                             double logits_soft_cap);
 
 void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
                              at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
-                             const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size);
+                             const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size,
+                            int64_t sliding_window, double logits_soft_cap);
 
 void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                  double scale, int64_t max_query_len, int64_t max_seq_len);
+                                  double scale, int64_t max_query_len, int64_t max_seq_len,
+                                 int64_t sliding_window, double logits_soft_cap);
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping);

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+
 #include "common/supported.h"
 #include "ops.h"
 
@@ -37,7 +39,8 @@ bool should_use_v2(bool is_cuda, int64_t num_sms, int64_t num_seqs, int64_t num_
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                           std::optional<int64_t> max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
+                           std::optional<int64_t> max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                           int64_t sliding_window, double logits_soft_cap) {
   TORCH_CHECK(query.defined() && query.dim() == 3, "paged_attention: query must be 3-D [num_seqs, num_heads, head_size]");
   TORCH_CHECK(key_cache.defined() && key_cache.dim() == 4,
               "paged_attention: key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size]");
@@ -50,14 +53,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t partition_size = kDefaultPartitionSize;
-  if (!should_use_v2(query.is_cuda(), multiprocessor_count(query), num_seqs, num_heads, key_cache.size(2), max_len,
-                     partition_size)) {
+  // A window bounds the context every query attends to, so it is the length that decides
+  // (the scratch below still spans max_len: partitions are fixed positions of the sequence).
+  const int64_t attended_len = sliding_window > 0 ? std::min(max_len, sliding_window) : max_len;
+  if (!should_use_v2(query.is_cuda(), multiprocessor_count(query), num_seqs, num_heads, key_cache.size(2),
+                     attended_len, partition_size)) {
     static auto v1 = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("pagedkv::paged_attention_v1", "")
                          .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      const at::Tensor&, const at::Tensor&, double, int64_t,
-                                     const std::optional<at::Tensor>&)>();
-    v1.call(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_len, alibi_slopes);
+                                     const std::optional<at::Tensor>&, int64_t, double)>();
+    v1.call(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_len, alibi_slopes, sliding_window,
+            logits_soft_cap);
     return out;
   }
   const int64_t num_partitions = (max_len + partition_size - 1) / partition_size;
@@ -69,9 +76,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                        .findSchemaOrThrow("pagedkv::paged_attention_v2", "")
                        .typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   double, int64_t, const std::optional<at::Tensor>&, int64_t)>();
+                                   double, int64_t, const std::optional<at::Tensor>&, int64_t, int64_t, double)>();
   v2.call(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_len,
-          alibi_slopes, partition_size);
+          alibi_slopes, partition_size, sliding_window, logits_soft_cap);
   return out;
 }
 

@@ -11,18 +11,21 @@
 TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale, int max_seq_len, Tensor? alibi_slopes=None) -> ()");
+      "Tensor block_tables, Tensor seq_lens, float scale, int max_seq_len, Tensor? alibi_slopes=None, "
+      "int sliding_window=0, float logits_soft_cap=0.0) -> ()");
   m.def(
       "paged_attention_v2(Tensor(a!) out, Tensor(b!) exp_sums, Tensor(c!) max_logits, Tensor(d!) tmp_out, "
       "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-      "int max_seq_len, Tensor? alibi_slopes=None, int partition_size=512) -> ()");
+      "int max_seq_len, Tensor? alibi_slopes=None, int partition_size=512, int sliding_window=0, "
+      "float logits_soft_cap=0.0) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int? max_seq_len=None, Tensor? alibi_slopes=None) -> Tensor");
+      "Tensor seq_lens, float scale, int? max_seq_len=None, Tensor? alibi_slopes=None, int sliding_window=0, "
+      "float logits_soft_cap=0.0) -> Tensor");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, int max_query_len, "
-      "int max_seq_len) -> ()");
+      "int max_seq_len, int sliding_window=0, float logits_soft_cap=0.0) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");

@@ -116,16 +116,19 @@ class DecodeCase:
         self.max_seq_len = max(seq_lens)
         self.alibi_slopes = torch.rand(num_heads, generator=gen) * 0.5 if alibi else None
         self.scale = draw_scale(gen, head_size)
+        self.sliding_window, self.logits_soft_cap = 0, 0.0  # off unless a test sets them
 
     def reference(self):
         return reference.paged_attention(self.query, self.key_cache, self.value_cache, self.block_tables,
-                                         self.seq_lens, self.scale, self.alibi_slopes)
+                                         self.seq_lens, self.scale, self.alibi_slopes, self.sliding_window,
+                                         self.logits_soft_cap)
 
     def run_v1(self, out=None):
         # NaN-filled: every row the kernel leaves unwritten shows (seq_len 0 must give zeros).
         out = torch.full_like(self.query, float("nan"), memory_format=torch.contiguous_format) if out is None else out
         ops.paged_attention_v1(out, self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-                               self.scale, self.max_seq_len, self.alibi_slopes)
+                               self.scale, self.max_seq_len, self.alibi_slopes, sliding_window=self.sliding_window,
+                               logits_soft_cap=self.logits_soft_cap)
         return out
 
     def run_v2(self, partition_size, extra_partitions=0):
@@ -138,7 +141,8 @@ class DecodeCase:
         out = torch.full_like(self.query, float("nan"), memory_format=torch.contiguous_format)
         ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, self.query, self.key_cache, self.value_cache,
                                self.block_tables, self.seq_lens, self.scale, self.max_seq_len, self.alibi_slopes,
-                               partition_size)
+                               partition_size, sliding_window=self.sliding_window,
+                               logits_soft_cap=self.logits_soft_cap)
         return out
 
 
@@ -381,16 +385,19 @@ class PrefillCase:
         self.max_query_len = max(q_lens)
         self.max_seq_len = max(seq_lens)
         self.scale = draw_scale(gen, head_size)
+        self.sliding_window, self.logits_soft_cap = 0, 0.0  # off unless a test sets them
 
     def reference(self):
         return reference.paged_prefill_attention(self.query, self.key_cache, self.value_cache, self.block_tables,
-                                                 self.query_start_loc, self.seq_lens, self.scale)
+                                                 self.query_start_loc, self.seq_lens, self.scale,
+                                                 self.sliding_window, self.logits_soft_cap)
 
     def run(self, out=None):
         out = torch.full_like(self.query, float("nan"), memory_format=torch.contiguous_format) if out is None else out
         ops.paged_prefill_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                     self.query_start_loc, self.seq_lens, self.scale, self.max_query_len,
-                                    self.max_seq_len)
+                                    self.max_seq_len, sliding_window=self.sliding_window,
+                                    logits_soft_cap=self.logits_soft_cap)
         return out
 
 
@@ -503,6 +510,250 @@ def test_scale_is_applied(op):
         for pos in range(seq_len - q_len, seq_len):
             rows.append(v[: pos + 1].mean(0).repeat_interleave(3, dim=0))  # 3 query heads per kv head
     torch.testing.assert_close(outputs[0.0], torch.stack(rows), atol=2e-5, rtol=1e-4)
+
+
+# ---- sliding window and logit soft-capping ------------------------------------------
+
+
+ALL_CPU_VARIANTS = ["default", "avx2", "avx512", "avx512_bf16"]
+
+
+@pytest.fixture(params=ALL_CPU_VARIANTS)
+def every_cpu_variant(request):
+    """Runs a test under every CPU kernel variant this machine can run (avx512_bf16: bf16 only,
+    its other dtypes are the avx512 kernels)."""
+    name = request.param
+    if not _variant_runs(name):
+        pytest.skip(f"this CPU cannot run the {name} kernels")
+    if name == "avx512_bf16" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
+        pytest.skip("avx512_bf16 changes the bf16 kernels only; the avx512 case runs this dtype")
+    previous = ops.set_cpu_capability(name)
+    yield name
+    ops.set_cpu_capability(previous)
+
+
+def decode_windows(block_size):
+    """0 (none), 1, smaller than a block, one block, not a multiple of it, several, longer than any seq_len."""
+    return [0, 1, 5, block_size, block_size + 3, 2 * block_size, 100, 10_000]
+
+
+@pytest.mark.parametrize("soft_cap", [0.0, 2.5], ids=["nocap", "cap"])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_sliding_window_and_soft_cap(dtype, block_size, soft_cap, every_cpu_variant):
+    """v1 and v2 over odd lengths, every window size class, with ALiBi; soft-capping alone (window 0) and with it."""
+    gen = make_generator("window", dtype, block_size, soft_cap)
+    seq_lens = [1, 7, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 301, 0]
+    case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=64, block_size=block_size,
+                      seq_lens=seq_lens, alibi=True)
+    case.logits_soft_cap = soft_cap
+    for window in decode_windows(block_size):
+        case.sliding_window = window
+        expected = case.reference()
+        assert_close(case.run_v1(), expected, dtype)
+        assert_close(case.run_v2(256, extra_partitions=1), expected, dtype)
+
+
+@pytest.mark.parametrize("partition_size", [256, 512, 1024])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_v2_window_spanning_partitions(dtype, partition_size, cpu_variant):
+    """Windows that start inside, at and across partition boundaries: the partitions wholly before a
+    window stay empty (their NaN-filled scratch unread) and the reduce starts at the window's partition."""
+    gen = make_generator("v2window", dtype, partition_size)
+    p = partition_size
+    seq_lens = [1, p - 1, p, p + 1, 2 * p + 37, 3 * p + 200, 0]
+    case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=128, block_size=16, seq_lens=seq_lens,
+                      alibi=True)
+    for window, soft_cap in ((17, 0.0), (p - 5, 4.0), (p, 0.0), (p + 10, 0.0), (2 * p + 1, 3.0)):
+        case.sliding_window, case.logits_soft_cap = window, soft_cap
+        expected = case.reference()
+        assert_close(case.run_v2(partition_size, extra_partitions=2), expected, dtype)
+        assert_close(case.run_v1(), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size", [(8, 2, 128), (9, 3, 64), (16, 16, 128)], ids=["gqa4", "gqa3", "wide_mha"]
+)
+def test_decode_window_split_sequences(num_heads, num_kv_heads, head_size, dtype, num_threads, cpu_variant):
+    """Windows longer than a v1 piece: the window's range is split across threads, the first piece
+    starting inside a block; narrow rows (swept) and 4 KiB+ rows (streamed, wide_mha)."""
+    gen = make_generator("window_split", num_heads, num_kv_heads, head_size, dtype, num_threads)
+    case = DecodeCase(gen, dtype, num_heads, num_kv_heads, head_size=head_size, block_size=16,
+                      seq_lens=[3001, 0, 1, 257, 2100], alibi=num_heads % 3 == 0)
+    for window in (1, 13, 700, 1999):
+        case.sliding_window = window
+        expected = case.reference()
+        assert_close(case.run_v1(), expected, dtype)
+        if num_threads == 2:
+            assert_close(case.run_v2(512), expected, dtype)
+
+
+def test_decode_window_at_least_seq_len_is_no_window(cpu_variant):
+    """A window covering the whole context takes the very same path as no window: bit-identical output."""
+    gen = make_generator("window_full")
+    case = DecodeCase(gen, torch.float32, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                      seq_lens=[1, 40, 613], alibi=True)
+    plain = case.run_v1()
+    case.sliding_window = 613
+    assert torch.equal(case.run_v1(), plain)
+
+
+def test_soft_cap_is_applied():
+    """With large logits, capping changes the result (and follows the reference); a huge cap is no cap."""
+    gen = make_generator("soft_cap")
+    case = DecodeCase(gen, torch.float32, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                      seq_lens=[40, 300])
+    case.scale = 1.0  # logits of magnitude ~8: tanh bites at a cap of 2
+    plain = case.run_v1()
+    for cap in (0.5, 2.0, 50.0):
+        case.logits_soft_cap = cap
+        out = case.run_v1()
+        assert_close(out, case.reference(), torch.float32)
+        assert (out - plain).abs().max() > 1e-2, f"soft cap {cap} made no difference"
+    case.logits_soft_cap = 1e6
+    assert_close(case.run_v1(), plain, torch.float32)
+
+
+@pytest.mark.parametrize("soft_cap", [0.0, 3.0], ids=["nocap", "cap"])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_sliding_window_and_soft_cap(dtype, block_size, soft_cap, every_cpu_variant):
+    """Chunks after cached context and whole prompts of mixed lengths, every window size class."""
+    gen = make_generator("prefill_window", dtype, block_size, soft_cap)
+    q_lens, seq_lens = zip(*PREFILL_MIX, strict=True)
+    case = PrefillCase(gen, dtype, num_heads=6, num_kv_heads=2, head_size=64, block_size=block_size,
+                       q_lens=q_lens, seq_lens=seq_lens)
+    case.logits_soft_cap = soft_cap
+    for window in [0, 1, 5, block_size, block_size + 3, 37, 100, 10_000]:
+        case.sliding_window = window
+        assert_close(case.run(), case.reference(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (40, 1)], ids=["mha", "gqa3", "mqa40"])
+def test_prefill_window_long_chunks(num_heads, num_kv_heads, dtype, cpu_variant):
+    """Query tiles of many tokens whose later rows' windows start past the tile's first key tiles."""
+    gen = make_generator("prefill_window_long", num_heads, num_kv_heads, dtype)
+    case = PrefillCase(gen, dtype, num_heads, num_kv_heads, head_size=64, block_size=16, q_lens=[130, 200, 3],
+                       seq_lens=[130, 900, 50])
+    for window, soft_cap in ((1, 0.0), (7, 2.0), (64, 0.0), (100, 5.0), (333, 0.0)):
+        case.sliding_window, case.logits_soft_cap = window, soft_cap
+        assert_close(case.run(), case.reference(), dtype)
+
+
+def test_prefill_window_single_token_matches_decode():
+    """One new token per sequence is decode, window and cap included: the two kernels agree."""
+    gen = make_generator("prefill_vs_decode_window")
+    decode = DecodeCase(gen, torch.float32, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                        seq_lens=[1, 31, 200, 64])
+    decode.sliding_window, decode.logits_soft_cap = 45, 4.0
+    out = torch.empty_like(decode.query)
+    ops.paged_prefill_attention(out, decode.query, decode.key_cache, decode.value_cache, decode.block_tables,
+                                torch.arange(5, dtype=torch.int32), decode.seq_lens, decode.scale, 1,
+                                decode.max_seq_len, sliding_window=45, logits_soft_cap=4.0)
+    assert_close(out, decode.run_v1(), torch.float32)
+
+
+def _free_blocks_before_window(case, first_keys, freed_id):
+    """Fills every block wholly before a sequence's window with NaN and sets its table entry to
+    freed_id (-1, or a block past the cache): what a block manager that freed them may leave."""
+    block_size = case.key_cache.shape[1]
+    num_blocks = case.key_cache.shape[0]
+    freed = 0
+    for s, first in enumerate(first_keys):
+        for b in range(first // block_size):
+            block = int(case.block_tables[s, b])
+            case.key_cache[block] = float("nan")
+            case.value_cache[block] = float("nan")
+            case.block_tables[s, b] = -1 if freed_id == "minus_one" else num_blocks + 7 * b
+            freed += 1
+    assert freed > 0
+
+
+@pytest.mark.parametrize("freed_id", ["minus_one", "out_of_range"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_window_never_reads_blocks_before_it(dtype, freed_id, every_cpu_variant):
+    """Blocks wholly before the window hold NaN and bad table entries: with the index checks on,
+    v1, v2 (several partition sizes) and the allocating op give finite outputs equal to the reference's."""
+    gen = make_generator("freed", dtype, freed_id)
+    window = 50
+    case = DecodeCase(gen, dtype, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                      seq_lens=[300, 77, 1100, 5, 51, 0], alibi=True)
+    case.sliding_window, case.logits_soft_cap = window, 3.0
+    expected = case.reference()  # from the clean cache
+    _free_blocks_before_window(case, [max(0, n - window) for n in case.seq_lens_list], freed_id)
+    assert ops.index_checks_enabled()
+    outputs = [case.run_v1(), case.run_v2(256, extra_partitions=1), case.run_v2(512), case.run_v2(1024)]
+    outputs.append(ops.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                       case.seq_lens, case.scale, alibi_slopes=case.alibi_slopes,
+                                       sliding_window=window, logits_soft_cap=3.0))
+    for out in outputs:
+        assert torch.isfinite(out).all()
+        assert_close(out, expected, dtype)
+    assert_close(case.reference(), expected, dtype)  # the reference does not read them either
+    ops.validate_decode_metadata(case.block_tables, case.seq_lens, num_blocks=case.key_cache.shape[0],
+                                 block_size=16, sliding_window=window)
+    # Without the window those entries are in use, and the checks refuse them.
+    case.sliding_window = 0
+    with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[0\] = .* is outside the cache"):
+        case.run_v1()
+
+
+@pytest.mark.parametrize("freed_id", ["minus_one", "out_of_range"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_window_never_reads_blocks_before_it(dtype, freed_id, every_cpu_variant):
+    """The same for prefill: the blocks wholly before the window of a sequence's first new token."""
+    gen = make_generator("freed_prefill", dtype, freed_id)
+    window = 40
+    q_lens, seq_lens = [20, 1, 64, 3], [300, 500, 200, 3]
+    case = PrefillCase(gen, dtype, num_heads=6, num_kv_heads=2, head_size=64, block_size=16, q_lens=q_lens,
+                       seq_lens=seq_lens)
+    case.sliding_window, case.logits_soft_cap = window, 2.0
+    expected = case.reference()
+    _free_blocks_before_window(case, [max(0, n - q - window + 1) for q, n in zip(q_lens, seq_lens, strict=True)],
+                               freed_id)
+    assert ops.index_checks_enabled()
+    out = case.run()
+    assert torch.isfinite(out).all()
+    assert_close(out, expected, dtype)
+    ops.validate_prefill_metadata(case.block_tables, case.seq_lens, case.query_start_loc,
+                                  num_blocks=case.key_cache.shape[0], block_size=16, num_tokens=sum(q_lens),
+                                  sliding_window=window)
+    case.sliding_window = 0
+    with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[0\] = .* is outside the cache"):
+        case.run()
+
+
+BAD_WINDOW_OR_CAP = {
+    "negative_window": ({"sliding_window": -1}, r"sliding_window must be >= 0 \(0: no window\), got -1"),
+    "negative_cap": ({"logits_soft_cap": -0.5}, r"logits_soft_cap must be finite and >= 0 .*got -0.5"),
+    "nan_cap": ({"logits_soft_cap": float("nan")}, r"logits_soft_cap must be finite and >= 0 .*got nan"),
+}
+
+
+@pytest.mark.parametrize("op", ["v1", "v2", "paged_attention", "prefill"])
+@pytest.mark.parametrize("bad", list(BAD_WINDOW_OR_CAP))
+def test_bad_window_or_soft_cap_is_refused(op, bad):
+    kwargs, pattern = BAD_WINDOW_OR_CAP[bad]
+    gen = make_generator("bad_window", op, bad)
+    if op == "prefill":
+        case = PrefillCase(gen, torch.float32, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                           q_lens=[5, 3], seq_lens=[5, 10])
+    else:
+        case = DecodeCase(gen, torch.float32, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                          seq_lens=[20, 5])
+    case.sliding_window = kwargs.get("sliding_window", 0)
+    case.logits_soft_cap = kwargs.get("logits_soft_cap", 0.0)
+    run = {"v1": lambda: case.run_v1(), "v2": lambda: case.run_v2(512),
+           "paged_attention": lambda: ops.paged_attention(case.query, case.key_cache, case.value_cache,
+                                                          case.block_tables, case.seq_lens, case.scale, **kwargs),
+           "prefill": lambda: case.run()}[op]
+    with pytest.raises(RuntimeError, match=pattern):
+        run()
+    with pytest.raises(ValueError, match=pattern):
+        case.reference()
+
 
 
 # ---- bad inputs -------------------------------------------------------------------

@@ -856,3 +856,60 @@ def test_v1_or_v2_rule_reads_the_sm_count():
 
     assert chosen(4 * sms - 1) == "v2"
     assert chosen(4 * sms) == "v1"
+
+
+# ---- sliding window and logit soft-capping --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("window,soft_cap", [(1, 0.0), (13, 2.5), (16, 0.0), (300, 0.0), (0, 3.0), (5000, 1.0)])
+def test_window_and_soft_cap_match_reference(window, soft_cap, head_size, dtype):
+    """Decode v1, v2 (windows across partitions) and prefill (chunks after context) with the window/cap kernels."""
+    q, kc, vc, bt, lens, slopes = decode_case([0, 1, 37, 300, 1100], 12, 2, head_size, 16, dtype, seed=window,
+                                              alibi=True)
+    scale = head_size**-0.5
+    expected = reference.paged_attention(q, kc, vc, bt, lens, scale, slopes, window, soft_cap)
+    out = torch.empty_like(q)
+    ops.paged_attention_v1(out, q, kc, vc, bt, lens, scale, 1100, slopes, sliding_window=window,
+                           logits_soft_cap=soft_cap)
+    assert_close(out, expected, dtype)
+    for partition_size in (256, 512):
+        parts = math.ceil(1100 / partition_size) + 1
+        es = torch.full((5, 12, parts), float("nan"), device=DEVICE)
+        tmp = torch.full((5, 12, parts, head_size), float("nan"), device=DEVICE).to(dtype)
+        out = torch.empty_like(q)
+        ops.paged_attention_v2(out, es, es.clone(), tmp, q, kc, vc, bt, lens, scale, 1100, slopes, partition_size,
+                               sliding_window=window, logits_soft_cap=soft_cap)
+        assert_close(out, expected, dtype)
+    args = prefill_case([37, 70, 1, 0, 130], [0, 45, 200, 9, 270], 8, 2, head_size, 16, dtype, seed=window)
+    out = torch.empty_like(args[0])
+    ops.paged_prefill_attention(out, *args, scale, 130, 400, sliding_window=window, logits_soft_cap=soft_cap)
+    assert_close(out, reference.paged_prefill_attention(*args, scale, window, soft_cap), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_never_reads_freed_blocks(dtype):
+    """Blocks wholly before the window hold NaN and -1 / out-of-range table entries, index checks on."""
+    q, kc, vc, bt, lens, _ = decode_case([300, 77, 1100], 8, 2, 64, 16, dtype, seed=11)
+    window, scale = 50, 0.125
+    expected = reference.paged_attention(q, kc, vc, bt, lens, scale, None, window, 2.0)
+    bt = bt.clone()
+    for s, n in enumerate([300, 77, 1100]):
+        for b in range(max(0, n - window) // 16):
+            kc[int(bt[s, b])] = float("nan")
+            vc[int(bt[s, b])] = float("nan")
+            bt[s, b] = -1 if b % 2 else 1 << 20
+    with ops.index_checks(True):
+        out = ops.paged_attention(q, kc, vc, bt, lens, scale, max_seq_len=1100, sliding_window=window,
+                                  logits_soft_cap=2.0)
+        assert torch.isfinite(out).all()
+        assert_close(out, expected, dtype)
+        parts = math.ceil(1100 / 256)
+        es = torch.empty(3, 8, parts, device=DEVICE)
+        tmp = torch.full((3, 8, parts, 64), float("nan"), device=DEVICE).to(dtype)
+        out = torch.empty_like(q)
+        ops.paged_attention_v2(out, es, es.clone(), tmp, q, kc, vc, bt, lens, scale, 1100, None, 256,
+                               sliding_window=window, logits_soft_cap=2.0)
+        assert torch.isfinite(out).all()
+        assert_close(out, expected, dtype)

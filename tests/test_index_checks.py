@@ -212,3 +212,54 @@ def test_validator_agrees_with_the_op_checks():
         ops.validate_decode_metadata(bt, lens, num_blocks=4, block_size=16)
     with ops.index_checks(True), pytest.raises(RuntimeError, match=r"block_tables\[1\]\[1\] = 7"):
         ops.paged_attention(q, kc, vc, bt, lens, scale, max_seq_len=20)
+
+
+# ---- sliding window: entries of blocks wholly before the window are not in use ------------------
+
+
+def test_window_skips_the_blocks_before_it_in_decode():
+    """seq_len 40, block 8, window 10: keys 30..39, so blocks 0-2 (keys 0..23) are never read."""
+    tables = np.array([[-1, 99, -5, 1, 2, 3]], dtype=np.int32)
+    lens = np.array([40], dtype=np.int32)
+    ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=8, sliding_window=10)
+    # Block 3 (keys 24..31) holds keys 30 and 31 of the window: it is checked.
+    tables[0, 3] = -1
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[3\] = -1 is outside the cache"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=8, sliding_window=10)
+    tables[0, 3] = 1
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[0\] = -1 is outside the cache"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=8)  # no window: all in use
+    with pytest.raises(ValueError, match=r"sliding_window must be >= 0 \(0: no window\), got -2"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=8, sliding_window=-2)
+
+
+def test_window_skips_the_blocks_before_the_first_new_token_in_prefill():
+    """seq_len 40 with 6 new tokens (positions 34..39), window 10: the first sees keys 25..34, so
+    blocks 0-2 are unused; a window of 12 reaches key 23 in block 2."""
+    tables = np.array([[-1, 99, -5, 1, 2, 3]], dtype=np.int32)
+    lens, qsl = np.array([40], dtype=np.int32), np.array([0, 6], dtype=np.int32)
+    ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=8, num_tokens=6, sliding_window=10)
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[2\] = -5 is outside the cache"):
+        ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=8, num_tokens=6,
+                                      sliding_window=12)
+
+
+def test_window_validator_agrees_with_the_op_checks():
+    """The op (checks on) skips exactly the entries the validator skips, for decode and prefill."""
+    gen = torch.Generator().manual_seed(5)
+    kc, vc = torch.randn(8, 8, 2, 64, generator=gen), torch.randn(8, 8, 2, 64, generator=gen)
+    tables = torch.tensor([[-1, 99, -5, 1, 2, 3]], dtype=torch.int32)
+    lens = torch.tensor([40], dtype=torch.int32)
+    q = torch.randn(1, 4, 64, generator=gen)
+    with ops.index_checks(True):
+        ops.paged_attention(q, kc, vc, tables, lens, 0.1, max_seq_len=40, sliding_window=10)
+        tables[0, 3] = -1
+        with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[3\] = -1 is outside the cache"):
+            ops.paged_attention(q, kc, vc, tables, lens, 0.1, max_seq_len=40, sliding_window=10)
+        tables[0, 3] = 1
+        qp = torch.randn(6, 4, 64, generator=gen)
+        qsl = torch.tensor([0, 6], dtype=torch.int32)
+        out = torch.empty_like(qp)
+        ops.paged_prefill_attention(out, qp, kc, vc, tables, qsl, lens, 0.1, 6, 40, sliding_window=10)
+        with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[2\] = -5 is outside the cache"):
+            ops.paged_prefill_attention(out, qp, kc, vc, tables, qsl, lens, 0.1, 6, 40, sliding_window=12)

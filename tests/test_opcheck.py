@@ -92,6 +92,55 @@ def test_opcheck_paged_prefill_attention():
     )
 
 
+# Sliding window and soft cap: a window shorter than the sequences (blocks before it skipped)
+# and a cap that bites, through every attention op's schema.
+WINDOW, SOFT_CAP = 9, 2.0
+
+
+def test_opcheck_paged_attention_with_window_and_soft_cap():
+    q, kc, vc, bt, lens, scale = _decode_inputs()
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention.default,
+                          (q, kc, vc, bt, lens, scale, 33, slopes, WINDOW, SOFT_CAP))
+    got = torch.ops.pagedkv.paged_attention(q, kc, vc, bt, lens, scale, 33, slopes, WINDOW, SOFT_CAP)
+    want = reference.paged_attention(q, kc, vc, bt, lens, scale, slopes, WINDOW, SOFT_CAP)
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
+def test_opcheck_paged_attention_v1_with_window_and_soft_cap():
+    q, kc, vc, bt, lens, scale = _decode_inputs()
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_v1.default,
+                          (out, q, kc, vc, bt, lens, scale, 33, None, WINDOW, SOFT_CAP))
+
+
+def test_opcheck_paged_attention_v2_with_window_and_soft_cap():
+    q, kc, vc, bt, lens, scale = _decode_inputs(seq_lens=(300, 120, 513), num_blocks=80)
+    partition_size, max_seq_len = 256, 513
+    num_partitions = math.ceil(max_seq_len / partition_size)
+    num_seqs, num_heads, head_size = q.shape
+    exp_sums = torch.empty(num_seqs, num_heads, num_partitions)
+    tmp_out = torch.zeros(num_seqs, num_heads, num_partitions, head_size)
+    out = torch.empty_like(q)
+    torch.library.opcheck(
+        torch.ops.pagedkv.paged_attention_v2.default,
+        (out, exp_sums, torch.empty_like(exp_sums), tmp_out, q, kc, vc, bt, lens, scale, max_seq_len, None,
+         partition_size, 200, SOFT_CAP),
+    )
+
+
+def test_opcheck_paged_prefill_attention_with_window_and_soft_cap():
+    gen = torch.Generator().manual_seed(1)
+    _, kc, vc, bt, lens, scale = _decode_inputs(seq_lens=(5, 33, 17))
+    query_start_loc = torch.tensor([0, 5, 7, 14], dtype=torch.int32)
+    query = torch.randn(14, 4, 64, generator=gen)
+    out = torch.empty_like(query)
+    torch.library.opcheck(
+        torch.ops.pagedkv.paged_prefill_attention.default,
+        (out, query, kc, vc, bt, query_start_loc, lens, scale, 7, 33, WINDOW, SOFT_CAP),
+    )
+
+
 def test_opcheck_reshape_and_cache():
     gen = torch.Generator().manual_seed(2)
     key = torch.randn(5, 2, 64, generator=gen)

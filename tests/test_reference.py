@@ -141,3 +141,79 @@ def test_prefill_with_cached_prefix_matches_sdpa(num_heads, num_kv_heads, dtype)
             alone = sdpa(query[rows], ks[s][n - q_len:], vs[s][n - q_len:], scale, is_causal=True)
             assert (out[rows].double() - alone).abs().max() > 0.05
 
+
+
+def naive_attention(q, k, v, scale, query_pos, sliding_window=0, soft_cap=0.0, slopes=None):
+    """Dense masked softmax attention written out in float64, one query row at a time:
+    q [n, H, d] at positions query_pos over keys 0..L-1 (k/v [L, H_kv, d]). Key j is visible
+    to a query at p when j <= p and, with a window W, j > p - W; soft cap c: c * tanh(s / c),
+    then ALiBi slope * (j - p)."""
+    num_heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, p in enumerate(query_pos.tolist()):
+        for h in range(num_heads):
+            scores = (k[:, h // group].double() @ q[i, h].double()) * scale  # [L]
+            if soft_cap > 0:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            j = torch.arange(k.shape[0])
+            if slopes is not None:
+                scores = scores + slopes[h].double() * (j - p)
+            visible = (j <= p) & ((j > p - sliding_window) if sliding_window > 0 else True)
+            weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=0)
+            out[i, h] = weights @ v[:, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,soft_cap", [(1, 0.0), (5, 0.0), (8, 2.0), (11, 0.0), (0, 1.5), (30, 4.0), (500, 0.0)])
+def test_decode_window_and_soft_cap_match_naive_attention(window, soft_cap, dtype):
+    gen = torch.Generator().manual_seed(window * 10 + int(soft_cap * 3))
+    num_heads, num_kv_heads, head_size = 6, 2, 64
+    seq_lens = [1, 7, BLOCK_SIZE, 2 * BLOCK_SIZE + 3, 0, 45]
+    ks, vs, key_cache, value_cache, table, lens = make_paged(gen, seq_lens, num_kv_heads, head_size, dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype)
+    slopes = alibi_slopes(num_heads)
+    scale = 0.4  # logits of magnitude ~3: the caps above bite
+    out = reference.paged_attention(query, key_cache, value_cache, table, lens, scale, slopes, window, soft_cap)
+    for s, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(out[s], torch.zeros_like(out[s]))
+            continue
+        expected = naive_attention(query[s : s + 1], ks[s], vs[s], scale, torch.tensor([n - 1]), window, soft_cap,
+                                   slopes)
+        assert_close(out[s : s + 1], expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,soft_cap", [(1, 0.0), (4, 3.0), (8, 0.0), (13, 0.0), (0, 2.0), (100, 1.0)])
+def test_prefill_window_and_soft_cap_match_naive_attention(window, soft_cap, dtype):
+    gen = torch.Generator().manual_seed(window * 7 + int(soft_cap * 5))
+    num_heads, num_kv_heads, head_size = 9, 3, 64
+    q_lens, seq_lens = [5, 3, 1, 0, 16, 17], [5, 20, 9, 4, 40, 17]
+    ks, vs, key_cache, value_cache, table, lens = make_paged(gen, seq_lens, num_kv_heads, head_size, dtype)
+    query = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = 0.3
+    out = reference.paged_prefill_attention(query, key_cache, value_cache, table, query_start_loc, lens, scale,
+                                            window, soft_cap)
+    for s, (q_len, n) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        if q_len == 0:
+            continue
+        rows = slice(int(query_start_loc[s]), int(query_start_loc[s + 1]))
+        expected = naive_attention(query[rows], ks[s], vs[s], scale, torch.arange(n - q_len, n), window, soft_cap)
+        assert_close(out[rows], expected, dtype)
+
+
+def test_window_reference_skips_blocks_before_the_window():
+    """The reference gathers only the blocks its queries' windows reach: NaN (and a -1 entry) before them is harmless."""
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [40]
+    ks, vs, key_cache, value_cache, table, lens = make_paged(gen, seq_lens, 2, 64, torch.float32)
+    query = torch.randn(1, 4, 64, generator=gen)
+    clean = reference.paged_attention(query, key_cache, value_cache, table, lens, 0.2, None, 10)
+    for b in range(30 // BLOCK_SIZE):  # keys 30..39 are the window; blocks 0-2 lie wholly before it
+        key_cache[int(table[0, b])] = float("nan")
+        value_cache[int(table[0, b])] = float("nan")
+        table[0, b] = -1
+    out = reference.paged_attention(query, key_cache, value_cache, table, lens, 0.2, None, 10)
+    assert torch.equal(out, clean)

@@ -40,6 +40,10 @@ struct DecodeArgs {
   int num_seqs;
   int num_heads;
   DType dtype;
+  // Query at position p attends to keys [window_first_key(p, sliding_window), p]
+  // (common/window.h); 0: no window. logits_soft_cap > 0: scores s -> cap * tanh(s / cap).
+  int sliding_window = 0;
+  float logits_soft_cap = 0.f;
 };
 
 // v2 scratch: exp_sums/max_logits fp32 [num_seqs, num_heads, max_partitions],
@@ -72,6 +76,8 @@ struct PrefillArgs {
   int num_tokens;
   int max_query_len;
   DType dtype;
+  int sliding_window = 0;       // as in DecodeArgs
+  float logits_soft_cap = 0.f;  // as in DecodeArgs
 };
 
 cudaError_t launch_paged_prefill_attention(const PrefillArgs& args, cudaStream_t stream);

@@ -3,14 +3,18 @@
 //
 // Instantiated set (the one of csrc/common/supported.h):
 //   dtype {float, half, bfloat16} x head_size {64, 80, 96, 112, 128, 256}
-//   x query heads per CTA {1, 2, 4, 8}           = 72 decode kernels + 3 reduce kernels.
+//   x query heads per CTA {1, 2, 4, 8} x {plain, window/soft-cap}
+//                                                = 144 decode kernels + 3 reduce kernels.
 // Why: head_size is a template parameter because it fixes the per-lane register
 // arrays (query and accumulator slices) and the 16-byte-vector lane mapping; the
 // query-heads-per-CTA count fixes the size of those arrays (G = num_heads /
 // num_kv_heads is rounded up to 1, 2, 4 or 8, and G > 8 is split into chunks of
 // <= 8 heads across CTAs). block_size and partition_size are runtime values:
 // they only enter index arithmetic, and templating on them would triple the
-// set for no measurable gain. The prefill kernels (prefill_attention.cu) are
+// set for no measurable gain. The window/soft-cap variant (kExtras) is a template flag so
+// that the plain kernel (no window, no cap: the common case) keeps exactly its old code,
+// registers and speed; the variant adds a per-token lower bound (the window's first key)
+// and, when the cap is on, one tanh per score. The prefill kernels (prefill_attention.cu) are
 // templated on dtype x head_size only (18 kernels: 12 tensor-core fp16/bf16, 6 SIMT fp32).
 //
 // Decode kernel layout. One CTA = (kv head, chunk of <= 8 query heads sharing
@@ -30,6 +34,13 @@
 // through shared memory. Logits never go to shared memory, so v1 handles any
 // context length with the same shared memory footprint (<= 33 KiB).
 //
+// Sliding window: a query at position seq_len - 1 attends to keys [first_key, seq_len)
+// (common/window.h). v1 starts its block walk at first_key's block, masking (and not
+// loading) the tokens before it; v2 partitions wholly before it return at once, and the
+// reduce starts at the partition holding first_key, so those are never read: blocks
+// before the window (freed, any id in the table) are not touched, and the work is
+// min(seq_len, W) tokens.
+//
 // v2: partition p covers [p * partition_size, (p + 1) * partition_size); the
 // last launched partition also covers any tail beyond it, so a seq_len above
 // the max_seq_len the grid was sized for (possible with the index checks off)
@@ -48,6 +59,7 @@
 
 #include "attention/attention_launch.h"
 #include "attention/attention_utils.cuh"
+#include "common/window.h"
 
 namespace pagedkv::cuda {
 namespace {
@@ -75,6 +87,8 @@ struct DecodeParams {
   int max_partitions;  // partition dim of the scratch tensors
   int num_partitions;  // partitions launched (grid z); the last one runs to seq_len
   int log2_block_size;
+  int sliding_window;  // 0: none
+  float soft_cap;      // 0: off
   float* exp_sums;
   float* max_logits;
   void* tmp_out;
@@ -103,12 +117,13 @@ struct DecodeShape {
 };
 
 // Loads one step's rows (K or V) of this lane: token pos0 + pp * TP + group, 16-byte
-// slices lane_in_group + k * kGroup. Tokens at or past `end`, and every token of a
-// block id outside the cache, load zeros (their logits are masked in attend_step).
-template <typename T, int D, int GC>
+// slices lane_in_group + k * kGroup. Tokens at or past `end`, before `start` (kExtras:
+// the window's first key), and every token of a block id outside the cache, load zeros
+// (their logits are masked in attend_step).
+template <typename T, int D, int GC, bool kExtras>
 __device__ __forceinline__ void load_kv_step(uint4 (&raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
-                                             const T* base, int block_id, int pos0, int end, const PagedKV& kv,
-                                             int64_t token_stride, int lane_in_group, int group) {
+                                             const T* base, int block_id, int pos0, int start, int end,
+                                             const PagedKV& kv, int64_t token_stride, int lane_in_group, int group) {
   using Shape = DecodeShape<T, D, GC>;
   const bool block_ok = block_id >= 0 && block_id < kv.num_blocks;
   // pos0 is the first token of a step inside block `block_id`; its offset in the block:
@@ -117,7 +132,7 @@ __device__ __forceinline__ void load_kv_step(uint4 (&raw)[DecodeShape<T, D, GC>:
 #pragma unroll
   for (int pp = 0; pp < Shape::kPasses; ++pp) {
     const int t = pp * Shape::kTokensPerPass + group;
-    const bool ok = block_ok && pos0 + t < end;
+    const bool ok = block_ok && pos0 + t < end && (!kExtras || pos0 + t >= start);
 #pragma unroll
     for (int k = 0; k < Shape::kVecsPerLane; ++k) {
       const int c = lane_in_group + k * Shape::kGroup;
@@ -127,15 +142,16 @@ __device__ __forceinline__ void load_kv_step(uint4 (&raw)[DecodeShape<T, D, GC>:
   }
 }
 
-// One step of the online softmax: logits of the step's tokens for the GC heads, the
-// running max / sum update, and acc += p * V.
-template <typename T, int D, int GC>
+// One step of the online softmax: logits of the step's tokens for the GC heads (kExtras:
+// soft-capped when soft_cap > 0, tokens before `start` masked), the running max / sum
+// update, and acc += p * V.
+template <typename T, int D, int GC, bool kExtras>
 __device__ __forceinline__ void attend_step(
     const uint4 (&k_raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
     const uint4 (&v_raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
     const float (&q)[GC][DecodeShape<T, D, GC>::kDimsPerLane], const float (&slope)[GC], float (&m)[GC],
-    float (&l)[GC], float (&acc)[GC][DecodeShape<T, D, GC>::kDimsPerLane], int pos0, int end, bool block_ok,
-    int seq_len, int lane_in_group, int group) {
+    float (&l)[GC], float (&acc)[GC][DecodeShape<T, D, GC>::kDimsPerLane], int pos0, int start, int end,
+    bool block_ok, int seq_len, float soft_cap, int lane_in_group, int group) {
   using Shape = DecodeShape<T, D, GC>;
   constexpr int VEC = Shape::kVec;
   constexpr int LG = Shape::kGroup;
@@ -147,7 +163,7 @@ __device__ __forceinline__ void attend_step(
 #pragma unroll
   for (int pp = 0; pp < PP; ++pp) {
     const int pos = pos0 + pp * Shape::kTokensPerPass + group;
-    const bool valid = block_ok && pos < end;
+    const bool valid = block_ok && pos < end && (!kExtras || pos >= start);
     float kf[NV][VEC];
 #pragma unroll
     for (int k = 0; k < NV; ++k) unpack(k_raw[pp][k], kf[k], T{});
@@ -160,6 +176,9 @@ __device__ __forceinline__ void attend_step(
         for (int e = 0; e < VEC; ++e) dot = fmaf(q[g][k * VEC + e], kf[k][e], dot);
       }
       dot = warp_sum<1, LG>(dot);
+      if constexpr (kExtras) {
+        if (soft_cap > 0.f) dot = soft_cap * tanhf(dot / soft_cap);  // before ALiBi (Gemma 2)
+      }
       logit[pp][g] = valid ? dot + slope[g] * float(pos - (seq_len - 1)) : -INFINITY;
     }
   }
@@ -201,7 +220,7 @@ __device__ __forceinline__ void attend_step(
   }
 }
 
-template <typename T, int D, int GC>
+template <typename T, int D, int GC, bool kExtras>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
   using Shape = DecodeShape<T, D, GC>;
   constexpr int VEC = Shape::kVec;
@@ -228,15 +247,19 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
 
   // Clamped so that block_tables is never indexed past its row, whatever seq_lens holds.
   const int seq_len = max(0, min(p.kv.seq_lens[seq], p.kv.max_blocks_per_seq * p.kv.block_size));
-  int start = 0;
+  // The window's first key (0 without one): tokens before it are neither loaded nor attended.
+  const int first_key = kExtras ? int(window_first_key(seq_len - 1, p.sliding_window)) : 0;
+  int start = first_key;
   int end = seq_len;
   if (p.partition_size > 0) {
-    start = part * p.partition_size;
-    if (start >= seq_len) return;  // empty partition: the reduce kernel never reads it
+    const int part_start = part * p.partition_size;
     // The last launched partition also takes any tail past num_partitions * partition_size:
     // a seq_len above the max_seq_len the grid was sized for (possible with the index
     // checks off) costs time in one CTA instead of silently dropping those tokens.
-    end = part == p.num_partitions - 1 ? seq_len : min(seq_len, start + p.partition_size);
+    end = part == p.num_partitions - 1 ? seq_len : min(seq_len, part_start + p.partition_size);
+    start = max(part_start, first_key);
+    // Empty (past the sequence's end, or before its window): the reduce kernel never reads it.
+    if (start >= end) return;
   }
 
   // This lane's slices of the (pre-scaled) query rows, in fp32.
@@ -289,10 +312,12 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
     uint4 k_cur[PP][NV];
     uint4 k_next[PP][NV];
     uint4 v_cur[PP][NV];
-    load_kv_step<T, D, GC>(k_cur, k_base, block_id, blk * bs, end, p.kv, token_stride, lane_in_group, group);
+    load_kv_step<T, D, GC, kExtras>(k_cur, k_base, block_id, blk * bs, start, end, p.kv, token_stride,
+                                    lane_in_group, group);
     while (true) {
       const int pos0 = blk * bs + sub * Shape::kStep;  // first token of this step
-      load_kv_step<T, D, GC>(v_cur, v_base, block_id, pos0, end, p.kv, token_stride, lane_in_group, group);
+      load_kv_step<T, D, GC, kExtras>(v_cur, v_base, block_id, pos0, start, end, p.kv, token_stride, lane_in_group,
+                                      group);
       // The next step of this warp: the next sub-step, or the first of its next block.
       int n_blk = blk, n_sub = sub + 1, n_id = block_id;
       if (n_sub == steps_per_block) {
@@ -304,10 +329,12 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       const int n_pos0 = n_blk * bs + n_sub * Shape::kStep;
       const bool has_next = n_blk < end_blk && n_pos0 < end;
       if (has_next) {
-        load_kv_step<T, D, GC>(k_next, k_base, n_id, n_pos0, end, p.kv, token_stride, lane_in_group, group);
+        load_kv_step<T, D, GC, kExtras>(k_next, k_base, n_id, n_pos0, start, end, p.kv, token_stride,
+                                        lane_in_group, group);
       }
       const bool block_ok = block_id >= 0 && block_id < p.kv.num_blocks;
-      attend_step<T, D, GC>(k_cur, v_cur, q, slope, m, l, acc, pos0, end, block_ok, seq_len, lane_in_group, group);
+      attend_step<T, D, GC, kExtras>(k_cur, v_cur, q, slope, m, l, acc, pos0, start, end, block_ok, seq_len,
+                                     p.soft_cap, lane_in_group, group);
       if (!has_next) break;
 #pragma unroll
       for (int pp = 0; pp < PP; ++pp) {
@@ -403,7 +430,8 @@ __device__ float block_sum(float x, float* s_red) {
 
 // v2 reduce: one CTA per (head, sequence) combines the partitions of the
 // sequence: out = sum_p exp_sums[p] * exp(max_logits[p] - M) * tmp_out[p] / sum(...).
-// Partitions past the sequence's length were never written and are not read.
+// Partitions past the sequence's length, or wholly before its window, were never
+// written and are not read: the sum starts at the partition of the window's first key.
 template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_reduce_kernel(const DecodeParams p) {
   constexpr int kMaxDimsPerThread = 256 / kDecodeThreads;  // head_size <= 256
@@ -413,8 +441,12 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_reduce_kernel(con
   const int seq = blockIdx.y;
   const int head_size = p.kv.head_size;
   const int seq_len = max(0, min(p.kv.seq_lens[seq], p.kv.max_blocks_per_seq * p.kv.block_size));
-  const int num_parts = min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size);
-  const int64_t row0 = (int64_t(seq) * p.num_heads + head) * p.max_partitions;
+  const int end_part = min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size);
+  // Clamped to the last launched partition, which takes the tail of a seq_len above max_seq_len.
+  const int first_part =
+      min(int(window_first_key(seq_len - 1, p.sliding_window) / p.partition_size), max(end_part - 1, 0));
+  const int num_parts = end_part - first_part;
+  const int64_t row0 = (int64_t(seq) * p.num_heads + head) * p.max_partitions + first_part;
   const float* max_logits = p.max_logits + row0;
   const float* exp_sums = p.exp_sums + row0;
   const T* tmp_out = static_cast<const T*>(p.tmp_out) + row0 * head_size;
@@ -464,6 +496,8 @@ DecodeParams make_params(const DecodeArgs& a) {
   p.query_stride = a.query_stride;
   p.alibi_slopes = a.alibi_slopes;
   p.scale = a.scale;
+  p.sliding_window = a.sliding_window;
+  p.soft_cap = a.logits_soft_cap;
   p.num_heads = a.num_heads;
   p.group_size = a.num_heads / a.kv.num_kv_heads;
   // Split large groups evenly into chunks of at most kMaxHeadsPerCta heads.
@@ -474,18 +508,24 @@ DecodeParams make_params(const DecodeArgs& a) {
   return p;
 }
 
-template <typename T, int D>
-void launch_decode(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
+template <typename T, int D, bool kExtras>
+void launch_decode_heads(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   const int hc = p.heads_per_chunk;
   if (hc == 1) {
-    paged_decode_kernel<T, D, 1><<<grid, kDecodeThreads, 0, stream>>>(p);
+    paged_decode_kernel<T, D, 1, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
   } else if (hc == 2) {
-    paged_decode_kernel<T, D, 2><<<grid, kDecodeThreads, 0, stream>>>(p);
+    paged_decode_kernel<T, D, 2, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
   } else if (hc <= 4) {
-    paged_decode_kernel<T, D, 4><<<grid, kDecodeThreads, 0, stream>>>(p);
+    paged_decode_kernel<T, D, 4, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
   } else {
-    paged_decode_kernel<T, D, 8><<<grid, kDecodeThreads, 0, stream>>>(p);
+    paged_decode_kernel<T, D, 8, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
   }
+}
+
+template <typename T, int D>
+void launch_decode(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
+  if (p.sliding_window > 0 || p.soft_cap > 0.f) return launch_decode_heads<T, D, true>(p, grid, stream);
+  launch_decode_heads<T, D, false>(p, grid, stream);
 }
 
 cudaError_t launch_decode_any(const DecodeParams& p, DType dtype, dim3 grid, cudaStream_t stream) {

@@ -16,11 +16,17 @@
 // loaded once from the cache and used by every row. K/V tiles of kKvTile tokens
 // are converted to fp32 in shared memory; S = Q K^T, an online softmax per row
 // (running max / sum in shared memory) and O += P V follow, with the causal
-// mask key_pos <= query_pos. Instantiated for dtype x head_size (18 kernels, see
-// paged_attention.cu for the set); block_size is a runtime value.
+// mask key_pos <= query_pos. Instantiated for dtype x head_size x {plain, window/soft-cap}
+// (36 kernels, see paged_attention.cu for the set and why the flag is a template
+// parameter); block_size is a runtime value.
+//
+// Sliding window (both kernels): a query tile's keys start at the window's first key of
+// its first row (common/window.h), so blocks before it are never read (nor their table
+// entries); later rows of the tile mask the keys before their own window per score.
 #include "attention/attention_launch.h"
 #include "attention/attention_utils.cuh"
 #include "attention/mma.cuh"
+#include "common/window.h"
 
 #include <array>
 #include <atomic>
@@ -45,7 +51,15 @@ struct PrefillParams {
   int num_chunks;         // ceil(group_size / heads_per_chunk)
   int tokens_per_tile;    // query tokens per CTA: kRows / heads_per_chunk
   int log2_block_size;    // block_size is a power of two
+  int sliding_window;     // 0: none
+  float soft_cap;         // 0: off
 };
+
+// Whether key `key` (<= qpos) is inside the window of a query at qpos; always without a window.
+__device__ __forceinline__ bool in_window(int key, int qpos, int window) { return window <= 0 || qpos - key < window; }
+
+// c * tanh(s / c), Gemma 2's logit soft-capping; c > 0.
+__device__ __forceinline__ float soft_cap_logit(float s, float c) { return c * tanhf(s / c); }
 
 // One sequence's query rows and context, clamped so that no index leaves query/out or the
 // block-table row, whatever the inputs hold. Both prefill kernels start from it.
@@ -66,8 +80,9 @@ __device__ __forceinline__ SeqRange clamped_seq_range(const PrefillParams& p, in
 // r % hc of the CTA's chunk of num_q_heads heads); both prefill kernels walk tiles alike.
 struct QueryTile {
   int q0, q_len, qt, hc, num_q_heads;
-  int ctx_len;  // position of the sequence's first new token
-  int kv_end;  // keys [0, kv_end) are visible to some row of the tile
+  int ctx_len;   // position of the sequence's first new token
+  int kv_begin;  // keys [kv_begin, kv_end) are visible to some row of the tile: kv_begin is
+  int kv_end;    // the window's first key of the tile's first row (0 without a window)
 
   // Position of row r's token in its sequence, or -1 when r is not a row of the tile.
   __device__ __forceinline__ int row_pos(int r) const {
@@ -77,11 +92,13 @@ struct QueryTile {
   }
 };
 
-__device__ __forceinline__ QueryTile query_tile(int q0, int q_len, int seq_len, int qt, int hc, int num_q_heads) {
+__device__ __forceinline__ QueryTile query_tile(int q0, int q_len, int seq_len, int qt, int hc, int num_q_heads,
+                                                int window) {
   const int ctx_len = seq_len - q_len;
   const int last_q = min(q0 + qt, q_len) - 1;
   const int kv_end = max(0, min(seq_len, ctx_len + last_q + 1));
-  return {q0, q_len, qt, hc, num_q_heads, ctx_len, kv_end};
+  const int kv_begin = int(window_first_key(ctx_len + q0, window));
+  return {q0, q_len, qt, hc, num_q_heads, ctx_len, kv_begin, kv_end};
 }
 
 template <int D>
@@ -108,7 +125,7 @@ struct PrefillShape {
 
 // min blocks 1: without it ptxas caps this kernel at 128 registers and spills at
 // head_size 256 (shared memory, not registers, bounds its occupancy anyway).
-template <typename T, int D>
+template <typename T, int D, bool kExtras>
 __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const PrefillParams p) {
   using Shape = PrefillShape<D>;
   constexpr int kRows = Shape::kRows;
@@ -145,7 +162,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
     __syncthreads();  // the previous query tile is done with the shared buffers
     const int head0 = kv_head * p.group_size + chunk * hc;
     const int num_q_heads = min(hc, p.group_size - chunk * hc);
-    const QueryTile tile = query_tile(tile_q0, q_len, seq_len, qt, hc, num_q_heads);
+    const QueryTile tile = query_tile(tile_q0, q_len, seq_len, qt, hc, num_q_heads, kExtras ? p.sliding_window : 0);
     const int kv_end = tile.kv_end;
 
     for (int i = tid; i < kRows * D; i += kPrefillThreads) {
@@ -180,7 +197,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
       for (int j = 0; j < Shape::kColsPerThread; ++j) acc[i][j] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
-    for (int kv0 = 0; kv0 < kv_end; kv0 += kKvTile) {
+    for (int kv0 = tile.kv_begin; kv0 < kv_end; kv0 += kKvTile) {
       // 1. Stage the K/V tile in fp32 (16-byte loads; unreadable keys become zeros, masked below).
       for (int i = tid; i < kKvTile * VPR; i += kPrefillThreads) {
         const int t = i / VPR;
@@ -238,8 +255,13 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
 #pragma unroll
           for (int j = 0; j < kKT; ++j) {
             const int t = itg + kKG * j;
-            const bool visible = qpos >= 0 && kv0 + t <= qpos && s_ok[t];
-            s_p[r * kSLd + t] = visible ? s[i][j] : -INFINITY;
+            bool visible = qpos >= 0 && kv0 + t <= qpos && s_ok[t];
+            float score = s[i][j];
+            if constexpr (kExtras) {
+              visible = visible && in_window(kv0 + t, qpos, p.sliding_window);
+              if (p.soft_cap > 0.f) score = soft_cap_logit(score, p.soft_cap);
+            }
+            s_p[r * kSLd + t] = visible ? score : -INFINITY;
           }
         }
       }
@@ -390,7 +412,7 @@ __device__ __forceinline__ void stage_kv_tile(const PrefillParams& p, const int3
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kExtras>
 __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const PrefillParams p) {
   using Shape = MmaPrefillShape<T, D>;
   constexpr int kLd = Shape::kLd;
@@ -426,12 +448,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
   // Query tiles are strided over the grid: a q_len above the max_query_len the grid was
   // sized for (index checks off) costs time, never unwritten rows.
   for (int tile_q0 = blockIdx.x * qt; tile_q0 < q_len; tile_q0 += gridDim.x * qt) {
-    const QueryTile tile = query_tile(tile_q0, q_len, seq_len, qt, hc, num_q_heads);
-    const int kv_end = tile.kv_end;
+    const QueryTile tile = query_tile(tile_q0, q_len, seq_len, qt, hc, num_q_heads, kExtras ? p.sliding_window : 0);
+    const int kv_begin = tile.kv_begin, kv_end = tile.kv_end;
 
     __syncthreads();  // the previous query tile is done with s_q / s_k / s_v
-    if (kv_end > 0) {
-      stage_kv_tile<T, D>(p, table, k_base, v_base, token_stride, 0, kv_end, s_k, s_v, s_ok);
+    if (kv_end > kv_begin) {
+      stage_kv_tile<T, D>(p, table, k_base, v_base, token_stride, kv_begin, kv_end, s_k, s_v, s_ok);
     }
     cp_async_commit();
     for (int i = threadIdx.x; i < kMmaRows * Shape::kChunksPerRow; i += kMmaWarps * 32) {
@@ -454,10 +476,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
     float m[2] = {-INFINITY, -INFINITY};
     float l[2] = {0.f, 0.f};  // this lane's partial row sums (the quad is summed at the end)
 
-    const int num_kv_tiles = (kv_end + kMmaKvTile - 1) / kMmaKvTile;
+    const int num_kv_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kMmaKvTile - 1) / kMmaKvTile : 0;
     for (int it = 0; it < num_kv_tiles; ++it) {
       const int stage = it & 1;
-      const int kv0 = it * kMmaKvTile;
+      const int kv0 = kv_begin + it * kMmaKvTile;
       if (it + 1 < num_kv_tiles) {
         const int nxt = stage ^ 1;
         stage_kv_tile<T, D>(p, table, k_base, v_base, token_stride, kv0 + kMmaKvTile, kv_end,
@@ -501,8 +523,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
         for (int i = 0; i < 4; ++i) {
           const int key = n * 8 + 2 * t + (i & 1);
           const int qpos = pos_r[i >> 1];
-          const bool visible = qpos >= 0 && kv0 + key <= qpos && ok[key];
-          sc[n][i] = visible ? sc[n][i] * p.scale : -INFINITY;
+          bool visible = qpos >= 0 && kv0 + key <= qpos && ok[key];
+          float score = sc[n][i] * p.scale;
+          if constexpr (kExtras) {
+            visible = visible && in_window(kv0 + key, qpos, p.sliding_window);
+            if (p.soft_cap > 0.f) score = soft_cap_logit(score, p.soft_cap);
+          }
+          sc[n][i] = visible ? score : -INFINITY;
           tile_max[i >> 1] = fmaxf(tile_max[i >> 1], sc[n][i]);
         }
       }
@@ -574,9 +601,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
 // Raises a kernel's dynamic shared-memory limit once per (kernel, device), not per
 // launch: the attribute is per device, and setting it is not a stream operation, so
 // doing it on every call would add a driver call to each launch (and to graph capture).
-template <typename Kernel>
-cudaError_t ensure_smem_limit(Kernel kernel, size_t bytes) {
+// The kernel is a template argument, not a function argument: every prefill kernel has
+// the same type (void(*)(PrefillParams)), so a function argument would share one `done`
+// among all of them and leave the later kernels' limits unset.
+template <auto Kernel>
+cudaError_t ensure_smem_limit(size_t bytes) {
   static std::array<std::atomic<bool>, 64> done{};
+  const auto kernel = Kernel;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -597,22 +628,22 @@ dim3 prefill_grid(PrefillParams& p, int rows, int num_kv_heads, int num_seqs, in
   return dim3(num_tiles, num_kv_heads * p.num_chunks, num_seqs);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kExtras>
 cudaError_t launch_prefill(PrefillParams p, int num_kv_heads, int num_seqs, int max_query_len, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
     using Shape = PrefillShape<D>;
     const dim3 grid = prefill_grid(p, Shape::kRows, num_kv_heads, num_seqs, max_query_len);
     if (grid.x == 0) return cudaSuccess;
-    auto kernel = paged_prefill_kernel<T, D>;
-    const cudaError_t err = ensure_smem_limit(kernel, Shape::kSmemBytes);
+    auto kernel = paged_prefill_kernel<T, D, kExtras>;
+    const cudaError_t err = ensure_smem_limit<paged_prefill_kernel<T, D, kExtras>>(Shape::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kPrefillThreads, Shape::kSmemBytes, stream>>>(p);
   } else {
     using Shape = MmaPrefillShape<T, D>;
     const dim3 grid = prefill_grid(p, kMmaRows, num_kv_heads, num_seqs, max_query_len);
     if (grid.x == 0) return cudaSuccess;
-    auto kernel = paged_prefill_mma_kernel<T, D>;
-    const cudaError_t err = ensure_smem_limit(kernel, Shape::kSmemBytes);
+    auto kernel = paged_prefill_mma_kernel<T, D, kExtras>;
+    const cudaError_t err = ensure_smem_limit<paged_prefill_mma_kernel<T, D, kExtras>>(Shape::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kMmaWarps * 32, Shape::kSmemBytes, stream>>>(p);
   }
@@ -632,6 +663,8 @@ cudaError_t launch_paged_prefill_attention(const PrefillArgs& a, cudaStream_t st
   p.query_stride = a.query_stride;
   p.query_start_loc = a.query_start_loc;
   p.scale = a.scale;
+  p.sliding_window = a.sliding_window;
+  p.soft_cap = a.logits_soft_cap;
   p.num_tokens = a.num_tokens;
   p.group_size = a.num_heads / a.kv.num_kv_heads;
   if (a.kv.block_size <= 0 || (a.kv.block_size & (a.kv.block_size - 1)) != 0) return cudaErrorInvalidValue;
@@ -639,7 +672,11 @@ cudaError_t launch_paged_prefill_attention(const PrefillArgs& a, cudaStream_t st
   return dispatch_dtype(a.dtype, [&](auto t) {
     using T = decltype(t);
     return dispatch_head_size(a.kv.head_size, [&](auto hs) {
-      return launch_prefill<T, decltype(hs)::value>(p, a.kv.num_kv_heads, a.num_seqs, a.max_query_len, stream);
+      constexpr int D = decltype(hs)::value;
+      if (p.sliding_window > 0 || p.soft_cap > 0.f) {
+        return launch_prefill<T, D, true>(p, a.kv.num_kv_heads, a.num_seqs, a.max_query_len, stream);
+      }
+      return launch_prefill<T, D, false>(p, a.kv.num_kv_heads, a.num_seqs, a.max_query_len, stream);
     });
   });
 }

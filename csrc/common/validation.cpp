@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -131,8 +132,10 @@ static void check_out(const char* op, const at::Tensor& out, const at::Tensor& q
 AttentionDims check_decode_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
+                                  int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                                  int64_t sliding_window, double logits_soft_cap) {
   AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens);
+  check_window_and_soft_cap(op, sliding_window, logits_soft_cap);
   TORCH_CHECK(query.size(0) == d.num_seqs, op, ": decode takes one query token per sequence: query has ",
               query.size(0), " tokens but seq_lens has ", d.num_seqs, " sequences");
   check_out(op, out, query);
@@ -145,7 +148,7 @@ AttentionDims check_decode_inputs(const char* op, const at::Tensor& out, const a
     TORCH_CHECK(a.is_contiguous(), op, ": alibi_slopes must be contiguous");
     check_same_device(op, "alibi_slopes", a, key_cache);
   }
-  check_block_table_values(op, d, block_tables, seq_lens, max_seq_len);
+  check_block_table_values(op, d, block_tables, seq_lens, max_seq_len, sliding_window);
   return d;
 }
 
@@ -180,8 +183,10 @@ void check_v2_scratch(const char* op, const AttentionDims& d, const at::Tensor& 
 PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                 const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len) {
+                                 const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len,
+                                 int64_t sliding_window, double logits_soft_cap) {
   AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens);
+  check_window_and_soft_cap(op, sliding_window, logits_soft_cap);
   check_out(op, out, query);
   check_int_tensor(op, "query_start_loc", query_start_loc, at::kInt, 1);
   check_same_device(op, "query_start_loc", query_start_loc, key_cache);
@@ -190,13 +195,20 @@ PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at
   TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, op, ": max_query_len and max_seq_len must be >= 0, got ",
               max_query_len, " and ", max_seq_len);
   PrefillDims p{d, query.size(0)};
-  check_block_table_values(op, d, block_tables, seq_lens, max_seq_len);
+  check_block_table_values(op, d, block_tables, seq_lens, max_seq_len, sliding_window, query_start_loc);
   check_query_start_loc_values(op, p, query_start_loc, seq_lens, max_query_len);
   return p;
 }
 
+void check_window_and_soft_cap(const char* op, int64_t sliding_window, double logits_soft_cap) {
+  TORCH_CHECK(sliding_window >= 0, op, ": sliding_window must be >= 0 (0: no window), got ", sliding_window);
+  TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
+              ": logits_soft_cap must be finite and >= 0 (0: no soft-capping), got ", logits_soft_cap);
+}
+
 void check_block_table_values(const char* op, const AttentionDims& d, const at::Tensor& block_tables,
-                              const at::Tensor& seq_lens, int64_t max_seq_len) {
+                              const at::Tensor& seq_lens, int64_t max_seq_len, int64_t sliding_window,
+                              const at::Tensor& query_start_loc) {
   if (!index_checks_enabled()) return;
   const at::Tensor lens_t = host_copy(seq_lens);
   const int32_t* lens = lens_t.data_ptr<int32_t>();
@@ -209,12 +221,20 @@ void check_block_table_values(const char* op, const AttentionDims& d, const at::
                 " needs more blocks than block_tables holds (", d.max_blocks_per_seq, " blocks x block_size ",
                 d.block_size, " = ", table_capacity, " tokens)");
   }
+  const bool windowed = sliding_window > 0;
+  const bool prefill = query_start_loc.defined();
   if (block_tables.is_cpu()) {
     const int32_t* table = block_tables.data_ptr<int32_t>();
+    const at::Tensor qsl_t = windowed && prefill ? host_copy(query_start_loc) : at::Tensor();
+    const int32_t* qsl = qsl_t.defined() ? qsl_t.data_ptr<int32_t>() : nullptr;
     for (int64_t s = 0; s < d.num_seqs; ++s) {
       const int64_t used = (lens[s] + d.block_size - 1) / d.block_size;
+      // The sequence's first query sits at seq_len - q_len (decode: q_len 1); a malformed
+      // query_start_loc (refused right after) only makes this check more blocks.
+      const int64_t q_len = qsl ? std::max<int64_t>(0, int64_t(qsl[s + 1]) - qsl[s]) : 1;
+      const int64_t first = window_first_key(lens[s] - q_len, sliding_window) / d.block_size;
       const int32_t* row = table + s * d.max_blocks_per_seq;
-      for (int64_t b = 0; b < used; ++b) {
+      for (int64_t b = first; b < used; ++b) {
         TORCH_CHECK(row[b] >= 0 && row[b] < d.num_blocks, op, ": block_tables[", s, "][", b, "] = ", row[b],
                     " is outside the cache (num_blocks = ", d.num_blocks, ")");
       }
@@ -222,9 +242,21 @@ void check_block_table_values(const char* op, const AttentionDims& d, const at::
     return;
   }
   // Device tables: one masked reduction, one sync.
-  const auto used = (seq_lens.to(at::kLong) + (d.block_size - 1)).div(d.block_size, "floor");
+  const at::Tensor lens_l = seq_lens.to(at::kLong);
+  const auto used = (lens_l + (d.block_size - 1)).div(d.block_size, "floor");
   const auto cols = at::arange(d.max_blocks_per_seq, block_tables.options().dtype(at::kLong));
-  const auto in_use = cols.unsqueeze(0) < used.unsqueeze(1);
+  auto in_use = cols.unsqueeze(0) < used.unsqueeze(1);
+  if (windowed) {
+    at::Tensor q_lens = at::ones_like(lens_l);
+    if (prefill) {
+      const at::Tensor qsl = query_start_loc.to(at::kLong);
+      q_lens = (qsl.slice(0, 1) - qsl.slice(0, 0, d.num_seqs)).clamp_min(0);
+    }
+    // A window longer than any row can hold is no window; the bound keeps the arithmetic in range.
+    const int64_t window = std::min(sliding_window, table_capacity + 1);
+    const auto first = (lens_l - q_lens - window + 1).clamp_min(0).div(d.block_size, "floor");
+    in_use = in_use & (cols.unsqueeze(0) >= first.unsqueeze(1));
+  }
   const auto bad = in_use & ((block_tables < 0) | (block_tables >= d.num_blocks));
   if (bad.any().item<bool>()) {
     const auto idx = bad.nonzero().select(0, 0).to(at::kCPU);

@@ -8,6 +8,8 @@
 
 #include <optional>
 
+#include "common/window.h"
+
 namespace pagedkv {
 
 struct CacheDims {
@@ -36,11 +38,15 @@ struct PrefillDims {
 // identical shape, dtype and device, contiguous, supported dtype/sizes.
 CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op);
 
+// sliding_window >= 0 (0: no window) and logits_soft_cap finite and >= 0 (0: off).
+void check_window_and_soft_cap(const char* op, int64_t sliding_window, double logits_soft_cap);
+
 // Decode inputs (v1/v2/paged_attention). `out` may be undefined (allocating op).
 AttentionDims check_decode_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes);
+                                  int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                                  int64_t sliding_window = 0, double logits_soft_cap = 0.0);
 
 // v2 scratch: exp_sums/max_logits fp32 [num_seqs, num_heads, P], tmp_out
 // [num_seqs, num_heads, P, head_size] in the query dtype, P >= ceil(max_seq_len / partition_size).
@@ -51,13 +57,19 @@ void check_v2_scratch(const char* op, const AttentionDims& dims, const at::Tenso
 PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                 const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len);
+                                 const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len,
+                                 int64_t sliding_window = 0, double logits_soft_cap = 0.0);
 
 // Value checks: every seq_len in [0, max_seq_len] and within the block table,
 // every block id a sequence uses in [0, num_blocks). Reads the tensors: free on
 // the CPU, one device->host sync on CUDA (skippable, see index_checks_enabled).
+// With a sliding window, the logical blocks that lie wholly before the window of the
+// sequence's first query are not used (no kernel reads them; the block manager may have
+// freed them): their entries are not checked. query_start_loc (prefill; undefined for
+// decode, one query per sequence) gives each sequence's number of queries.
 void check_block_table_values(const char* op, const AttentionDims& dims, const at::Tensor& block_tables,
-                              const at::Tensor& seq_lens, int64_t max_seq_len);
+                              const at::Tensor& seq_lens, int64_t max_seq_len, int64_t sliding_window = 0,
+                              const at::Tensor& query_start_loc = at::Tensor());
 
 // query_start_loc: starts at 0, non-decreasing, ends at num_tokens; each
 // q_len <= max_query_len and <= its seq_len.

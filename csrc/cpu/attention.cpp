@@ -46,7 +46,8 @@ void run_prefill(const cpu::PrefillParams& p) { PAGEDKV_RUN_VARIANT(prefill_atte
 // The fields every kernel shares, from validated tensors.
 void fill_common(cpu::PagedAttentionParams& p, at::Tensor& out, const at::Tensor& query,
                  const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
-                 const at::Tensor& seq_lens, double scale, const AttentionDims& d) {
+                 const at::Tensor& seq_lens, double scale, int64_t sliding_window, double logits_soft_cap,
+                 const AttentionDims& d) {
   p.dtype = query.scalar_type();
   p.out = out.data_ptr();
   p.out_stride = out.stride(0);
@@ -63,14 +64,18 @@ void fill_common(cpu::PagedAttentionParams& p, at::Tensor& out, const at::Tensor
   p.num_kv_heads = d.num_kv_heads;
   p.head_size = d.head_size;
   p.block_size = d.block_size;
+  p.sliding_window = sliding_window;
+  p.logits_soft_cap = static_cast<float>(logits_soft_cap);
 }
 
 cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale,
-                                const std::optional<at::Tensor>& alibi_slopes, const AttentionDims& d) {
+                                const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                                double logits_soft_cap, const AttentionDims& d) {
   cpu::DecodeParams p{};
-  fill_common(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale, d);
+  fill_common(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, logits_soft_cap,
+              d);
   p.alibi_slopes =
       alibi_slopes.has_value() && alibi_slopes->defined() ? alibi_slopes->const_data_ptr<float>() : nullptr;
   return p;
@@ -81,30 +86,33 @@ cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const 
 void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& alibi_slopes) {
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                            double logits_soft_cap) {
   const char* op = "paged_attention_v1";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              max_seq_len, alibi_slopes);
+                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
   if (d.num_seqs == 0) return;
-  run_decode(decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, d));
+  run_decode(decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+                           sliding_window, logits_soft_cap, d));
 }
 
 void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits, at::Tensor& tmp_out,
                             const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                             int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                            int64_t partition_size) {
+                            int64_t partition_size, int64_t sliding_window, double logits_soft_cap) {
   const char* op = "paged_attention_v2";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              max_seq_len, alibi_slopes);
+                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
   check_v2_scratch(op, d, query, exp_sums, max_logits, tmp_out, max_seq_len, partition_size);
   if (d.num_seqs == 0) return;
   cpu::DecodeParams p =
-      decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, d);
+      decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
+                    logits_soft_cap, d);
   p.partition_size = partition_size;
-  // Partitions past a sequence's end (and extra scratch columns) are marked empty.
+  // Partitions past a sequence's end or before its window (and extra scratch columns) are marked empty.
   p.max_partitions = exp_sums.size(2);
   p.exp_sums = exp_sums.data_ptr<float>();
   p.max_logits = max_logits.data_ptr<float>();
@@ -116,15 +124,18 @@ void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& m
 void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                                 int64_t max_query_len, int64_t max_seq_len) {
+                                 int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
+                                 double logits_soft_cap) {
   const char* op = "paged_prefill_attention";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const PrefillDims pd = check_prefill_inputs(op, out, query, key_cache, value_cache, block_tables,
-                                              query_start_loc, seq_lens, max_query_len, max_seq_len);
+                                              query_start_loc, seq_lens, max_query_len, max_seq_len, sliding_window,
+                                              logits_soft_cap);
   const AttentionDims& d = pd.attn;
   if (pd.num_tokens == 0 || d.num_seqs == 0) return;
   cpu::PrefillParams p{};
-  fill_common(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale, d);
+  fill_common(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, logits_soft_cap,
+              d);
   p.query_start_loc = query_start_loc.const_data_ptr<int32_t>();
   run_prefill(p);
 }

@@ -17,12 +17,20 @@
 // register-blocked matrix products per tile of 32 keys; the softmax is then
 // vectorized across rows as well.
 //
+// Sliding window: decode starts a sequence's work at its window's first key (the
+// same token ranges as a split task, so blocks before the window are never touched
+// and the cost follows min(seq_len, W)); prefill starts each query tile's keys at its
+// first row's window and masks the later rows per tile. Soft-capping runs on the
+// logits of a block (decode) or key tile (prefill) when on: no per-score work without it.
+//
 // The AVX512_BF16 variant (bf16 inputs only) takes Q.K^T straight from the bf16
 // rows with vdpbf16ps (32 products per instruction, summed in pairs into fp32
 // lanes, no widening); the query is kept unscaled in bf16 (exactly the input) and
 // the scale is applied to the fp32 logits. P.V stays in fp32 (the probabilities
 // would have to be rounded to bf16 and V's rows interleaved in pairs of tokens).
 #include "cpu/attention_kernels.h"
+
+#include "common/window.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -553,11 +561,20 @@ struct TaskView {
   const int32_t* table;  // the sequence's block table
   const float* slopes;   // at the task's first head, or nullptr
   float logit_scale;     // applied to the logits when Q.K^T ran on the unscaled bf16 query (kDotBf16)
+  float soft_cap;        // logits_soft_cap, 0 when off
 };
 
+// row[t] = cap * tanh(row[t] / cap) for t < n, a vector at a time: rows hold a multiple
+// of kW logits, so n rounded up to kW stays inside (the extra lanes are masked later).
+inline void soft_cap_logits(float* row, int64_t n, float cap) {
+  const Vec c(cap), inv(1.f / cap);
+  for (int64_t t = 0; t < n; t += kW) (c * (Vec::loadu(row + t) * inv).tanh()).store(row + t);
+}
+
 // Turns the logits of one block or unit of blocks ([heads, kMaxBlockSize], tokens
-// [0, n), token0 the first) into probabilities: masks the tokens before a split
-// task's start (skip), adds ALiBi, and runs the online-softmax update of every head.
+// [0, n), token0 the first) into probabilities: soft-caps them (when on), masks the
+// tokens before a split task's or a window's start (skip), adds ALiBi, and runs the
+// online-softmax update of every head.
 template <typename T, int D>
 inline void block_softmax(const TaskView<T>& tv, int64_t token0, int skip, int n, float* logits, DecodeScratch& s) {
   for (int64_t head = 0; head < tv.heads; ++head) {
@@ -567,6 +584,7 @@ inline void block_softmax(const TaskView<T>& tv, int64_t token0, int skip, int n
       const Vec scale(tv.logit_scale);
       for (int t = 0; t < n; t += kW) (Vec::loadu(row + t) * scale).store(row + t);
     }
+    if (tv.soft_cap > 0.f) soft_cap_logits(row, n, tv.soft_cap);
     for (int t = 0; t < skip; ++t) row[t] = kNegInf;
     if (tv.slopes) {
       const float slope = tv.slopes[head];
@@ -622,19 +640,24 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     // [num_kv_heads, D], so a pass over the rows for one head after the other walks
     // every row's memory in order. Alternating K and V head by head (twice the
     // streams) read ~1.4x slower from memory (AMD Zen 3, 2026-11-30).
+    // In the unit's first block, Q.K^T starts at the last multiple of 8 rows at or before
+    // `skip` (its tiles need rows up to round_up(nb, 8), and blocks are multiples of 8) and
+    // P.V at `skip` itself, so no V row before the task's start (or window) is read.
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
+      const int k_from = b == b0 ? skip / 8 * 8 : 0;
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-        qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + h * D, row_stride, nb,
-                       logits + h * G * kMaxBlockSize + t0, next);
+        qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + k_from * row_stride + h * D, row_stride, nb - k_from,
+                       logits + h * G * kMaxBlockSize + t0 + k_from, next);
       }
     }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
+      const int v_from = b == b0 ? skip : 0;
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-        pv_block<T, D>(logits + h * G * kMaxBlockSize + t0, G, values(b) + h * D, row_stride, nb,
-                       s.acc.data() + h * G * D, next);
+        pv_block<T, D>(logits + h * G * kMaxBlockSize + t0 + v_from, G, values(b) + v_from * row_stride + h * D,
+                       row_stride, nb - v_from, s.acc.data() + h * G * D, next);
       }
     }
   }
@@ -666,7 +689,9 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
     const int64_t k_line = (b - first_block) * 2 * block_lines, v_line = k_line + block_lines;
     ahead.advance_to(k_line);
     // Rows up to round_up(n, 8) <= block_size exist; the extra logits are masked by softmax_update.
-    for (int t = 0; t < n; t += kStreamTokens) {
+    // Groups wholly before `skip` (a window's start) are not read; P.V starts at skip itself.
+    const int first_group = skip / kStreamTokens * kStreamTokens;
+    for (int t = first_group; t < n; t += kStreamTokens) {
       for (int64_t h = 0; h < nkv; ++h) {
         qk_block<T, D>(s.q.data() + h * G * D, G, k + t * row_stride + h * D, row_stride, kStreamTokens,
                        logits + h * G * kMaxBlockSize + t, none);
@@ -674,10 +699,11 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
       }
     }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
-    for (int t = 0; t < n; t += kStreamTokens) {
-      const int tokens = std::min(kStreamTokens, n - t);
+    for (int t = first_group; t < n; t += kStreamTokens) {
+      const int from = std::max(t, skip);
+      const int tokens = std::min(t + kStreamTokens, n) - from;
       for (int64_t h = 0; h < nkv; ++h) {
-        pv_block<T, D>(logits + h * G * kMaxBlockSize + t, G, v + t * row_stride + h * D, row_stride, tokens,
+        pv_block<T, D>(logits + h * G * kMaxBlockSize + from, G, v + from * row_stride + h * D, row_stride, tokens,
                        s.acc.data() + h * G * D, none);
         ahead.advance_to(v_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
       }
@@ -717,7 +743,8 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
                        static_cast<const T*>(p.value_cache) + w.kv_head0 * D,
                        p.block_tables + w.seq * p.max_blocks_per_seq,
                        p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
-                       p.scale};
+                       p.scale,
+                       p.logits_soft_cap};
   const bool whole_rows = w.num_kv_heads == p.num_kv_heads;
   if (whole_rows && row_stride * static_cast<int64_t>(sizeof(T)) >= kStreamRowBytes) {
     return attend_blocks_streamed<T, D>(tv, w, s);
@@ -772,26 +799,34 @@ struct DecodePlan {
   int64_t num_pieces = 0;
 };
 
+// The first key the decode query of a sequence of len tokens attends to (0 without a window).
+inline int64_t decode_first_key(const DecodeParams& p, int64_t len) {
+  return window_first_key(len - 1, p.sliding_window);
+}
+
 DecodePlan plan_decode(const DecodeParams& p) {
-  int64_t total = 0;
-  for (int64_t s = 0; s < p.num_seqs; ++s) total += p.seq_lens[s];
+  int64_t total = 0;  // tokens attended: a window bounds each sequence's work
+  for (int64_t s = 0; s < p.num_seqs; ++s) total += p.seq_lens[s] - decode_first_key(p, p.seq_lens[s]);
   const int64_t threads = at::get_num_threads();
   const int64_t piece = std::max(kMinSplitTokens, (total + kTasksPerThread * threads - 1) / (kTasksPerThread * threads));
   DecodePlan plan;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t len = p.seq_lens[s];
-    const int64_t pieces = std::max<int64_t>(1, (len + piece - 1) / piece);
+    const int64_t first = decode_first_key(p, len);
+    const int64_t pieces = std::max<int64_t>(1, (len - first + piece - 1) / piece);
     if (pieces == 1) {
-      plan.tasks.push_back({s, 0, len, -1, -1});
+      plan.tasks.push_back({s, first, len, -1, -1});
       continue;
     }
-    // Equal pieces, cut at block boundaries so no block is read by two tasks.
-    const int64_t step = round_up((len + pieces - 1) / pieces, p.block_size);
+    // Equal pieces, cut at block boundaries so no block is read by two tasks; the first
+    // starts at the window's first key, inside its block.
+    const int64_t base = first / p.block_size * p.block_size;
+    const int64_t step = round_up((len - base + pieces - 1) / pieces, p.block_size);
     const int64_t split = static_cast<int64_t>(plan.split_first.size());
     plan.split_first.push_back(plan.num_pieces);
     int64_t count = 0;
-    for (int64_t begin = 0; begin < len; begin += step, ++count) {
-      plan.tasks.push_back({s, begin, std::min(len, begin + step), split, plan.num_pieces++});
+    for (int64_t begin = base; begin < len; begin += step, ++count) {
+      plan.tasks.push_back({s, std::max(begin, first), std::min(len, begin + step), split, plan.num_pieces++});
     }
     plan.split_count.push_back(count);
   }
@@ -885,13 +920,13 @@ void decode_v2_task(const DecodeParams& p, int64_t group_heads, int64_t task, De
   const int64_t group = (task / parts) % groups;
   const int64_t seq = task / (parts * groups);
   const int64_t seq_len = p.seq_lens[seq];
-  const int64_t begin = part * p.partition_size;
-  const int64_t end = std::min(seq_len, begin + p.partition_size);
+  const int64_t begin = std::max(part * p.partition_size, decode_first_key(p, seq_len));
+  const int64_t end = std::min(seq_len, (part + 1) * p.partition_size);
   const DecodeWork w{seq, group * group_heads, group_heads, begin, end};
   const int64_t head0 = w.kv_head0 * G, heads = group_heads * G;
   const int64_t stat = (seq * p.num_heads + head0) * p.max_partitions + part;  // [seq, head0, part]
   if (begin >= end) {
-    // Beyond this sequence's length: mark empty; the reduce never reads them.
+    // Beyond this sequence's length or before its window: mark empty; the reduce never reads them.
     for (int64_t h = 0; h < heads; ++h) {
       p.max_logits[stat + h * p.max_partitions] = kNegInf;
       p.exp_sums[stat + h * p.max_partitions] = 0.f;
@@ -946,18 +981,21 @@ void reduce_impl(const DecodeParams& p) {
       const int64_t seq = sh / p.num_heads, head = sh % p.num_heads;
       T* out = static_cast<T*>(p.out) + seq * p.out_stride + head * D;
       const int64_t seq_len = p.seq_lens[seq];
-      const int64_t parts = (seq_len + p.partition_size - 1) / p.partition_size;
-      if (parts == 0) {
+      // Partitions [first, end) hold the keys the query attends to; those before a window's
+      // first key were left empty (their tmp_out unwritten) and are not read.
+      const int64_t first = decode_first_key(p, seq_len) / p.partition_size;
+      const int64_t parts = (seq_len + p.partition_size - 1) / p.partition_size - first;
+      if (parts <= 0) {
         std::fill(out, out + D, static_cast<T>(0.f));
         continue;
       }
-      const T* tmp = static_cast<const T*>(p.tmp_out) + sh * P * D;
+      const T* tmp = static_cast<const T*>(p.tmp_out) + (sh * P + first) * D;
       if (parts == 1) {
         std::copy(tmp, tmp + D, out);
         continue;
       }
-      const float* max_logits = p.max_logits + sh * P;
-      const float* exp_sums = p.exp_sums + sh * P;
+      const float* max_logits = p.max_logits + sh * P + first;
+      const float* exp_sums = p.exp_sums + sh * P + first;
       const float global_max = *std::max_element(max_logits, max_logits + parts);
       float total = 0.f;
       for (int64_t i = 0; i < parts; ++i) {
@@ -1115,7 +1153,8 @@ struct PrefillTask {
   int64_t seq;
   int64_t first_token;  // index among the sequence's new tokens
   int64_t num_tokens;
-  int64_t key_end;      // keys [0, key_end) are visible to some row of the tile
+  int64_t key_begin;    // keys [key_begin, key_end) are visible to some row of the tile:
+  int64_t key_end;      // key_begin is the window's first key of the tile's first row (0 without one)
 };
 
 template <typename T, int D>
@@ -1151,8 +1190,12 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
   const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * D;
   const int32_t* table = p.block_tables + task.seq * p.max_blocks_per_seq;
   const int64_t min_pos = context + task.first_token;
+  const int64_t max_pos = context + task.first_token + task.num_tokens - 1;  // also the padding rows' position
+  const int64_t window = p.sliding_window;
+  const Vec window_v(static_cast<float>(window));
+  const float cap = p.logits_soft_cap;
   const int64_t nvec = rp / kW;
-  for (int64_t k0 = 0; k0 < task.key_end; k0 += kKeyTile) {
+  for (int64_t k0 = task.key_begin; k0 < task.key_end; k0 += kKeyTile) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyTile, task.key_end - k0));
     load_key_tile<T, D>(value_cache, table, bs, row_stride, k0, n, s.vf.data());
     // Keys up to round_up(n, 4) are multiplied; rows t >= n are never read afterwards.
@@ -1168,30 +1211,41 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
       load_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, s.kf.data());
       qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
     }
+    if (cap > 0.f) {
+      for (int t = 0; t < n; ++t) soft_cap_logits(s.scores.data() + t * rp, rp, cap);
+    }
     const bool needs_mask = k0 + n - 1 > min_pos;
+    // Some key of the tile lies before the window of some row (the latest row's is the latest).
+    const bool needs_window_mask = window > 0 && k0 + window <= max_pos;
     for (int64_t i = 0; i < nvec; ++i) {
       float* sc = s.scores.data() + i * kW;
-      if (needs_mask) {
+      if (needs_mask || needs_window_mask) {
         const Vec qpos = Vec::loadu(s.qpos.data() + i * kW);
         for (int t = 0; t < n; ++t) {
-          const Vec masked = Vec(static_cast<float>(k0 + t)) > qpos;
+          const Vec key(static_cast<float>(k0 + t));
+          Vec masked = key > qpos;
+          if (needs_window_mask) masked = masked | (key + window_v <= qpos);  // key <= qpos - W
           Vec::blendv(Vec::loadu(sc + t * rp), Vec(kNegInf), masked).store(sc + t * rp);
         }
       }
       Vec tile_max(kNegInf);
       for (int t = 0; t < n; ++t) tile_max = at::vec::maximum(tile_max, Vec::loadu(sc + t * rp));
       const Vec m_old = Vec::loadu(s.m.data() + i * kW);
-      const Vec m_new = at::vec::maximum(m_old, tile_max);  // finite: key 0 is visible to every row
-      const Vec correction = (m_old - m_new).exp_u20();
+      // Without a window m_new is finite: key 0 is visible to every row. With one, a row's
+      // window may start past this tile: its max stays -inf, and the exponents are taken
+      // against 0 instead (every e and the correction are then 0, never NaN).
+      const Vec m_new = at::vec::maximum(m_old, tile_max);
+      const Vec m_exp = window > 0 ? Vec::blendv(m_new, Vec(0.f), m_new == Vec(kNegInf)) : m_new;
+      const Vec correction = (m_old - m_exp).exp_u20();
       Vec sum(0.f);
       for (int t = 0; t < n; ++t) {
-        const Vec e = (Vec::loadu(sc + t * rp) - m_new).exp_u20();
+        const Vec e = (Vec::loadu(sc + t * rp) - m_exp).exp_u20();
         e.store(sc + t * rp);
         sum = sum + e;
       }
       at::vec::fmadd(Vec::loadu(s.l.data() + i * kW), correction, sum).store(s.l.data() + i * kW);
       m_new.store(s.m.data() + i * kW);
-      if (k0 > 0) {
+      if (k0 > task.key_begin) {
         for (int64_t d = 0; d < D; ++d) {
           float* o = s.ot.data() + d * rp + i * kW;
           (Vec::loadu(o) * correction).store(o);
@@ -1219,12 +1273,13 @@ void prefill_impl(const PrefillParams& p) {
     const int64_t context = p.seq_lens[seq] - q_len;
     for (int64_t t = 0; t < q_len; t += tile_tokens) {
       const int64_t n = std::min(tile_tokens, q_len - t);
-      tiles.push_back({seq, t, n, context + t + n});
+      tiles.push_back({seq, t, n, window_first_key(context + t, p.sliding_window), context + t + n});
     }
   }
   // Longest key ranges first, so the dynamic schedule ends with short tasks.
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const PrefillTask& a, const PrefillTask& b) { return a.key_end > b.key_end; });
+  std::stable_sort(tiles.begin(), tiles.end(), [](const PrefillTask& a, const PrefillTask& b) {
+    return a.key_end - a.key_begin > b.key_end - b.key_begin;
+  });
   const int64_t rp = round_up(std::max(tile_tokens * G, G), kW);
   auto make_scratch = [&] {
     PrefillScratch s;

@@ -34,6 +34,10 @@ struct PagedAttentionParams {
   int64_t num_kv_heads;
   int64_t head_size;
   int64_t block_size;
+  // A query at position p attends to keys [window_first_key(p, sliding_window), p]
+  // (common/validation.h); 0: no window. Blocks wholly before that are never read.
+  int64_t sliding_window = 0;
+  float logits_soft_cap = 0.f;  // > 0: scores s become cap * tanh(s / cap), before ALiBi
 };
 
 // Decode (v1 and v2): one query row per sequence.

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -58,10 +59,16 @@ cuda::PagedKV make_paged_kv(const char* op, const AttentionDims& d, const at::Te
   return kv;
 }
 
+// A window longer than any sequence can be (the kernels' lengths are 32-bit) is no window.
+int kernel_window(int64_t sliding_window) {
+  return static_cast<int>(std::min<int64_t>(sliding_window, std::numeric_limits<int32_t>::max()));
+}
+
 cuda::DecodeArgs make_decode_args(const char* op, const AttentionDims& d, at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  const std::optional<at::Tensor>& alibi_slopes) {
+                                  const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                                  double logits_soft_cap) {
   cuda::DecodeArgs a{};
   a.kv = make_paged_kv(op, d, key_cache, value_cache, block_tables, seq_lens);
   a.out = out.data_ptr();
@@ -74,6 +81,8 @@ cuda::DecodeArgs make_decode_args(const char* op, const AttentionDims& d, at::Te
   a.num_seqs = static_cast<int>(d.num_seqs);
   a.num_heads = static_cast<int>(d.num_heads);
   a.dtype = cuda::to_kernel_dtype(query.scalar_type());
+  a.sliding_window = kernel_window(sliding_window);
+  a.logits_soft_cap = static_cast<float>(logits_soft_cap);
   return a;
 }
 
@@ -97,15 +106,16 @@ int64_t cuda_multiprocessor_count(int device) {
 void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
-                             const std::optional<at::Tensor>& alibi_slopes) {
+                             const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                             double logits_soft_cap) {
   constexpr const char* op = "paged_attention_v1";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              max_seq_len, alibi_slopes);
+                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
   check_cuda_inputs(op, query, key_cache);
   const c10::cuda::CUDAGuard guard(query.device());
-  const cuda::DecodeArgs a =
-      make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes);
+  const cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                              alibi_slopes, sliding_window, logits_soft_cap);
   cuda::check_launch(op, cuda::launch_paged_attention_v1(a, c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -113,11 +123,11 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
                              const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                              int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                             int64_t partition_size) {
+                             int64_t partition_size, int64_t sliding_window, double logits_soft_cap) {
   constexpr const char* op = "paged_attention_v2";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              max_seq_len, alibi_slopes);
+                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
   check_v2_scratch(op, d, query, exp_sums, max_logits, tmp_out, max_seq_len, partition_size);
   check_cuda_inputs(op, query, key_cache);
   check_fits_int(op, "max_seq_len", max_seq_len);
@@ -125,8 +135,8 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
   TORCH_CHECK(num_partitions <= cuda::kMaxGridYZ, op, ": max_seq_len ", max_seq_len, " needs ", num_partitions,
               " partitions of ", partition_size, "; at most ", cuda::kMaxGridYZ, " are supported");
   const c10::cuda::CUDAGuard guard(query.device());
-  const cuda::DecodeArgs a =
-      make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes);
+  const cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                              alibi_slopes, sliding_window, logits_soft_cap);
   cuda::DecodeScratch s{};
   s.exp_sums = exp_sums.data_ptr<float>();
   s.max_logits = max_logits.data_ptr<float>();
@@ -140,11 +150,12 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
 void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                                  int64_t max_query_len, int64_t max_seq_len) {
+                                  int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
+                                  double logits_soft_cap) {
   constexpr const char* op = "paged_prefill_attention";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const PrefillDims pd = check_prefill_inputs(op, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                              seq_lens, max_query_len, max_seq_len);
+                                              seq_lens, max_query_len, max_seq_len, sliding_window, logits_soft_cap);
   check_cuda_inputs(op, query, key_cache);
   check_fits_int(op, "num_tokens", pd.num_tokens);
   check_fits_int(op, "max_query_len", max_query_len);
@@ -162,6 +173,8 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, cons
   a.num_tokens = static_cast<int>(pd.num_tokens);
   a.max_query_len = static_cast<int>(max_query_len);
   a.dtype = cuda::to_kernel_dtype(query.scalar_type());
+  a.sliding_window = kernel_window(sliding_window);
+  a.logits_soft_cap = static_cast<float>(logits_soft_cap);
   cuda::check_launch(op, cuda::launch_paged_prefill_attention(a, c10::cuda::getCurrentCUDAStream()));
 }
 

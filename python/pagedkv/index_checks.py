@@ -85,10 +85,19 @@ def _check_seq_lens(seq_lens: np.ndarray, capacity: int, max_blocks: int, block_
                          f"({max_blocks} blocks x block_size {block_size} = {capacity} tokens)")
 
 
-def _check_block_tables(block_tables: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int) -> None:
-    # Only the blocks a sequence uses are read; the rest of a row may hold anything (padding).
-    used = (seq_lens.astype(np.int64) + block_size - 1) // block_size
-    in_use = np.arange(block_tables.shape[1])[None, :] < used[:, None]
+def _check_block_tables(block_tables: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int,
+                        sliding_window: int = 0, q_lens: np.ndarray | None = None) -> None:
+    # Only the blocks a sequence uses are read; the rest of a row may hold anything (padding),
+    # and so may, with a sliding window, the blocks wholly before the window of the
+    # sequence's first query (at seq_len - q_len; decode: q_len 1): they may have been freed.
+    lens = seq_lens.astype(np.int64)
+    used = (lens + block_size - 1) // block_size
+    cols = np.arange(block_tables.shape[1])[None, :]
+    in_use = cols < used[:, None]
+    if sliding_window > 0:
+        first_query = lens - (np.ones_like(lens) if q_lens is None else np.maximum(q_lens, 0))
+        first_key = np.maximum(first_query - sliding_window + 1, 0)
+        in_use &= cols >= (first_key // block_size)[:, None]
     bad = in_use & ((block_tables < 0) | (block_tables >= num_blocks))
     if bad.any():
         s, b = _first(bad)
@@ -107,16 +116,33 @@ def _check_slot_mapping(slot_mapping, num_blocks: int, block_size: int, num_toke
                          f"(num_blocks * block_size = {num_slots})")
 
 
+def _check_sliding_window(sliding_window: int) -> None:
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: no window), got {sliding_window}")
+
+
 def validate_decode_metadata(block_tables, seq_lens, *, num_blocks: int, block_size: int,
-                             max_seq_len: int | None = None, slot_mapping=None) -> None:
+                             max_seq_len: int | None = None, slot_mapping=None, sliding_window: int = 0) -> None:
     """Check decode metadata on the host, as the ops' index checks would on the device.
 
     block_tables: int [num_seqs, max_blocks_per_seq]; seq_lens: int [num_seqs];
     slot_mapping (optional): int [num_tokens], negative = skip. numpy arrays or CPU
     tensors. Raises ValueError naming the field, index and value of the first bad entry:
     a negative seq_len, one above max_seq_len or beyond its block-table row, a used
-    block id outside [0, num_blocks), a slot outside the cache.
+    block id outside [0, num_blocks), a slot outside the cache. With sliding_window
+    W > 0 (as passed to the attention op), the entries of blocks wholly before the
+    window (positions below seq_len - W) are not checked: the kernels never read them.
     """
+    _check_sliding_window(sliding_window)
+    tables, lens = _decode_arrays(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+    _check_block_tables(tables, lens, num_blocks, block_size, sliding_window)
+    if slot_mapping is not None:
+        _check_slot_mapping(slot_mapping, num_blocks, block_size, None)
+
+
+def _decode_arrays(block_tables, seq_lens, num_blocks: int, block_size: int,
+                   max_seq_len: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """block_tables and seq_lens as arrays, their shapes and the seq_lens values checked."""
     tables = _as_int_array("block_tables", block_tables, 2)
     lens = _as_int_array("seq_lens", seq_lens, 1)
     if tables.shape[0] != lens.shape[0]:
@@ -124,24 +150,23 @@ def validate_decode_metadata(block_tables, seq_lens, *, num_blocks: int, block_s
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
     _check_seq_lens(lens, tables.shape[1] * block_size, tables.shape[1], block_size, max_seq_len)
-    _check_block_tables(tables, lens, num_blocks, block_size)
-    if slot_mapping is not None:
-        _check_slot_mapping(slot_mapping, num_blocks, block_size, None)
+    return tables, lens
 
 
 def validate_prefill_metadata(block_tables, seq_lens, query_start_loc, *, num_blocks: int, block_size: int,
                               num_tokens: int, max_query_len: int | None = None, max_seq_len: int | None = None,
-                              slot_mapping=None) -> None:
+                              slot_mapping=None, sliding_window: int = 0) -> None:
     """Check prefill (paged_prefill_attention) metadata on the host.
 
     Everything `validate_decode_metadata` checks, plus query_start_loc: int [num_seqs + 1],
     starting at 0, non-decreasing, ending at num_tokens, each sequence's query length
     at most max_query_len and at most its seq_len (seq_lens count the new tokens too).
-    slot_mapping, if given, must have num_tokens entries.
+    slot_mapping, if given, must have num_tokens entries. With sliding_window W > 0, the
+    entries of blocks wholly before the window of a sequence's first new token (positions
+    below seq_len - q_len - W + 1) are not checked.
     """
-    validate_decode_metadata(block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size,
-                             max_seq_len=max_seq_len)
-    lens = _as_int_array("seq_lens", seq_lens, 1)
+    _check_sliding_window(sliding_window)
+    tables, lens = _decode_arrays(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
     qsl = _as_int_array("query_start_loc", query_start_loc, 1).astype(np.int64)
     if qsl.shape[0] != lens.shape[0] + 1:
         raise ValueError(f"query_start_loc must have num_seqs+1={lens.shape[0] + 1} entries, got {qsl.shape[0]}")
@@ -162,5 +187,6 @@ def validate_prefill_metadata(block_tables, seq_lens, query_start_loc, *, num_bl
         (s,) = _first(q_lens > lens)
         raise ValueError(f"sequence {s} has {q_lens[s]} query tokens but seq_lens[{s}] = {lens[s]}; "
                          "seq_lens counts the new tokens too")
+    _check_block_tables(tables, lens, num_blocks, block_size, sliding_window, q_lens)
     if slot_mapping is not None:
         _check_slot_mapping(slot_mapping, num_blocks, block_size, num_tokens)

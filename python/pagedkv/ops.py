@@ -9,6 +9,18 @@ physical block; `seq_lens` int32 `[num_seqs]`; `slot_mapping` int64
 Supported: float32, float16, bfloat16; head sizes 64, 80, 96, 112, 128, 256;
 block sizes 8, 16, 32; any num_heads / num_kv_heads ratio (MHA, GQA, MQA).
 
+Attention options, on every attention op (trailing keyword arguments, off by default):
+- `sliding_window=W` (W > 0): a query at position p attends only to keys at
+  positions p - W < k <= p (W keys, itself included: HF transformers' convention,
+  as in Mistral and Gemma 2). Decode queries sit at seq_len - 1; prefill token i
+  of a sequence at seq_len - q_len + i. Keys before the window are never read,
+  and the block-table entries of blocks wholly before the window of every query of
+  a sequence are neither read nor index-checked: they may hold anything (-1, a
+  freed block's id). Decode cost follows min(seq_len, W). 0: no window.
+- `logits_soft_cap=c` (c > 0): each score s = scale * q.k becomes c * tanh(s / c)
+  (Gemma 2's attn_logit_softcapping), before ALiBi and the softmax. 0: off.
+Negative values are refused (RuntimeError naming the argument).
+
 Index-value checks (block ids, seq_lens, slot_mapping, query_start_loc) cost a
 device->host sync on CUDA: `set_index_checks(False)` / `with index_checks(False):`
 turn them off (CPU and CUDA alike), and `validate_decode_metadata` /
@@ -75,18 +87,21 @@ def paged_attention_v1(
     scale: float,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
     """Decode attention, one query token per sequence, one pass over its context.
 
     out, query: [num_seqs, num_heads, head_size]; the last two dims dense.
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size].
     block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]
-    (the query attends to positions 0..seq_len-1; seq_len 0 gives zeros).
-    max_seq_len: an upper bound of seq_lens. alibi_slopes: float32 [num_heads].
+    (the query attends to positions 0..seq_len-1, or the last sliding_window of them;
+    seq_len 0 gives zeros). max_seq_len: an upper bound of seq_lens. alibi_slopes:
+    float32 [num_heads]. sliding_window, logits_soft_cap: see the module docstring.
     Writes `out` in place.
     """
     _ops.paged_attention_v1(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
-                            alibi_slopes)
+                            alibi_slopes, sliding_window, logits_soft_cap)
 
 
 def paged_attention_v2(
@@ -103,16 +118,21 @@ def paged_attention_v2(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
     partition_size: int = DEFAULT_PARTITION_SIZE,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
     """Decode attention split over partitions of the context, then reduced.
 
     For long contexts and few sequences. Scratch, with P >= ceil(max_seq_len / partition_size):
     exp_sums, max_logits: float32 [num_seqs, num_heads, P];
     tmp_out: [num_seqs, num_heads, P, head_size] in the query dtype.
-    partition_size: 256, 512 or 1024. Other arguments as in `paged_attention_v1`.
+    partition_size: 256, 512 or 1024. Partitions are fixed positions of a sequence; with a
+    sliding window those wholly before it stay empty (never read by the reduce).
+    Other arguments as in `paged_attention_v1`.
     """
     _ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
-                            seq_lens, scale, max_seq_len, alibi_slopes, partition_size)
+                            seq_lens, scale, max_seq_len, alibi_slopes, partition_size, sliding_window,
+                            logits_soft_cap)
 
 
 def paged_attention(
@@ -125,15 +145,18 @@ def paged_attention(
     max_seq_len: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention that picks v1 or v2 for the shape and allocates scratch.
 
     Returns `out` ([num_seqs, num_heads, head_size], a new tensor unless `out` is given).
     `max_seq_len=None` computes it from `seq_lens` (a device sync on CUDA, so not
     capturable in a CUDA graph); pass it, with the index checks off, for a sync-free call.
+    With a sliding window, min(max_seq_len, sliding_window) decides between v1 and v2.
     """
     result = _ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
-                                  alibi_slopes)
+                                  alibi_slopes, sliding_window, logits_soft_cap)
     if out is None:
         return result
     return out.copy_(result)
@@ -150,18 +173,21 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
     """Attention for several new tokens per sequence (prefill, chunked prefill, prefix hits).
 
     query, out: [num_tokens, num_heads, head_size], the sequences' new tokens concatenated;
     query_start_loc: int32 [num_seqs + 1], sequence s owns tokens
     query_start_loc[s]:query_start_loc[s+1]. seq_lens counts all tokens of a sequence,
-    the new ones included, so new token i sits at position seq_len - q_len + i and
-    attends causally to positions 0..that position. The new tokens' K/V must
-    already be in the cache (`reshape_and_cache` first).
+    the new ones included, so new token i sits at position p = seq_len - q_len + i and
+    attends causally to positions 0..p (sliding_window W > 0: p-W+1..p). The new
+    tokens' K/V must already be in the cache (`reshape_and_cache` first).
+    sliding_window, logits_soft_cap: see the module docstring.
     """
     _ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                 scale, max_query_len, max_seq_len)
+                                 scale, max_query_len, max_seq_len, sliding_window, logits_soft_cap)
 
 
 def reshape_and_cache(
@@ -282,7 +308,7 @@ def _check_meta_consistent(op: str, data: dict[str, torch.Tensor | None], index:
 
 @torch.library.register_fake("pagedkv::paged_attention")
 def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
-                          alibi_slopes=None):
+                          alibi_slopes=None, sliding_window=0, logits_soft_cap=0.0):
     data = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
     _check_meta_consistent("paged_attention", data, (block_tables, seq_lens, alibi_slopes))
     return torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -290,14 +316,15 @@ def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens,
 
 @torch.library.register_fake("pagedkv::paged_attention_v1")
 def _paged_attention_v1_fake(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
-                             alibi_slopes=None):
+                             alibi_slopes=None, sliding_window=0, logits_soft_cap=0.0):
     data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache}
     _check_meta_consistent("paged_attention_v1", data, (block_tables, seq_lens, alibi_slopes))
 
 
 @torch.library.register_fake("pagedkv::paged_attention_v2")
 def _paged_attention_v2_fake(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
-                             seq_lens, scale, max_seq_len, alibi_slopes=None, partition_size=512):
+                             seq_lens, scale, max_seq_len, alibi_slopes=None, partition_size=512, sliding_window=0,
+                             logits_soft_cap=0.0):
     data = {"out": out, "exp_sums": exp_sums, "max_logits": max_logits, "tmp_out": tmp_out, "query": query,
             "key_cache": key_cache, "value_cache": value_cache}
     _check_meta_consistent("paged_attention_v2", data, (block_tables, seq_lens, alibi_slopes))
@@ -305,7 +332,7 @@ def _paged_attention_v2_fake(out, exp_sums, max_logits, tmp_out, query, key_cach
 
 @torch.library.register_fake("pagedkv::paged_prefill_attention")
 def _paged_prefill_attention_fake(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, max_query_len, max_seq_len):
+                                  scale, max_query_len, max_seq_len, sliding_window=0, logits_soft_cap=0.0):
     data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache}
     _check_meta_consistent("paged_prefill_attention", data, (block_tables, query_start_loc, seq_lens))
 

@@ -8,29 +8,48 @@ random inputs; users can do the same. Shapes and semantics are those of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 
 def gather_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_key: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence, contiguous: each [seq_len, num_kv_heads, head_size].
+    """K and V of positions first_key..seq_len-1 of one sequence, contiguous: each
+    [seq_len - first_key, num_kv_heads, head_size].
 
-    block_table: int [max_blocks_per_seq] (the row of this sequence).
+    block_table: int [max_blocks_per_seq] (the row of this sequence). Blocks wholly
+    before first_key are not read (with a sliding window they may have been freed).
     """
     block_size = key_cache.shape[1]
+    first_block = first_key // block_size
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len]
-    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    blocks = block_table[first_block:num_blocks].long()
+    offset = first_key - first_block * block_size
+    k = key_cache[blocks].flatten(0, 1)[offset : seq_len - first_block * block_size]
+    v = value_cache[blocks].flatten(0, 1)[offset : seq_len - first_block * block_size]
     return k, v
 
 
-def alibi_bias(alibi_slopes: torch.Tensor, query_pos: torch.Tensor, key_len: int) -> torch.Tensor:
-    """ALiBi bias [num_heads, num_queries, key_len]: slope * (key_pos - query_pos)."""
-    key_pos = torch.arange(key_len, device=alibi_slopes.device, dtype=torch.float32)
+def check_window_and_soft_cap(sliding_window: int, logits_soft_cap: float) -> None:
+    """ValueError unless sliding_window >= 0 and logits_soft_cap is finite and >= 0 (0: off)."""
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: no window), got {sliding_window}")
+    if not math.isfinite(logits_soft_cap) or logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0: no soft-capping), got {logits_soft_cap}")
+
+
+def window_first_key(query_pos: int, sliding_window: int) -> int:
+    """The first key a query at query_pos attends to: query_pos - sliding_window + 1 (>= 0), or 0 without a window."""
+    return max(0, query_pos - sliding_window + 1) if sliding_window > 0 else 0
+
+
+def alibi_bias(alibi_slopes: torch.Tensor, query_pos: torch.Tensor, key_len: int, first_key: int = 0) -> torch.Tensor:
+    """ALiBi bias [num_heads, num_queries, key_len] of keys first_key..first_key+key_len-1:
+    slope * (key_pos - query_pos)."""
+    key_pos = torch.arange(first_key, first_key + key_len, device=alibi_slopes.device, dtype=torch.float32)
     dist = key_pos[None, :] - query_pos.float()[:, None]
     return alibi_slopes.float()[:, None, None] * dist[None]
 
@@ -42,8 +61,13 @@ def _attend(
     scale: float,
     query_pos: torch.Tensor,
     alibi_slopes: torch.Tensor | None,
+    first_key: int = 0,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of q [n, num_heads, d] at positions query_pos [n] over k/v [L, num_kv_heads, d].
+    """Causal attention of q [n, num_heads, d] at positions query_pos [n] over k/v [L, num_kv_heads, d]
+    holding positions first_key..first_key+L-1; sliding_window W > 0 also hides keys at or
+    before query_pos - W; logits_soft_cap c > 0 maps each score s to c * tanh(s / c) before ALiBi.
 
     Returns float32 [n, num_heads, d].
     """
@@ -52,10 +76,14 @@ def _attend(
     kf = k.float().repeat_interleave(group, dim=1)  # [L, H, d]
     vf = v.float().repeat_interleave(group, dim=1)
     logits = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale  # [H, n, L]
+    if logits_soft_cap > 0:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
     if alibi_slopes is not None:
-        logits = logits + alibi_bias(alibi_slopes, query_pos, k.shape[0])
-    key_pos = torch.arange(k.shape[0], device=q.device)
+        logits = logits + alibi_bias(alibi_slopes, query_pos, k.shape[0], first_key)
+    key_pos = torch.arange(first_key, first_key + k.shape[0], device=q.device)
     mask = key_pos[None, :] > query_pos[:, None]  # [n, L]: future positions
+    if sliding_window > 0:
+        mask |= key_pos[None, :] <= query_pos[:, None] - sliding_window  # before the window
     logits = logits.masked_fill(mask[None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.einsum("hnl,lhd->nhd", probs, vf)
@@ -69,16 +97,25 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Decode attention (what v1, v2 and paged_attention compute). Returns [num_seqs, num_heads, head_size]."""
+    """Decode attention (what v1, v2 and paged_attention compute). Returns [num_seqs, num_heads, head_size].
+
+    The query of a sequence sits at position seq_len - 1; with sliding_window W > 0 it sees
+    the last W positions only, and blocks before them are not read.
+    """
+    check_window_and_soft_cap(sliding_window, logits_soft_cap)
     out = torch.zeros_like(query)
     for s in range(query.shape[0]):
         seq_len = int(seq_lens[s])
         if seq_len == 0:
             continue
-        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len)
+        first = window_first_key(seq_len - 1, sliding_window)
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len, first)
         pos = torch.tensor([seq_len - 1], device=query.device)
-        out[s] = _attend(query[s : s + 1], k, v, scale, pos, alibi_slopes)[0].to(query.dtype)
+        out[s] = _attend(query[s : s + 1], k, v, scale, pos, alibi_slopes, first, sliding_window,
+                         logits_soft_cap)[0].to(query.dtype)
     return out
 
 
@@ -90,17 +127,27 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of new tokens over the cache. Returns [num_tokens, num_heads, head_size]."""
+    """Causal attention of new tokens over the cache. Returns [num_tokens, num_heads, head_size].
+
+    New token i of a sequence sits at position seq_len - q_len + i; with sliding_window
+    W > 0 it sees positions p - W + 1..p only, and blocks before the first token's
+    window are not read.
+    """
+    check_window_and_soft_cap(sliding_window, logits_soft_cap)
     out = torch.zeros_like(query)
     for s in range(seq_lens.shape[0]):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         seq_len = int(seq_lens[s])
         if end == start:
             continue
-        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len)
+        first = window_first_key(seq_len - (end - start), sliding_window)
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len, first)
         pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-        out[start:end] = _attend(query[start:end], k, v, scale, pos, None).to(query.dtype)
+        out[start:end] = _attend(query[start:end], k, v, scale, pos, None, first, sliding_window,
+                                 logits_soft_cap).to(query.dtype)
     return out
 
 

@@ -118,6 +118,8 @@ def bind(lib: ctypes.CDLL) -> None:
         i,
         i,
         i,
+        i,
+        f,
     ]
     lib.emu_prefill.argtypes = [
         i,
@@ -140,6 +142,8 @@ def bind(lib: ctypes.CDLL) -> None:
         i,
         i,
         i,
+        i,
+        f,
     ]
     lib.emu_reshape.argtypes = [p, p, ll, ll, ll, ll, p, p, p, ll, ll, i, i, i]
     lib.emu_copy_blocks.argtypes = [p, i, p, ll, ll, ll]
@@ -192,6 +196,8 @@ class Checker:
         strided=False,
         seed=0,
         max_seq_len=None,
+        window=0,
+        soft_cap=0.0,
     ):
         """max_seq_len: what the launcher is told (default: the true maximum); a smaller
         value is the lie that skipped index checks let through: v2 must still attend
@@ -253,15 +259,17 @@ class Checker:
             parts,
             partition_size,
             max_len,
+            window,
+            soft_cap,
         )
         assert rc == 0, f"launcher returned {rc}"
-        expected = self.ref.paged_attention(query, kc, vc, tables, lens, scale, slopes)
+        expected = self.ref.paged_attention(query, kc, vc, tables, lens, scale, slopes, window, soft_cap)
         self.close(
             out,
             expected,
             dtype,
             f"decode v{version} {dtype} d={head_size} bs={block_size} "
-            f"heads={num_heads}/{num_kv_heads} max_seq_len={max_len}",
+            f"heads={num_heads}/{num_kv_heads} max_seq_len={max_len} window={window} cap={soft_cap}",
         )
 
     def decode_bad_block(self):
@@ -304,11 +312,47 @@ class Checker:
                 1,
                 256,
                 40,
+                0,
+                0.0,
             )
             assert rc == 0
             self.close(
                 out, torch.ones_like(out), torch.float32, f"bad block id, v{version}"
             )
+
+    def window_freed_blocks(self, dtype):
+        """Blocks wholly before the window hold NaN and -1 / out-of-range ids: never read (v1, v2, prefill)."""
+        window, bs = 20, 16
+        kc = torch.randn(10, bs, 2, 64).to(dtype)
+        vc = torch.randn(10, bs, 2, 64).to(dtype)
+        query = torch.randn(2, 4, 64).to(dtype)
+        clean = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
+        lens = torch.tensor([70, 40], dtype=torch.int32)  # windows: keys 50..69 and 20..39
+        expected = self.ref.paged_attention(query, kc, vc, clean, lens, 0.1, None, window, 2.0)
+        tables = clean.clone()
+        for s, first in enumerate((50, 20)):
+            for b in range(first // bs):
+                kc[int(clean[s, b])] = float("nan")
+                vc[int(clean[s, b])] = float("nan")
+                tables[s, b] = -1 if b % 2 else 1 << 20
+        for version in (1, 2):
+            out = torch.zeros_like(query)
+            parts = 2
+            es, ml = torch.full((2, 4, parts), float("nan")), torch.full((2, 4, parts), float("nan"))
+            tmp = torch.full((2, 4, parts, 64), float("nan")).to(dtype)
+            rc = self.lib.emu_decode(version, DTYPE_CODE[dtype], ptr(out), ptr(query), out.stride(0), query.stride(0),
+                                     ptr(kc), ptr(vc), ptr(tables), ptr(lens), 10, bs, 2, 64, 5, None, 0.1, 2, 4,
+                                     ptr(es), ptr(ml), ptr(tmp), parts, 256 if version == 2 else 256, 70, window, 2.0)
+            assert rc == 0 and torch.isfinite(out.float()).all(), f"window decode v{version} read a freed block"
+            self.close(out, expected, dtype, f"window decode v{version} with freed blocks, {dtype}")
+        qp = torch.randn(5, 4, 64).to(dtype)
+        qsl = torch.tensor([0, 3, 5], dtype=torch.int32)  # first new tokens at 67 and 38: keys from 48 and 19
+        expected = self.ref.paged_prefill_attention(qp, kc, vc, clean, qsl, lens, 0.1, window, 2.0)
+        out = torch.zeros_like(qp)
+        rc = self.lib.emu_prefill(DTYPE_CODE[dtype], ptr(out), ptr(qp), out.stride(0), qp.stride(0), ptr(kc), ptr(vc),
+                                  ptr(tables), ptr(lens), 10, bs, 2, 64, 5, ptr(qsl), 0.1, 2, 4, 5, 3, window, 2.0)
+        assert rc == 0 and torch.isfinite(out.float()).all(), "window prefill read a freed block"
+        self.close(out, expected, dtype, f"window prefill with freed blocks, {dtype}")
 
     def prefill_bad_block(self, dtype):
         """Out-of-range block ids in prefill are masked, never read: V = 1 gives exactly 1."""
@@ -320,7 +364,7 @@ class Checker:
         qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
         out = torch.zeros_like(query)
         rc = self.lib.emu_prefill(DTYPE_CODE[dtype], ptr(out), ptr(query), out.stride(0), query.stride(0), ptr(kc),
-                                  ptr(vc), ptr(tables), ptr(lens), 6, 16, 2, 64, 3, ptr(qsl), 0.1, 2, 4, 3, 2)
+                                  ptr(vc), ptr(tables), ptr(lens), 6, 16, 2, 64, 3, ptr(qsl), 0.1, 2, 4, 3, 2, 0, 0.0)
         assert rc == 0
         self.close(out, torch.ones_like(out), dtype, f"prefill bad block id, {dtype}")
 
@@ -336,6 +380,8 @@ class Checker:
         seed=0,
         max_query_len=None,
         odd_stride=False,
+        window=0,
+        soft_cap=0.0,
     ):
         """max_query_len: what the launcher is told (default: the true maximum); a smaller
         value (index checks off) must still produce every row (fp16/bf16: the tensor-core
@@ -382,17 +428,19 @@ class Checker:
             num_heads,
             num_tokens,
             max(q_lens) if max_query_len is None else max_query_len,
+            window,
+            soft_cap,
         )
         assert rc == 0, f"launcher returned {rc}"
         expected = self.ref.paged_prefill_attention(
-            query, kc, vc, tables, qsl, lens, scale
+            query, kc, vc, tables, qsl, lens, scale, window, soft_cap
         )
         self.close(
             out,
             expected,
             dtype,
             f"prefill {dtype} d={head_size} bs={block_size} "
-            f"heads={num_heads}/{num_kv_heads}",
+            f"heads={num_heads}/{num_kv_heads} window={window} cap={soft_cap}",
         )
 
     def cache_ops(self, dtype, head_size, strided):
@@ -604,10 +652,31 @@ def run(checker: Checker, quick: bool, dtypes=None, head_sizes=None) -> None:
     checker.decode_bad_block()
     for dtype in DTYPE_CODE:
         checker.prefill_bad_block(dtype)
+    run_window(checker, quick)
     for dtype, head_size, strided in itertools.product(
         DTYPE_CODE, (64, 80, 256), (False, True)
     ):
         checker.cache_ops(dtype, head_size, strided)
+
+
+def run_window(checker: Checker, quick: bool) -> None:
+    """Sliding window and soft cap (the kernels' kExtras variants): decode v1/v2 with windows inside a
+    block, across blocks and partitions, longer than the sequence; prefill chunks after context."""
+    dtypes = [torch.float16] if quick else list(DTYPE_CODE)
+    for dtype in dtypes:
+        for window, soft_cap in ((1, 0.0), (5, 2.0), (16, 0.0), (37, 0.0), (0, 3.0), (300, 1.5), (1000, 0.0)):
+            for version in (1, 2):
+                checker.decode(version, [0, 1, 37, 300], 8, 2, 64, 16, dtype, alibi=True, window=window,
+                               soft_cap=soft_cap, seed=window)
+            checker.prefill([37, 70, 1, 0], [0, 45, 100, 9], 6, 2, 64, 16, dtype, window=window, soft_cap=soft_cap,
+                            seed=window)
+        checker.decode(2, [1, 1100, 513], 12, 1, 128, 8, dtype, partition_size=256, window=300, soft_cap=4.0, seed=3)
+        checker.prefill([150, 2], [5, 60], 8, 2, 256, 32, dtype, window=40, seed=4)
+        checker.window_freed_blocks(dtype)
+    # seq_lens above max_seq_len (index checks off): the window lies past the launched partitions.
+    checker.decode(2, [700, 1300, 90], 4, 2, 64, 16, torch.float16, partition_size=256, max_seq_len=500, window=100,
+                   seed=4)
+    print("  window / soft cap: ok", flush=True)
 
 
 def main() -> None:

@@ -17,12 +17,13 @@ extern "C" int emu_decode(int version, int dtype, void* out, const void* query, 
                           long long q_stride, const void* kc, const void* vc, const int* bt, const int* lens,
                           int nb, int bs, int nkv, int hs, int mbps, const float* alibi, float scale, int num_seqs,
                           int num_heads, float* es, float* ml, void* tmp, int max_parts, int part_size,
-                          int max_seq_len) {
+                          int max_seq_len, int sliding_window, float soft_cap) {
   DecodeArgs a{};
   a.kv = kv_of(kc, vc, bt, lens, nb, bs, nkv, hs, mbps);
   a.out = out; a.query = query; a.out_stride = out_stride; a.query_stride = q_stride;
   a.alibi_slopes = alibi; a.scale = scale; a.num_seqs = num_seqs; a.num_heads = num_heads;
   a.dtype = static_cast<DType>(dtype);
+  a.sliding_window = sliding_window; a.logits_soft_cap = soft_cap;
   if (version == 1) return launch_paged_attention_v1(a, nullptr);
   DecodeScratch s{es, ml, tmp, max_parts, part_size};
   return launch_paged_attention_v2(a, s, max_seq_len, nullptr);
@@ -31,12 +32,13 @@ extern "C" int emu_decode(int version, int dtype, void* out, const void* query, 
 extern "C" int emu_prefill(int dtype, void* out, const void* query, long long out_stride, long long q_stride,
                            const void* kc, const void* vc, const int* bt, const int* lens, int nb, int bs, int nkv,
                            int hs, int mbps, const int* qsl, float scale, int num_seqs, int num_heads,
-                           int num_tokens, int max_query_len) {
+                           int num_tokens, int max_query_len, int sliding_window, float soft_cap) {
   PrefillArgs a{};
   a.kv = kv_of(kc, vc, bt, lens, nb, bs, nkv, hs, mbps);
   a.out = out; a.query = query; a.out_stride = out_stride; a.query_stride = q_stride;
   a.query_start_loc = qsl; a.scale = scale; a.num_seqs = num_seqs; a.num_heads = num_heads;
   a.num_tokens = num_tokens; a.max_query_len = max_query_len; a.dtype = static_cast<DType>(dtype);
+  a.sliding_window = sliding_window; a.logits_soft_cap = soft_cap;
   return launch_paged_prefill_attention(a, nullptr);
 }
 
