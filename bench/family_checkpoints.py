@@ -10,7 +10,7 @@ any checkpoint folder:
 
 Usage:
     python3 bench/family_checkpoints.py mixtral OUT_DIR
-    python3 bench/bench_throughput.py --model OUT_DIR --systems pagedkv,vllm --out bench/results/throughput_mixtral_cpu.md
+    python3 bench/bench_throughput.py --model OUT_DIR --systems pagedkv,vllm --out bench/results/OUT.md
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def test_prefill_window_and_soft_cap_match_naive_attention(window, soft_cap, dty
 
 
 def test_window_reference_skips_blocks_before_the_window():
-    """The reference gathers only the blocks its queries' windows reach: NaN (and a -1 entry) before them is harmless."""
+    """The reference gathers only the blocks its queries' windows reach: NaN and -1 entries before them are harmless."""
     gen = torch.Generator().manual_seed(3)
     seq_lens = [40]
     ks, vs, key_cache, value_cache, table, lens = make_paged(gen, seq_lens, 2, 64, torch.float32)

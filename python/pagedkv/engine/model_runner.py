@@ -8,11 +8,7 @@ computed only for the rows whose next token is sampled.
 
 Sliding-window models: the block tables carry DROPPED_BLOCK (-1) where the
 block manager released a block before the window; the attention ops, given
-the window, read no entry wholly before it. Attention ops built without the
-`sliding_window` argument would read those entries, so for them (and only
-then) each marker is replaced by its row's first live block, in one numpy
-pass (`stand_in_dropped_blocks`): in bounds and written, though the
-positions past the window then attend to the wrong keys.
+the layer's window, neither read nor index-check an entry wholly before it.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ import numpy as np
 import torch
 
 from pagedkv import host_memory, ops
-from pagedkv._block_manager import DROPPED_BLOCK
 from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.scheduler import SchedulerOutput
@@ -70,27 +65,6 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
     return [(make(), make()) for _ in range(cfg.num_hidden_layers)]
 
 
-def kernels_take_sliding_window() -> bool:
-    """Whether both paged-attention ops accept a `sliding_window` argument (and skip entries before it)."""
-    ops_ = (torch.ops.pagedkv.paged_attention.default, torch.ops.pagedkv.paged_prefill_attention.default)
-    return all(any(a.name == "sliding_window" for a in op._schema.arguments) for op in ops_)
-
-
-def stand_in_dropped_blocks(block_tables: np.ndarray) -> None:
-    """In place, int32 [S, W]: each DROPPED_BLOCK entry becomes its row's first live block.
-
-    For attention ops without the window argument, which would read the
-    dropped entries. The dropped entries of a row are a prefix and its last
-    block is live, so the first live one sits at column (number dropped).
-    """
-    dropped = block_tables == DROPPED_BLOCK
-    if not dropped.any():
-        return
-    first_live = dropped.sum(axis=1)
-    live = block_tables[np.arange(block_tables.shape[0]), np.minimum(first_live, block_tables.shape[1] - 1)]
-    np.copyto(block_tables, live[:, None], where=dropped)
-
-
 class ModelRunner:
     """Owns the model, its paged KV cache (and CPU swap cache), and the per-step input buffers."""
 
@@ -115,12 +89,6 @@ class ModelRunner:
         self._block_tables = np.zeros(max_seqs * self.max_blocks_per_seq, dtype=np.int32)
         self._slot_mapping = np.zeros(max_tokens, dtype=np.int64)
         self._seq_lens = np.zeros(max_seqs, dtype=np.int32)
-        # Dropped entries reach the kernels as markers only where the kernels take the window (see the top).
-        window = block_manager.sliding_window if block_manager is not None else None
-        self._stand_in_dropped = bool(window) and not kernels_take_sliding_window()
-        if self._stand_in_dropped:
-            logger.warning("the attention ops take no sliding_window argument: blocks before the window (%d tokens) "
-                           "are released, and attention past the window reads stand-in blocks", window)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids: set[int] = set()  # set by the engine; banned before a request's min_tokens
         self.sampler = Sampler(self.generator)
@@ -178,8 +146,6 @@ class ModelRunner:
             seq_ids = np.concatenate([seq_ids, np.fromiter((s.seq_id for s in prefills), np.int64, npf)])
         query_lens = np.concatenate([np.ones(nd, np.int64), np.asarray(lens, np.int64)]) if npf else None
         num_tokens = self.bm.fill_metadata(seq_ids, block_tables, self._slot_mapping, self._seq_lens, query_lens)
-        if self._stand_in_dropped:
-            stand_in_dropped_blocks(block_tables)
         qsl = np.zeros(npf + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
         batch = StepBatch(
@@ -253,18 +219,21 @@ class ModelRunner:
 
         The forward then runs with the ops' own checks off: on CUDA they would
         copy the metadata back and sync in every layer (and forbid graph
-        capture); on the CPU they would scan it again in every layer.
+        capture); on the CPU they would scan it again in every layer. With an
+        all-sliding model the entries before the window are not checked (the
+        block manager drops those blocks; no layer reads them).
         """
         nd, num_blocks = batch.num_decode_tokens, self.kv_caches[0][0].shape[0]
+        window = self.model.config.kv_sliding_window or 0
         ops.validate_decode_metadata(batch.block_tables[:nd], batch.seq_lens[:nd], num_blocks=num_blocks,
                                      block_size=self.block_size, max_seq_len=batch.decode_max_seq_len,
-                                     slot_mapping=batch.slot_mapping)
+                                     slot_mapping=batch.slot_mapping, sliding_window=window)
         if batch.num_prefills:
             ops.validate_prefill_metadata(batch.block_tables[nd:], batch.seq_lens[nd:], batch.query_start_loc,
                                           num_blocks=num_blocks, block_size=self.block_size,
                                           num_tokens=batch.num_tokens - nd,
                                           max_query_len=batch.prefill_max_query_len,
-                                          max_seq_len=batch.prefill_max_seq_len)
+                                          max_seq_len=batch.prefill_max_seq_len, sliding_window=window)
 
     @torch.inference_mode()
     def run_batch(self, block_ops: BlockOps, batch: StepBatch, checked: bool = False) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer, rope, qk_norm=self.QK_NORM,
                                           o_bias=cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM")
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        self.mlp = self.make_mlp(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier  # Granite; 1.0 elsewhere
@@ -40,6 +40,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self._scaled(self.self_attn(hidden, pos, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self._scaled(self.mlp(hidden)), residual
+
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """The layer's feed-forward block: a gated MLP here, a mixture of experts in the MoE families."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x.mul_(self.residual_multiplier)
