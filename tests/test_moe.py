@@ -31,10 +31,10 @@ def _weights(num_experts, hidden, inter, dtype, gen):
     return w13.to(dtype), w2.to(dtype)
 
 
-def _inputs(T, E, K, H, I, dtype, seed=0, ids=None):
+def _inputs(T, E, K, H, inter, dtype, seed=0, ids=None):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T, H, generator=gen).to(dtype)
-    w13, w2 = _weights(E, H, I, dtype, gen)
+    w13, w2 = _weights(E, H, inter, dtype, gen)
     weights, topk_ids = reference.moe_routing(torch.randn(T, E, generator=gen), K, renormalize=True)
     if ids is not None:
         topk_ids = ids
@@ -50,10 +50,10 @@ def _assert_close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,E,K,H,I", [(1, 8, 2, 64, 48), (37, 8, 2, 64, 56), (37, 16, 4, 96, 40),
+@pytest.mark.parametrize("T,E,K,H,inter", [(1, 8, 2, 64, 48), (37, 8, 2, 64, 56), (37, 16, 4, 96, 40),
                                        (5, 16, 4, 32, 17), (64, 4, 1, 48, 30)])
-def test_op_matches_reference(T, E, K, H, I, dtype):
-    args = _inputs(T, E, K, H, I, dtype, seed=T * 100 + E)
+def test_op_matches_reference(T, E, K, H, inter, dtype):
+    args = _inputs(T, E, K, H, inter, dtype, seed=T * 100 + E)
     _assert_close(ops.fused_moe(*args), reference.fused_moe(*args), dtype)
 
 
@@ -186,7 +186,7 @@ def _per_expert_names(kind: str, block) -> dict[str, torch.Tensor]:
     names = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     out = {"gate.weight": block.gate.weight.detach()}
     for e in range(gate.shape[0]):
-        for name, t in zip(names, (gate[e], up[e], down[e])):
+        for name, t in zip(names, (gate[e], up[e], down[e]), strict=True):
             out[f"experts.{e}.{name}.weight"] = t.clone()
     return out
 
