@@ -36,7 +36,9 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor cos_sin_cache, "
       "bool is_neox=True) -> ()");
   // Mixture-of-experts with SwiGLU experts, top-k routing already chosen (pagedkv.model.moe).
-  m.def("fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+  m.def(
+      "fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+      "Tensor[]? w13_packed=None, Tensor[]? w2_packed=None) -> Tensor");
   // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
   // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);

@@ -76,6 +76,27 @@ def test_int32_ids_bf16_weights_and_non_contiguous_hidden():
     _assert_close(got, want, torch.bfloat16)
 
 
+def _packed(w):
+    return [torch.ops.mkldnn._reorder_linear_weight(w[e], 1) for e in range(w.shape[0])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,K", [(1, 8, 2), (37, 8, 2), (37, 16, 4)])
+def test_op_with_packed_weights_matches_reference(T, E, K, dtype):
+    """Experts with one row take the plain weight, the others oneDNN's packed one: both must agree."""
+    hidden, w13, w2, weights, ids = _inputs(T, E, K, 64, 40, dtype, seed=T + E)
+    got = ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w13), _packed(w2))
+    _assert_close(got, reference.fused_moe(hidden, w13, w2, weights, ids), dtype)
+
+
+def test_packed_weights_must_be_one_per_expert():
+    hidden, w13, w2, weights, ids = _inputs(9, 8, 2, 32, 24, torch.float32)
+    with pytest.raises(RuntimeError, match=r"w13_packed must hold one packed weight per expert \(8\), got 2"):
+        ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w13)[:2], _packed(w2))
+    with pytest.raises(RuntimeError, match=r"every w2_packed entry must be a CPU Float tensor"):
+        ops.fused_moe(hidden, w13, w2, weights, ids, None, _packed(w2.to(torch.bfloat16)))
+
+
 def test_zero_tokens():
     hidden, w13, w2, weights, ids = _inputs(0, 8, 2, 32, 16, torch.float32)
     assert ops.fused_moe(hidden, w13, w2, weights, ids).shape == (0, 32)
@@ -197,13 +218,16 @@ def _stacked_names(block) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("names", ["per_expert", "stacked"])
-@pytest.mark.parametrize("fused", [True, False])
-def test_layer_matches_hf_block(kind, names, fused, monkeypatch):
-    monkeypatch.setattr(moe_mod, "_fused_moe", fused)
+@pytest.mark.parametrize("path", ["fused", "fused+packed", "loop"])
+def test_layer_matches_hf_block(kind, names, path, monkeypatch):
+    monkeypatch.setattr(moe_mod, "_fused_moe", path != "loop")
     block, cfg = _hf_block(kind)
     layer = _layer_for(kind, cfg)
     tensors = _per_expert_names(kind, block) if names == "per_expert" else _stacked_names(block)
     assert all(layer.load_expert_weight(n, t) for n, t in tensors.items())
+    if path == "fused+packed":
+        layer.pack_for_cpu()
+        assert layer.packed is not None and len(layer.packed[0]) == layer.num_experts
     for T in (1, 37):
         x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
         with torch.no_grad():

@@ -261,7 +261,8 @@ def rotary_embedding_and_cache(
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_packed: Sequence[torch.Tensor] | None = None,
+              w2_packed: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """A mixture of SwiGLU experts with the routing already chosen: returns out [T, H].
 
     hidden [T, H] (float32, bfloat16 or float16); w13 [E, 2I, H], gate rows then up
@@ -273,8 +274,13 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     (grouped, no per-token work); the GEMMs and silu * up run in hidden's dtype,
     the weighted sum in float32. CPU only (`pagedkv.model.moe` falls back to a
     PyTorch loop elsewhere).
+
+    w13_packed / w2_packed: optionally, each expert's w13[e] / w2[e] packed by
+    `torch.ops.mkldnn._reorder_linear_weight` (`layers.pack_linear_weight`); the
+    experts with two or more rows then run on oneDNN with them (one row stays a
+    GEMV on the plain weight). Both are read-only views of the same values.
     """
-    return _ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    return _ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_packed, w2_packed)
 
 
 # ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
@@ -364,7 +370,7 @@ def _rotary_embedding_and_cache_fake(positions, query, key, value, key_cache, va
 
 
 @torch.library.register_fake("pagedkv::fused_moe")
-def _fused_moe_fake(hidden, w13, w2, topk_weights, topk_ids):
+def _fused_moe_fake(hidden, w13, w2, topk_weights, topk_ids, w13_packed=None, w2_packed=None):
     data = {"hidden": hidden, "w13": w13, "w2": w2, "topk_weights": topk_weights}
     _check_meta_consistent("fused_moe", data, (topk_ids,))
     return hidden.new_empty(hidden.shape)

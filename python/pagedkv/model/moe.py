@@ -27,7 +27,12 @@ renormalized to sum 1 when `renormalize` (Mixtral: always; Qwen3-MoE:
 config.norm_topk_prob). The routing weights stay float32 (Qwen3-MoE's HF code
 rounds them to the model dtype first: a difference of one bf16 rounding).
 On the CPU the experts run in `torch.ops.pagedkv.fused_moe` (grouped GEMMs);
-elsewhere in a PyTorch loop over the experts that have tokens.
+elsewhere in a PyTorch loop over the experts that have tokens. `pack_for_cpu()`
+(the loader calls it after loading) adds oneDNN-packed copies of each float32
+expert's weights, which the op uses for experts with several rows: MKL's sgemm
+runs those small-M GEMMs 2-3x slower than oneDNN on the machines measured
+(bench/results/moe_cpu.md). It doubles the experts' memory;
+PAGEDKV_CPU_PACKED_MOE=0 (or PAGEDKV_CPU_PACKED_LINEAR=0) turns it off.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv import ops
-from pagedkv.model.layers import _check_dim, _divide, _set_loader, default_weight_loader
+from pagedkv.model.layers import _check_dim, _divide, _set_loader, default_weight_loader, pack_linear_weight
 from pagedkv.model.parallel_state import all_reduce, get_tp_rank, get_tp_size
 
 # Per-expert checkpoint names -> the part of the stacked parameters they fill.
@@ -94,10 +99,11 @@ def looped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                  ) -> torch.Tensor:
     """The grouped-GEMM op where it has a kernel (CPU), else `looped_experts`. Shapes as `ops.fused_moe`."""
     if _fused_moe and hidden.device.type == "cpu":
-        return ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        return ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, *(packed or (None, None)))
     return looped_experts(hidden, w13, w2, topk_weights, topk_ids)
 
 
@@ -133,11 +139,25 @@ class FusedMoE(nn.Module):
             nn.Parameter(torch.empty(num_experts, hidden_size, self.inter_per_rank), requires_grad=False),
             self.weight_loader)
         self._checkpoint_names = {name: (param, shard) for name, param, shard in expert_params_mapping(num_experts)}
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> [T, H] (all-reduced over the tensor-parallel group)."""
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
-        return all_reduce(fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids))
+        return all_reduce(fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.packed))
+
+    def pack_for_cpu(self) -> None:
+        """Adds oneDNN-packed copies of each expert's float32 weights (module docstring); call after loading.
+
+        bfloat16 is left alone: ATen's bf16 GEMM already runs on oneDNN, and packing
+        measured no faster. The plain weights stay (the one-row GEMV uses them).
+        """
+        if (self.w13.dtype != torch.float32 or self.w13.device.type != "cpu"
+                or os.environ.get("PAGEDKV_CPU_PACKED_MOE", "1") == "0"):
+            return
+        w13 = [pack_linear_weight(w) for w in self.w13.data]
+        w2 = [pack_linear_weight(w) for w in self.w2.data]
+        self.packed = None if any(p is None for p in w13 + w2) else (w13, w2)
 
     # ---- loading ------------------------------------------------------------------------------
 
