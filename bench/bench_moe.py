@@ -7,7 +7,8 @@ Contenders, on the same hidden states, weights and routing (the router itself is
               experts from a nonzero(), per expert torch.where, index, two F.linear, scale, index_add_;
   fused+packed the same op given each expert's weights prepacked for oneDNN
               (`torch.ops.mkldnn._reorder_linear_weight`, as layers.py packs dense linears;
-              FusedMoE.pack_for_cpu): experts with >= 2 rows run on oneDNN instead of at::mm;
+              FusedMoE.pack_for_cpu, the layer's default): experts with >= 2 rows run on
+              oneDNN with them instead of at::mm;
   packed_loop (--packed-loop) hf_loop with the packed per-expert weights.
 Shapes: Mixtral-like scaled down (H=1024, I=3584, E=8, top-2) and Qwen3-MoE-like (H=1024,
 I=768, E=64 and 128, top-8), T in {1, 16, 64, 256}, float32 and bfloat16. The contenders of

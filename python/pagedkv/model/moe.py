@@ -28,10 +28,11 @@ config.norm_topk_prob). The routing weights stay float32 (Qwen3-MoE's HF code
 rounds them to the model dtype first: a difference of one bf16 rounding).
 On the CPU the experts run in `torch.ops.pagedkv.fused_moe` (grouped GEMMs);
 elsewhere in a PyTorch loop over the experts that have tokens. `pack_for_cpu()`
-(the loader calls it after loading) adds oneDNN-packed copies of each float32
-expert's weights, which the op uses for experts with several rows: MKL's sgemm
-runs those small-M GEMMs 2-3x slower than oneDNN on the machines measured
-(bench/results/moe_cpu.md). It doubles the experts' memory;
+(the loader calls it after loading) adds oneDNN-packed copies of each expert's
+float32 or bfloat16 weights, which the op uses for experts with several rows:
+the small-M GEMMs run 1.3-2x faster on them than through at::mm (MKL's sgemm,
+or oneDNN without prepacking) on the machine measured (bench/results/moe_cpu.md).
+It doubles the experts' memory;
 PAGEDKV_CPU_PACKED_MOE=0 (or PAGEDKV_CPU_PACKED_LINEAR=0) turns it off.
 """
 
@@ -147,12 +148,12 @@ class FusedMoE(nn.Module):
         return all_reduce(fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.packed))
 
     def pack_for_cpu(self) -> None:
-        """Adds oneDNN-packed copies of each expert's float32 weights (module docstring); call after loading.
+        """Adds oneDNN-packed copies of each expert's weights (module docstring); call after loading.
 
-        bfloat16 is left alone: ATen's bf16 GEMM already runs on oneDNN, and packing
-        measured no faster. The plain weights stay (the one-row GEMV uses them).
+        float32 and bfloat16 (where the CPU has oneDNN's bf16 path: `pack_linear_weight`).
+        The plain weights stay: a one-row expert runs as a GEMV on them.
         """
-        if (self.w13.dtype != torch.float32 or self.w13.device.type != "cpu"
+        if (self.w13.dtype not in (torch.float32, torch.bfloat16) or self.w13.device.type != "cpu"
                 or os.environ.get("PAGEDKV_CPU_PACKED_MOE", "1") == "0"):
             return
         w13 = [pack_linear_weight(w) for w in self.w13.data]
