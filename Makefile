@@ -38,6 +38,7 @@ bench-all: install
 	$(PYTHON) bench/bench_sampler.py --out bench/results/sampler_cpu.md --json bench/results/sampler_cpu.json
 	$(PYTHON) bench/bench_engine_core.py --out bench/results/engine_core_cpu.md --json bench/results/engine_core_cpu.json
 	$(PYTHON) bench/bench_soak.py --num-requests 4000 --out bench/results/soak_cpu.md --json bench/results/soak_cpu.json
+	$(PYTHON) bench/bench_moe.py --out bench/results/moe_cpu
 	$(PYTHON) bench/write_readme.py
 
 test: install

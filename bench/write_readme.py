@@ -102,6 +102,11 @@ gather-through-the-block-table + SDPA and vLLM CPU's own decode kernel (the last
 every call), the issue-10 target rows (`--targets`) and paged prefill vs causal SDPA (`--prefill`). Full
 tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
 (`--plot PATH` draws the picture, `--replot JSON --plot PATH` redraws it from a `--json` file)."""),
+    ("Mixture of experts (`bench/bench_moe.py`)", "moe_cpu.md", [], """\
+`torch.ops.pagedkv.fused_moe` (counting sort by expert, grouped GEMMs, fp32 combine) against HF's per-expert
+Python loop on the same weights and routing, Mixtral-like (E=8, top-2) and Qwen3-MoE-like (E=64/128, top-8)
+shapes at H=1024; "fused+packed" is the op given oneDNN-packed per-expert weights (what
+`FusedMoE.pack_for_cpu` sets up, the layer's default on the CPU). Contenders interleaved, medians."""),
 ]
 
 

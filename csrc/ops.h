@@ -58,6 +58,17 @@ void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& que
                                     const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                                     const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox);
 
+// Fused mixture-of-experts with SwiGLU experts (csrc/cpu/moe.cpp). hidden [T, H];
+// w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], both hidden's dtype;
+// topk_weights [T, K] float32 or hidden's dtype; topk_ids int32/int64 [T, K] in [0, E).
+// Returns out [T, H] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]).
+// w13_packed / w2_packed: optional, one weight per expert from mkldnn._reorder_linear_weight
+// (w13[e] / w2[e] packed); used for the experts with several rows.
+at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                         const std::optional<at::TensorList>& w13_packed,
+                         const std::optional<at::TensorList>& w2_packed);
+
 // ---- Device-generic -------------------------------------------------------------
 // Allocates the output (and v2 scratch) and picks v1 or v2 (paged_attention_select.cpp).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,

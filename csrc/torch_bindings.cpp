@@ -38,6 +38,10 @@ TORCH_LIBRARY(pagedkv, m) {
       "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
       "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor cos_sin_cache, "
       "bool is_neox=True) -> ()");
+  // Mixture-of-experts with SwiGLU experts, top-k routing already chosen (pagedkv.model.moe).
+  m.def(
+      "fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+      "Tensor[]? w13_packed=None, Tensor[]? w2_packed=None) -> Tensor");
   // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
   // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
@@ -61,6 +65,7 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("rms_norm", &pagedkv::rms_norm_cpu);
   m.impl("fused_add_rms_norm", &pagedkv::fused_add_rms_norm_cpu);
   m.impl("rotary_embedding_and_cache", &pagedkv::rotary_embedding_and_cache_cpu);
+  m.impl("fused_moe", &pagedkv::fused_moe_cpu);
 }
 
 // paged_attention only allocates and calls v1/v2 through the dispatcher, so one

@@ -200,6 +200,15 @@ def test_opcheck_rotary_embedding_and_cache(is_neox):
     )
 
 
+def test_opcheck_fused_moe():
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, hidden, inter, num_experts, top_k = 7, 32, 24, 8, 2
+    weights, ids = reference.moe_routing(torch.randn(num_tokens, num_experts, generator=gen), top_k, True)
+    args = (torch.randn(num_tokens, hidden, generator=gen), torch.randn(num_experts, 2 * inter, hidden, generator=gen),
+            torch.randn(num_experts, hidden, inter, generator=gen), weights, ids)
+    torch.library.opcheck(torch.ops.pagedkv.fused_moe.default, args)
+
+
 # ---- torch.compile --------------------------------------------------------------------------------
 
 

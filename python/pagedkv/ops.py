@@ -286,6 +286,29 @@ def rotary_embedding_and_cache(
                                     cos_sin_cache, is_neox)
 
 
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, w13_packed: Sequence[torch.Tensor] | None = None,
+              w2_packed: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """A mixture of SwiGLU experts with the routing already chosen: returns out [T, H].
+
+    hidden [T, H] (float32, bfloat16 or float16); w13 [E, 2I, H], gate rows then up
+    rows, and w2 [E, H, I], both hidden's dtype; topk_weights [T, K] float32 or
+    hidden's dtype; topk_ids int32/int64 [T, K], each in [0, E) (checked).
+    out[t] = sum_k topk_weights[t, k] * (silu(x W_g^T) * (x W_u^T)) W_2^T with
+    x = hidden[t] and the weights of expert topk_ids[t, k]. The CPU kernel sorts
+    the (token, slot) pairs by expert and runs two GEMMs per expert that has rows
+    (grouped, no per-token work); the GEMMs and silu * up run in hidden's dtype,
+    the weighted sum in float32. CPU only (`pagedkv.model.moe` falls back to a
+    PyTorch loop elsewhere).
+
+    w13_packed / w2_packed: optionally, each expert's w13[e] / w2[e] packed by
+    `torch.ops.mkldnn._reorder_linear_weight` (`layers.pack_linear_weight`); the
+    experts with two or more rows then run on oneDNN with them (one row stays a
+    GEMV on the plain weight). Both are read-only views of the same values.
+    """
+    return _ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_packed, w2_packed)
+
+
 # ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
 
 
@@ -371,3 +394,10 @@ def _rotary_embedding_and_cache_fake(positions, query, key, value, key_cache, va
     data = {"query": query, "key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
             "cos_sin_cache": cos_sin_cache}
     _check_meta_consistent("rotary_embedding_and_cache", data, (positions, slot_mapping))
+
+
+@torch.library.register_fake("pagedkv::fused_moe")
+def _fused_moe_fake(hidden, w13, w2, topk_weights, topk_ids, w13_packed=None, w2_packed=None):
+    data = {"hidden": hidden, "w13": w13, "w2": w2, "topk_weights": topk_weights}
+    _check_meta_consistent("fused_moe", data, (topk_ids,))
+    return hidden.new_empty(hidden.shape)

@@ -245,3 +245,37 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     """dst[d] = src[s] for each (s, d) row of block_mapping."""
     for s, d in block_mapping.tolist():
         dst[d].copy_(src[s])
+
+
+def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing, as HF's Mixtral / Qwen3-MoE routers compute it.
+
+    router_logits [T, E] -> (topk_weights float32 [T, top_k], topk_ids int64 [T, top_k]):
+    softmax over all E experts in float32, the top_k largest (ties: torch.topk's order),
+    divided by their sum when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Mixture of SwiGLU experts, token by token and slot by slot (the definition `ops.fused_moe` must match).
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
+    topk_weights [T, K]; topk_ids [T, K] in [0, E). Each expert runs in the input
+    dtype (its GEMMs and silu(gate) * up round there, as HF's do); the weighted sum
+    over the K slots is taken in float32 and rounded once. Returns [T, H].
+    """
+    inter = w13.shape[1] // 2
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            gate_up = hidden[t] @ w13[e].t()
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(topk_weights[t, k]) * (act @ w2[e].t()).float()
+    return out.to(hidden.dtype)
