@@ -7,11 +7,12 @@
 //   4. silu(gate) * up for all rows at once (ATen's vectorized kernels);
 //   5. per expert: [rows, I] x w2[e]^T -> [rows, H], again into a slice;
 //   6. per token: out[t] = sum_k weight[t, k] * y[position of (t, k)], in fp32.
-// The GEMMs go through at::mm_out (oneDNN / BLAS, which parallelize inside), or, for
-// experts with several rows, through oneDNN with the weights prepacked per expert
-// when the caller passes them (w13_packed / w2_packed: fp32 small-M GEMMs run 2-3x
-// faster that way than through MKL's sgemm here; one row stays a GEMV on the plain
-// weight, which reads memory faster than the packed GEMM does). The
+// The GEMMs go through at::mm_out (oneDNN / BLAS, which parallelize inside), or
+// through oneDNN with the weights prepacked per expert when the caller passes them
+// (w13_packed / w2_packed: fp32 small-M GEMMs run 1.3-2x faster that way than
+// through MKL's sgemm on a Zen 4, one-row decode GEMVs included; then the plain
+// w13 / w2 give only the shapes and are never read, so a caller may drop their
+// storage, e.g. pass zero-stride views). The
 // combine gathers instead of scattering, so each token is written once, by one
 // thread, in a fixed order: no atomics and the result does not depend on threads.
 #include <ATen/ATen.h>
@@ -111,9 +112,6 @@ ExpertGroups group_by_expert(const at::Tensor& topk_ids, int64_t num_experts) {
   return g;
 }
 
-// Below this many rows an expert's GEMM runs on the plain weight even when packed ones are given.
-constexpr int64_t kPackedMinRows = 2;
-
 void check_packed(const char* name, const std::optional<at::TensorList>& packed, const at::Tensor& hidden,
                   int64_t num_experts) {
   if (!packed.has_value()) return;
@@ -144,7 +142,7 @@ void grouped_mm(const at::Tensor& in, const at::Tensor& w, const std::optional<a
     if (rows == 0) continue;  // most experts get no rows in decode
     at::Tensor out_rows = out.narrow(0, begin, rows);
     const at::Tensor in_rows = in.narrow(0, begin, rows);
-    if (packed.has_value() && rows >= kPackedMinRows) {
+    if (packed.has_value()) {
       out_rows.copy_(packed_linear(in_rows, (*packed)[e]));
     } else {
       at::mm_out(out_rows, in_rows, w[e].t());
@@ -194,7 +192,9 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
   const int64_t n = d.num_tokens * d.top_k;
   // Row r of the gathered buffer is token order[r] / K.
   const at::Tensor x = hidden.index_select(0, g.order.div(d.top_k, "floor"));  // [n, H]
-  const at::Tensor w13_c = w13.contiguous(), w2_c = w2.contiguous();
+  // With packed weights the plain ones are not read (they may be zero-stride placeholders).
+  const at::Tensor w13_c = w13_packed.has_value() ? w13 : w13.contiguous();
+  const at::Tensor w2_c = w2_packed.has_value() ? w2 : w2.contiguous();
 
   at::Tensor gate_up = at::empty({n, 2 * d.intermediate}, hidden.options());
   grouped_mm(x, w13_c, w13_packed, g.offsets, gate_up);

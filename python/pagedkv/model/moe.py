@@ -28,11 +28,12 @@ config.norm_topk_prob). The routing weights stay float32 (Qwen3-MoE's HF code
 rounds them to the model dtype first: a difference of one bf16 rounding).
 On the CPU the experts run in `torch.ops.pagedkv.fused_moe` (grouped GEMMs);
 elsewhere in a PyTorch loop over the experts that have tokens. `pack_for_cpu()`
-(the loader calls it after loading) adds oneDNN-packed copies of each expert's
-float32 or bfloat16 weights, which the op uses for experts with several rows:
-the small-M GEMMs run 1.3-2x faster on them than through at::mm (MKL's sgemm,
-or oneDNN without prepacking) on the machine measured (bench/results/moe_cpu.md).
-It doubles the experts' memory;
+(the loader calls it after loading) swaps each expert's float32 or bfloat16
+weights for oneDNN-packed ones, which the op uses for every expert: the
+small-M GEMMs (one-row decode GEMVs included) run 1.3-2x faster on them than
+through at::mm (MKL's sgemm, or oneDNN without prepacking) on the machine
+measured (bench/results/moe_cpu.md). The plain parameters keep their shapes
+as zero-stride placeholders, so the experts' memory is not doubled;
 PAGEDKV_CPU_PACKED_MOE=0 (or PAGEDKV_CPU_PACKED_LINEAR=0) turns it off.
 """
 
@@ -148,17 +149,22 @@ class FusedMoE(nn.Module):
         return all_reduce(fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.packed))
 
     def pack_for_cpu(self) -> None:
-        """Adds oneDNN-packed copies of each expert's weights (module docstring); call after loading.
+        """Swaps each expert's weights for oneDNN-packed ones (module docstring); call after loading.
 
         float32 and bfloat16 (where the CPU has oneDNN's bf16 path: `pack_linear_weight`).
-        The plain weights stay: a one-row expert runs as a GEMV on them.
+        The plain w13 / w2 then become zero-stride placeholders of the same shape (the op
+        reads only the packed weights), so packing does not double the experts' memory.
         """
         if (self.w13.dtype not in (torch.float32, torch.bfloat16) or self.w13.device.type != "cpu"
-                or os.environ.get("PAGEDKV_CPU_PACKED_MOE", "1") == "0"):
+                or os.environ.get("PAGEDKV_CPU_PACKED_MOE", "1") == "0" or not _fused_moe):
             return
         w13 = [pack_linear_weight(w) for w in self.w13.data]
         w2 = [pack_linear_weight(w) for w in self.w2.data]
-        self.packed = None if any(p is None for p in w13 + w2) else (w13, w2)
+        if any(p is None for p in w13 + w2):
+            return
+        self.packed = (w13, w2)
+        for param in (self.w13, self.w2):
+            param.data = param.data.new_zeros(()).expand(param.shape)
 
     # ---- loading ------------------------------------------------------------------------------
 
