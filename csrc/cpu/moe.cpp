@@ -3,9 +3,11 @@
 //   1. counting sort of the T*K (token, slot) pairs by expert: expert e owns rows
 //      [offsets[e], offsets[e+1]) of one gathered buffer;
 //   2. gather the hidden rows of those pairs into that buffer, in sorted order;
-//   3. per expert with rows: [rows, H] x w13[e]^T -> [rows, 2I] into a preallocated slice;
-//   4. silu(gate) * up for all rows at once (ATen's vectorized kernels);
-//   5. per expert: [rows, I] x w2[e]^T -> [rows, H], again into a slice;
+//   3. per expert with rows: [rows, H] x w13[e]^T -> [rows, 2I], then silu(gate) * up of
+//      those rows into a preallocated slice (ATen's vectorized kernels);
+//   4. per expert: [rows, I] x w2[e]^T -> [rows, H], into a slice;
+//   5. (steps 3-4 run the experts side by side, one thread each, when every expert has
+//      few rows, as in decode; else one after the other with all threads in each GEMM);
 //   6. per token: out[t] = sum_k weight[t, k] * y[position of (t, k)], in fp32.
 // The GEMMs go through at::mm_out (oneDNN / BLAS, which parallelize inside), or
 // through oneDNN with the weights prepacked per expert when the caller passes them
@@ -17,9 +19,11 @@
 // thread, in a fixed order: no atomics and the result does not depend on threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ops.h"
@@ -134,20 +138,64 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
   return stack[0].toTensor();
 }
 
-// For each expert with rows: out[rows] = in[rows] x w[e]^T, into slices of `out`.
+// Experts with at most this many rows each run side by side, one per thread, each GEMM
+// single-threaded: a decode step gives every expert a few rows, and one small GEMM
+// split over all threads spends more on its barriers than on its FLOPs. Above it the
+// experts run one after the other, each GEMM on every thread (prefill chunks).
+constexpr int64_t kExpertsInParallelMaxRows = 64;
+
+// For each expert with rows: `emit(e, begin, rows, in[rows] x w[e]^T)`, the product handed over as a
+// tensor (packed) or written into `scratch` rows (plain) first. Experts with few rows run in parallel,
+// so `emit` must touch only its own rows.
+template <typename Emit>
 void grouped_mm(const at::Tensor& in, const at::Tensor& w, const std::optional<at::TensorList>& packed,
-                const std::vector<int64_t>& offsets, at::Tensor& out) {
+                const std::vector<int64_t>& offsets, at::Tensor& scratch, const Emit& emit) {
+  std::vector<int64_t> experts;
+  int64_t max_rows = 0;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
+    const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;  // most experts get no rows in decode
-    at::Tensor out_rows = out.narrow(0, begin, rows);
+    experts.push_back(static_cast<int64_t>(e));
+    max_rows = std::max(max_rows, rows);
+  }
+  auto run = [&](int64_t e) {
+    const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
     const at::Tensor in_rows = in.narrow(0, begin, rows);
     if (packed.has_value()) {
-      out_rows.copy_(packed_linear(in_rows, (*packed)[e]));
+      emit(e, begin, rows, packed_linear(in_rows, (*packed)[e]));
     } else {
+      at::Tensor out_rows = scratch.narrow(0, begin, rows);
       at::mm_out(out_rows, in_rows, w[e].t());
+      emit(e, begin, rows, out_rows);
     }
+  };
+  const int64_t n = static_cast<int64_t>(experts.size());
+  const int64_t threads = at::get_num_threads();
+  if (n < 2 || max_rows > kExpertsInParallelMaxRows || threads < 2 || at::in_parallel_region()) {
+    for (int64_t e : experts) run(e);
+    return;
   }
+  // One bin of experts per thread, filled largest first into the emptiest bin, so the threads
+  // finish close together. The caller's thread-local state (inference mode, grad mode) goes with
+  // each task: at::parallel_for does not carry it; it does rethrow the tasks' errors.
+  std::sort(experts.begin(), experts.end(), [&](int64_t a, int64_t b) {
+    return offsets[a + 1] - offsets[a] > offsets[b + 1] - offsets[b];
+  });
+  const int64_t num_bins = std::min(threads, n);
+  std::vector<std::vector<int64_t>> bins(num_bins);
+  std::vector<int64_t> load(num_bins, 0);
+  for (int64_t e : experts) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[b].push_back(e);
+    load[b] += offsets[e + 1] - offsets[e];
+  }
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, num_bins, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(caller_state);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t e : bins[b]) run(e);
+    }
+  });
 }
 
 // out[t] = sum_k weights[t, k] * y[position[t * K + k]], accumulated in fp32 in pair order.
@@ -196,16 +244,22 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
   const at::Tensor w13_c = w13_packed.has_value() ? w13 : w13.contiguous();
   const at::Tensor w2_c = w2_packed.has_value() ? w2 : w2.contiguous();
 
-  at::Tensor gate_up = at::empty({n, 2 * d.intermediate}, hidden.options());
-  grouped_mm(x, w13_c, w13_packed, g.offsets, gate_up);
-  // silu(gate) * up with ATen's kernels; in 16-bit dtypes both steps round to the
-  // dtype, as HF's act_fn(gate) * up does.
-  at::Tensor act = at::empty({n, d.intermediate}, hidden.options());
-  at::silu_out(act, gate_up.narrow(1, 0, d.intermediate));
-  act.mul_(gate_up.narrow(1, d.intermediate, d.intermediate));
+  // silu(gate) * up per expert, straight from its GEMM's output, with ATen's kernels; in
+  // 16-bit dtypes both steps round to the dtype, as HF's act_fn(gate) * up does.
+  const int64_t inter = d.intermediate;
+  at::Tensor gate_up = w13_packed.has_value() ? at::Tensor() : at::empty({n, 2 * inter}, hidden.options());
+  at::Tensor act = at::empty({n, inter}, hidden.options());
+  grouped_mm(x, w13_c, w13_packed, g.offsets, gate_up,
+             [&](int64_t, int64_t begin, int64_t rows, const at::Tensor& gu) {
+               at::Tensor act_rows = act.narrow(0, begin, rows);
+               at::silu_out(act_rows, gu.narrow(1, 0, inter));
+               act_rows.mul_(gu.narrow(1, inter, inter));
+             });
 
   at::Tensor y = at::empty({n, d.hidden}, hidden.options());
-  grouped_mm(act, w2_c, w2_packed, g.offsets, y);
+  grouped_mm(act, w2_c, w2_packed, g.offsets, y, [&](int64_t, int64_t begin, int64_t rows, const at::Tensor& out) {
+    if (w2_packed.has_value()) y.narrow(0, begin, rows).copy_(out);
+  });
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "fused_moe_combine", [&] {
     if (topk_weights.scalar_type() == at::kFloat) {
