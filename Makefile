@@ -3,6 +3,7 @@ PYTHON ?= python3
 # The CUDA toolkit is found here on our machines; torch guesses /usr/local otherwise.
 export CUDA_HOME ?= /usr/local/cuda
 
+FAMILY_DIR ?= $(HOME)/.cache/pagedkv/bench-checkpoints
 .PHONY: install generate bench bench-throughput bench-all test lint
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt -r requirements-test.txt
@@ -39,6 +40,13 @@ bench-all: install
 	$(PYTHON) bench/bench_engine_core.py --out bench/results/engine_core_cpu.md --json bench/results/engine_core_cpu.json
 	$(PYTHON) bench/bench_soak.py --num-requests 4000 --out bench/results/soak_cpu.md --json bench/results/soak_cpu.json
 	$(PYTHON) bench/bench_moe.py --out bench/results/moe_cpu
+	$(PYTHON) bench/bench_window.py --out bench/results/window_cpu.md
+	$(PYTHON) bench/family_checkpoints.py mixtral $(FAMILY_DIR)/mixtral
+	$(PYTHON) bench/bench_throughput.py --model $(FAMILY_DIR)/mixtral --systems pagedkv,vllm --vllm-omp-bind all \
+		--json bench/results/throughput_mixtral_cpu.json --out bench/results/throughput_mixtral_cpu.md
+	$(PYTHON) bench/family_checkpoints.py mistral-window $(FAMILY_DIR)/mistral-window
+	$(PYTHON) bench/bench_throughput.py --model $(FAMILY_DIR)/mistral-window --systems pagedkv,vllm --vllm-omp-bind all \
+		--json bench/results/throughput_mistral_window_cpu.json --out bench/results/throughput_mistral_window_cpu.md
 	$(PYTHON) bench/write_readme.py
 
 test: install

@@ -107,6 +107,20 @@ tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
 Python loop on the same weights and routing, Mixtral-like (E=8, top-2) and Qwen3-MoE-like (E=64/128, top-8)
 shapes at H=1024; "fused+packed" is the op given oneDNN-packed per-expert weights (what
 `FusedMoE.pack_for_cpu` sets up, the layer's default on the CPU). Contenders interleaved, medians."""),
+    ("Model families against vLLM: a Mixtral (`bench/family_checkpoints.py mixtral`)", "throughput_mixtral_cpu.md",
+     [], """\
+The throughput workload on a random Mixtral checkpoint (8 layers, hidden 512, 8 experts of width 1024, top-2,
+~0.5 GB fp32, the default model's tokenizer), pagedkv against vLLM CPU given both cores, fp32. bf16:
+[throughput_mixtral_bf16_cpu.md](results/throughput_mixtral_bf16_cpu.md) (random weights leave logit gaps
+smaller than bf16's error, so bf16 outputs part early from fp32's in both engines)."""),
+    ("Model families against vLLM: a sliding-window Mistral (`bench/family_checkpoints.py mistral-window`)",
+     "throughput_mistral_window_cpu.md", [], """\
+The same workload on a random all-sliding Mistral (12 layers, hidden 576, window 256: prompts and outputs run
+past it), pagedkv (window in the kernels, blocks before it freed) against vLLM CPU given both cores, fp32."""),
+    ("Sliding-window and soft-capped attention (`bench/bench_window.py`)", "window_cpu.md", [], """\
+The `sliding_window` and `logits_soft_cap` arguments of the attention ops against the plain ops (every key
+read, no cap) and against SDPA over the window's keys laid out contiguously (decode) or with the sliding mask
+(prefill), 32/8 heads of 128, medians of interleaved reps."""),
 ]
 
 

@@ -1,1 +1,1 @@
-"""The model side: Llama-family decoder over paged attention, layers, loader, sampler, default model."""
+"""The model side: the family registry (one module per family), shared blocks, layers, loader, sampler."""
