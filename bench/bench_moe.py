@@ -9,21 +9,29 @@ Contenders, on the same hidden states, weights and routing (the router itself is
               (`torch.ops.mkldnn._reorder_linear_weight`, as layers.py packs dense linears;
               FusedMoE.pack_for_cpu, the layer's default): experts with >= 2 rows run on
               oneDNN with them instead of at::mm;
-  packed_loop (--packed-loop) hf_loop with the packed per-expert weights.
+  packed_loop (--packed-loop) hf_loop with the packed per-expert weights;
+  vllm        vLLM CPU's own fused MoE op (`cpu_fused_moe`, its "vec" grouped GEMMs on weights
+              prepacked by `cpu_prepack_moe_weight`), on the same weights and routing, in the vLLM
+              venv (--vllm-python, default /work/vllm-venv/bin/python when present) through
+              bench/vllm_moe_runner.py: a process of its own, so timed after ours, not interleaved;
+              both cores (VLLM_CPU_OMP_THREADS_BIND=all).
 Shapes: Mixtral-like scaled down (H=1024, I=3584, E=8, top-2) and Qwen3-MoE-like (H=1024,
 I=768, E=64 and 128, top-8), T in {1, 16, 64, 256}, float32 and bfloat16. The contenders of
 a row run interleaved, rep after rep, each reporting its median (the box may be shared).
 Ratios > 1: the op is faster than hf_loop. Every row checks both op forms against hf_loop.
 
-    python bench/bench_moe.py [--reps 5] [--packed-loop] [--out bench/results/moe_cpu]
+    python bench/bench_moe.py [--reps 5] [--packed-loop] [--vllm-python PY] [--out bench/results/moe_cpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,12 +89,29 @@ def time_interleaved(fns: dict, reps: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_shape(label, H, inter, E, K, dtype, reps, with_packed_loop, gen):
+def vllm_times(vllm_python: str | None, w13, w2, cases: list[dict], reps: int) -> list[dict] | None:
+    """vLLM's cpu_fused_moe on the same weights and cases (bench/vllm_moe_runner.py); None without its venv."""
+    if not vllm_python or not Path(vllm_python).exists():
+        return None
+    with tempfile.TemporaryDirectory(prefix="pagedkv-moe-") as tmp:
+        inputs, out = Path(tmp) / "in.pt", Path(tmp) / "out.json"
+        torch.save({"w13": w13, "w2": w2, "cases": cases}, inputs)
+        env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "all"}
+        runner = Path(__file__).resolve().parent / "vllm_moe_runner.py"
+        proc = subprocess.run([vllm_python, str(runner), str(inputs), str(out), str(reps)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"vllm runner failed: {proc.stderr[-2000:]}", file=sys.stderr)
+            return None
+        return json.loads(out.read_text())["cases"]
+
+
+def bench_shape(label, H, inter, E, K, dtype, reps, with_packed_loop, gen, vllm_python=None):
     w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5).to(dtype)
     w2 = (torch.randn(E, H, inter, generator=gen) / inter ** 0.5).to(dtype)
     packs = ([torch.ops.mkldnn._reorder_linear_weight(w13[e], 1) for e in range(E)],
              [torch.ops.mkldnn._reorder_linear_weight(w2[e], 1) for e in range(E)])
-    rows = []
+    rows, cases = [], []
     for T in TOKENS:
         hidden = torch.randn(T, H, generator=gen).to(dtype)
         weights, ids = reference.moe_routing(torch.randn(T, E, generator=gen), K, renormalize=True)
@@ -99,6 +124,7 @@ def bench_shape(label, H, inter, E, K, dtype, reps, with_packed_loop, gen):
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         want = fns["hf_loop"]().float()
         ok = all(torch.allclose(fns[n]().float(), want, atol=tol, rtol=tol) for n in ("fused", "fused+packed"))
+        cases.append({"hidden": hidden, "weights": weights, "ids": ids, "expected": want, "tol": tol})
         t = time_interleaved(fns, reps)
         row = [f"{label} E={E} top-{K}", str(dtype).removeprefix("torch."), T, f"{t['hf_loop'] * 1e3:.2f}",
                f"{t['fused'] * 1e3:.2f}", f"{t['fused+packed'] * 1e3:.2f}", f"{t['hf_loop'] / t['fused']:.2f}x",
@@ -107,6 +133,15 @@ def bench_shape(label, H, inter, E, K, dtype, reps, with_packed_loop, gen):
             row += [f"{t['packed_loop'] * 1e3:.2f}"]
         rows.append(row + ["ok" if ok else "MISMATCH"])
         print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
+    theirs = vllm_times(vllm_python, w13, w2, cases, reps)
+    for row, case, case_times in zip(rows, cases, theirs or [None] * len(rows), strict=True):
+        if case_times is None:
+            row[-1:-1] = ["", ""]
+            continue
+        packed_s = float(row[5]) / 1e3
+        bound = case["tol"] * (1 + case["expected"].abs().max().item())
+        mark = "" if case_times["max_abs_diff"] <= bound else " (diff)"
+        row[-1:-1] = [f"{case_times['median_s'] * 1e3:.2f}{mark}", f"{case_times['median_s'] / packed_s:.2f}x"]
     return rows
 
 
@@ -115,6 +150,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--packed-loop", action="store_true", help="add the oneDNN-packed per-expert Python loop")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    default_vllm = "/work/vllm-venv/bin/python"
+    parser.add_argument("--vllm-python", default=default_vllm if Path(default_vllm).exists() else None,
+                        help="the vLLM CPU venv's python, for its cpu_fused_moe as a contender ('' to skip)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe_cpu"))
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -122,12 +160,13 @@ def main() -> None:
               "hf_loop / fused+packed"]
     if args.packed_loop:
         header += ["packed_loop ms"]
-    header += ["check"]
+    header += ["vllm ms", "vllm / fused+packed", "check"]
     rows = []
     with torch.no_grad():
         for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
             for label, H, inter, E, K in SHAPES:
-                rows += bench_shape(label, H, inter, E, K, dtype, args.reps, args.packed_loop, gen)
+                rows += bench_shape(label, H, inter, E, K, dtype, args.reps, args.packed_loop, gen,
+                                    args.vllm_python)
     info = machine_info() | {"load_average_after": [round(x, 2) for x in os.getloadavg()]}
     md = "\n".join(header_lines("Fused MoE vs the per-expert loop (CPU)", info)
                    + [markdown_table(header, rows), ""])

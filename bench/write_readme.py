@@ -106,7 +106,10 @@ tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
 `torch.ops.pagedkv.fused_moe` (counting sort by expert, grouped GEMMs, fp32 combine) against HF's per-expert
 Python loop on the same weights and routing, Mixtral-like (E=8, top-2) and Qwen3-MoE-like (E=64/128, top-8)
 shapes at H=1024; "fused+packed" is the op given oneDNN-packed per-expert weights (what
-`FusedMoE.pack_for_cpu` sets up, the layer's default on the CPU). Contenders interleaved, medians."""),
+`FusedMoE.pack_for_cpu` sets up, the layer's default on the CPU). Contenders interleaved, medians. "vllm" is
+vLLM CPU's own `cpu_fused_moe` on the same weights and routing, in its venv (timed after ours, in its process):
+it leads in fp32 and at small T in bf16 (its hand-written small-M GEMMs read the experts' weights about twice as
+fast as oneDNN's per-expert calls do), pagedkv leads in bf16 from T=64 (1.15-2.1x)."""),
     ("Model families against vLLM: a Mixtral (`bench/family_checkpoints.py mixtral`)", "throughput_mixtral_cpu.md",
      [], """\
 The throughput workload on a random Mixtral checkpoint (8 layers, hidden 512, 8 experts of width 1024, top-2,
