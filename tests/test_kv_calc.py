@@ -109,3 +109,25 @@ def test_cli_table_and_errors(tmp_path, capsys):
     assert main(["kv-calc", str(tmp_path), "--context", "1024", "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert "536,870,912 bytes" in out and "concurrency" in out
+
+
+def test_all_sliding_model_holds_a_window_per_sequence(tmp_path):
+    """Mistral-7B-v0.1's shape with its 4096 window: a 32K-token sequence holds the window's blocks, not 32K."""
+    cfg = write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=8,
+                       intermediate_size=14336, sliding_window=4096, max_position_embeddings=32768)
+    r = kv_calc(cfg, dtype="float16", context=32768, kv_cache_memory=8 << 30)
+    window_blocks = -(-4096 // 16) + 1
+    assert r.sliding_window == 4096 and r.bytes_per_sequence == window_blocks * r.bytes_per_block
+    assert r.max_concurrent_seqs == r.num_blocks // window_blocks
+    full = kv_calc(write_config(tmp_path / "full", num_key_value_heads=8), dtype="float16", context=32768,
+                   kv_cache_memory=8 << 30)
+    assert full.sliding_window is None and full.bytes_per_sequence == full.bytes_per_token * 32768
+
+
+def test_mixture_of_experts_parameters_from_the_config():
+    """Mixtral-8x7B's published 46.7B parameters from its config alone (experts, routers, dense attention)."""
+    cfg = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+                               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                               "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                               "num_experts_per_tok": 2, "max_position_embeddings": 32768})
+    assert count_params_from_config(cfg) == 46_702_792_704

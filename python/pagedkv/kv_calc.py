@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.config import SUPPORTED_BLOCK_SIZES, ModelConfig, resolve_dtype
-from pagedkv.engine.memory_pool import kv_cache_spec
+from pagedkv.engine.memory_pool import kv_cache_spec, tokens_held_at_most
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -60,16 +60,17 @@ def find_config(model: str | Path | None) -> Path:
 
 
 def count_params_from_config(cfg: ModelConfig) -> int:
-    """Parameters of a Llama-family decoder from its shape (embeddings, attention, SwiGLU MLP, norms, LM head)."""
+    """Parameters of a decoder from its shape (embeddings, attention, gated MLP or experts, norms, LM head)."""
     h, q_dim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv_dim = cfg.num_key_value_heads * cfg.head_dim
     attn = h * q_dim + 2 * h * kv_dim + q_dim * h
     if cfg.attention_bias:
         attn += q_dim + 2 * kv_dim
-    mlp = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h if cfg.mlp_bias else 0)
-    per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+    dense = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h if cfg.mlp_bias else 0)
+    experts = cfg.num_experts * (3 * h * (cfg.moe_intermediate_size or cfg.intermediate_size) + h)  # + router row
+    mlp = sum(experts if cfg.is_moe_layer(i) else dense for i in range(cfg.num_hidden_layers))
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return embeddings + cfg.num_hidden_layers * per_layer + h  # + the final norm
+    return embeddings + cfg.num_hidden_layers * (attn + 2 * h) + mlp + h  # two norms per layer, the final norm
 
 
 def count_params_from_safetensors(folder: Path) -> int | None:
@@ -109,6 +110,7 @@ class KVCalcResult:
     num_blocks: int | None = None
     num_tokens: int | None = None
     max_concurrent_seqs: int | None = None  # at `context` tokens each
+    sliding_window: int | None = None  # every layer slides: a decoding sequence holds only about a window
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -151,6 +153,10 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
     if context < 1:
         raise ValueError(f"context must be >= 1 token, got {context}")
     spec = kv_cache_spec(cfg, torch_dtype, block_size, tensor_parallel_size)
+    window = cfg.kv_sliding_window
+    # A decoding sequence of an all-sliding model keeps the blocks of its window only (the block manager frees
+    # the others), however long its context.
+    held = tokens_held_at_most(context, block_size, window, 1)
     num_params = count_params_from_safetensors(config_path.parent)
     source = "safetensors" if num_params is not None else "config"
     if num_params is None:
@@ -163,12 +169,12 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
         tensor_parallel_size=tensor_parallel_size, num_layers=cfg.num_hidden_layers,
         num_kv_heads=max(1, cfg.num_key_value_heads // tensor_parallel_size), head_dim=cfg.head_dim,
         bytes_per_token=spec.bytes_per_token, bytes_per_block=spec.bytes_per_block, context=context,
-        bytes_per_sequence=spec.bytes_for(context), num_params=num_params, params_source=source,
-        weight_bytes=weight_bytes, budget_bytes=budget, budget_source=how)
+        bytes_per_sequence=spec.bytes_for(held), num_params=num_params, params_source=source,
+        weight_bytes=weight_bytes, budget_bytes=budget, budget_source=how, sliding_window=window)
     if budget is not None:
         result.num_blocks = spec.num_blocks(budget)
         result.num_tokens = result.num_blocks * block_size
-        result.max_concurrent_seqs = result.num_blocks // -(-context // block_size)
+        result.max_concurrent_seqs = result.num_blocks // -(-held // block_size)
     return result
 
 
@@ -186,7 +192,9 @@ def format_report(r: KVCalcResult) -> str:
         f"per token       {r.bytes_per_token:,} bytes{per} (2 x layers x KV heads x head_dim x dtype bytes)",
         f"per block       {r.bytes_per_block:,} bytes ({r.block_size} tokens)",
         f"one sequence    {_gib(r.bytes_per_sequence)} at {r.context} tokens "
-        f"({100 * r.bytes_per_sequence / max(r.weight_bytes, 1):.1f}% of the weights)",
+        f"({100 * r.bytes_per_sequence / max(r.weight_bytes, 1):.1f}% of the weights)"
+        + (f"; every layer slides (window {r.sliding_window}): a decoding sequence holds "
+           f"{r.bytes_per_sequence // r.bytes_per_block} blocks" if r.sliding_window else ""),
         f"weights         {_gib(r.weight_bytes)}{per} ({r.num_params:,} parameters, from the {r.params_source})",
     ]
     if r.budget_bytes is None:
