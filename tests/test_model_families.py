@@ -204,3 +204,41 @@ def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
                  tensor_parallel_size=tp, kv_cache_memory=16 << 20, max_model_len=256, block_size=16) as llm:
             outputs[tp] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_same_greedy(outputs[1], outputs[2], f"{family} at tensor_parallel_size=2")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _edit_config(path: Path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | changes))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
+    ({"hidden_activation": "relu2"}, "relu2"),
+    ({"sliding_window": -5}, "positive sliding_window"),
+])
+def test_config_the_kernels_cannot_run_is_refused(change, message, checkpoints, tmp_path):
+    """A layer kind, activation or window pagedkv does not run is refused at load, naming it."""
+    path = _copy(checkpoints["gemma2"][0], tmp_path)
+    _edit_config(path, **change)
+    with pytest.raises(ValueError, match=message):
+        load_model(ModelSource(path), torch.float32, CPU)
+
+
+def test_checkpoint_missing_an_expert_is_refused(checkpoints, tmp_path):
+    """A Mixtral checkpoint without one expert's w2: a clear error naming the parameter, not a random expert."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(checkpoints["mixtral"][0], tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w2.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="expert 5's down weights of layers.1"):
+        load_model(ModelSource(path), torch.float32, CPU)

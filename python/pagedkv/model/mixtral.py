@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from pagedkv.model.decoder import DecoderForCausalLM
@@ -47,8 +48,28 @@ class MoEForCausalLM(DecoderForCausalLM):
             target = self._expert_names.get("experts." + rest)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} is not an expert weight pagedkv knows")
+            self._parts_seen.add((block, target[1]))
             return ((f"{block}.mlp.{target[0]}", target[1], tensor),)
         return super().split_checkpoint_tensor(name, tensor)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As the shell's, and every expert of every MoE layer must be loaded: the stacked parameters count as
+        loaded at their first expert, so a missing one would otherwise run on uninitialized memory."""
+        self._parts_seen: set[tuple[str, tuple[int | None, str]]] = set()
+        loaded = super().load_weights(weights)
+        for i in range(self.config.num_hidden_layers):
+            if self.config.is_moe_layer(i):
+                self._check_experts_complete(f"layers.{i}")
+        return loaded
+
+    def _check_experts_complete(self, block: str) -> None:
+        seen = {shard for b, shard in self._parts_seen if b == block}
+        for e in range(self.config.num_experts):
+            for param, parts in (("w13", (("gate", "up"), ("gate_up",))), ("w2", (("down",), ("down",)))):
+                per_expert, stacked = parts
+                if not (all((e, p) in seen for p in per_expert) or all((None, p) in seen for p in stacked)):
+                    raise ValueError(f"checkpoint lacks expert {e}'s {'/'.join(per_expert)} weights of {block} "
+                                     f"({param}): every expert must be in the checkpoint")
 
 
 class MixtralForCausalLM(MoEForCausalLM):
