@@ -12,7 +12,7 @@ away from their neutral values, so that a missing feature shows in the logits:
 * gemma3: per-head q/k norms, a sliding/full pattern, per-layer rope bases,
   linear rope scaling on the full layers;
 * phi3: fused qkv and gate_up in the checkpoint, a partial rotary factor,
-  every layer sliding;
+  every layer sliding; LongRoPE (short and long factors, the cos/sin factor);
 * olmo2: post-norms and a q/k norm over all heads;
 * granite: embedding, residual, attention and logit multipliers;
 * mistral_window: Mistral with every layer sliding (window < prompt);
@@ -172,20 +172,46 @@ def test_llm_greedy_matches_hf_generate(family, checkpoints):
     assert compared >= 3 * 10
 
 
-def test_unsupported_rope_scaling_is_refused(checkpoints, tmp_path):
-    """A Phi-3 128K checkpoint (longrope) is refused at load with a message naming it, not run wrong."""
-    import shutil
+LONGROPE_ORIGINAL = 64
 
-    src = checkpoints["phi3"][0]
-    for f in src.iterdir():
-        shutil.copy(f, tmp_path / f.name)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 16,
-                              "long_factor": [2.0] * 16, "partial_rotary_factor": 0.5}
-    cfg["original_max_position_embeddings"] = 64
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="longrope"):
-        load_model(ModelSource(tmp_path), torch.float32, CPU)
+
+@pytest.fixture(scope="module")
+def longrope_checkpoint(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A tiny Phi-3 with LongRoPE (as Phi-3.5 / Phi-4-mini): pretraining length 64, 512 positions, partial rotary."""
+    g = torch.Generator().manual_seed(5)
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+            "short_factor": (1 + torch.rand(16, generator=g)).tolist(),
+            "long_factor": (2 + 6 * torch.rand(16, generator=g)).tolist(),
+            "original_max_position_embeddings": LONGROPE_ORIGINAL}
+    # hidden_size = heads x head_dim: HF checks the factor count against hidden_size / heads.
+    cfg = transformers.Phi3Config(**(_COMMON | {"hidden_size": 256}), pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                  rope_parameters=rope,
+                                  original_max_position_embeddings=LONGROPE_ORIGINAL)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(11)
+    model = transformers.Phi3ForCausalLM(cfg).float().eval()
+    randomize(model, 12)
+    path = tmp_path_factory.mktemp("phi3_longrope")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+@pytest.mark.parametrize("max_model_len, length", [(LONGROPE_ORIGINAL, 45), (None, 90)])
+def test_longrope_logits_match_hf(longrope_checkpoint, max_model_len, length):
+    """Short factors when the engine stays within the pretraining length (HF: sequences up to it), long factors
+    (and the cos/sin multiplier) beyond it (HF: sequences longer than it)."""
+    path, hf = longrope_checkpoint
+    model = load_model(ModelSource(path), torch.float32, CPU, max_model_len=max_model_len)
+    tokens = random_tokens(21, length)
+    ours = PagedRunner(model, torch.float32).step([], [(0, tokens)])
+    assert_close_fp32(ours, hf_logits(hf, tokens), f"longrope, max_model_len {max_model_len}, {length} tokens")
+
+
+def test_longrope_greedy_matches_hf_generate(longrope_checkpoint):
+    """Prompts past the pretraining length, max_model_len 256 (long factors): greedy == HF generate."""
+    path, hf = longrope_checkpoint
+    prompts = [random_tokens(500 + i, n) for i, n in enumerate((70, 97, 66))]
+    assert assert_greedy_matches_hf(path, hf, prompts, max_tokens=8) >= 2 * 8
 
 
 @pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral"))

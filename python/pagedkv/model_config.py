@@ -72,6 +72,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    max_model_len: int | None = None  # the engine's, set at load: LongRoPE picks its factors by it
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: torch.dtype | None = None
@@ -241,6 +242,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
     local = params.pop(SLIDING, None)
     params = params.pop(FULL, None) or params
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        # Older Phi-3 configs keep the pretraining length at the top level.
+        scaling = dict(scaling)
+        scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
     theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
     local_theta = (local or {}).get("rope_theta", hf.get("rope_local_base_freq"))
     partial = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))

@@ -141,7 +141,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                          cfg.rope_scaling, cfg.rotary_dim)
+                                          cfg.rope_scaling, cfg.rotary_dim, cfg.max_model_len)
         # Gemma 3's sliding layers rotate with their own base.
         self.rotary_emb_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
                                                  None, cfg.rotary_dim)

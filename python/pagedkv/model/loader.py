@@ -124,8 +124,12 @@ def load_gguf(source: ModelSource) -> tuple[dict, Iterator[tuple[str, torch.Tens
     return cfg, iter(hf.state_dict().items())
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Builds the model for `source` in `dtype` on `device` and loads every weight."""
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               max_model_len: int | None = None) -> CausalLM:
+    """Builds the model for `source` in `dtype` on `device` and loads every weight.
+
+    max_model_len: the engine's longest sequence, if it is set (LongRoPE checkpoints choose their factors by it).
+    """
     if source.gguf_file:
         hf_config, weights = load_gguf(source)
     else:
@@ -133,6 +137,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
         hf_config = json.loads((source.path / "config.json").read_text())
         weights = iter_safetensors(source.path, lazy=get_tp_size() > 1)
     cfg = ModelConfig.from_hf(hf_config)
+    cfg.max_model_len = max_model_len
     cls = model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -222,7 +227,7 @@ class LoadedModel:
         checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
         dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
         torch.manual_seed(args.seed)
-        model = load_model(source, dtype, device)
+        model = load_model(source, dtype, device, args.max_model_len)
         tokenizer = None if args.skip_tokenizer_init or not with_tokenizer else load_tokenizer(source, args.tokenizer)
         name = str(args.model) if args.model else source.name
         logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)

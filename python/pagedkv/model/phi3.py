@@ -3,7 +3,9 @@
 pagedkv fuses them too, but loads per part (`q`/`k`/`v`, gate/up) so that each
 tensor-parallel rank takes its own heads and its own MLP columns; the fused
 checkpoint tensors are split into those parts first. A partial rotary factor
-(Phi-4-mini) rotates only the first dims of each head.
+(Phi-4-mini) rotates only the first dims of each head; the long-context
+checkpoints (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) use LongRoPE
+(`pagedkv.model.rotary.longrope_factors`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,6 @@ from pagedkv.model_config import ModelConfig
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        if (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type")) in ("longrope", "su"):
-            raise ValueError("Phi-3 checkpoints with longrope scaling (the 128K-context variants) are not supported "
-                             "yet; the 4K-context checkpoints (default rope) are")
         super().__init__(cfg, LlamaDecoderLayer)
 
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:

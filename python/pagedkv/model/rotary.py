@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE), with the Llama-3 and linear scaling rules.
+"""Rotary position embedding (RoPE), with the Llama-3, linear and LongRoPE (Phi-3.5 / Phi-4) scaling rules.
 
 The rotation is the "rotate half" (GPT-NeoX) form that HF's Llama, Mistral
 and Qwen2 use: dims [0, d/2) pair with [d/2, d). cos/sin are tabulated once
@@ -13,6 +13,7 @@ up once per step (`lookup`), rotates with `forward`, then calls
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 from pagedkv import ops
+
+logger = logging.getLogger(__name__)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -35,17 +38,45 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def rope_kind(scaling: dict[str, Any] | None) -> str:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return "longrope" if kind == "su" else kind  # "su": LongRoPE's first name in Phi-3 configs
+
+
+def longrope_factors(scaling: dict[str, Any], max_position: int, max_model_len: int | None) -> tuple[list, float]:
+    """(per-frequency divisors, cos/sin multiplier) of LongRoPE.
+
+    One set of factors serves every position, chosen as vLLM does: the long factors when the engine's
+    max_model_len (default: the model's max_position_embeddings) exceeds the pretraining length
+    original_max_position_embeddings, else the short ones. HF switches per forward by the sequence
+    length, which gives the same rotation for sequences wholly under or wholly over that length.
+    The multiplier is the paper's sqrt(1 + ln(factor) / ln(original)) unless the config sets it.
+    """
+    original = scaling["original_max_position_embeddings"]
+    long = (max_model_len or max_position) > original
+    factor = scaling.get("factor") or max_position / original
+    attention = scaling.get("attention_factor") or (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return scaling["long_factor" if long else "short_factor"], attention
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int = 0,
+                  max_model_len: int | None = None) -> torch.Tensor:
     """float32 [head_dim / 2] inverse frequencies, scaled by `scaling` (HF's `rope_scaling` dict)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    raise ValueError(f"unsupported rope scaling {kind!r}; pagedkv supports default, llama3 and linear")
+    if kind == "longrope":
+        factors, _ = longrope_factors(scaling, max_position, max_model_len)
+        if len(factors) != inv_freq.numel():
+            raise ValueError(f"longrope has {len(factors)} factors for {inv_freq.numel()} rotary frequencies")
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
+    raise ValueError(f"unsupported rope scaling {kind!r}; pagedkv supports default, llama3, linear and longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,13 +84,22 @@ class RotaryEmbedding(nn.Module):
     fewer with a partial rotary factor, as Phi models have)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, rotary_dim: int | None = None,
+                 max_model_len: int | None = None) -> None:
+        """max_model_len: the engine's longest sequence, where a scaling rule depends on it (LongRoPE)."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling)
+        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling, max_position, max_model_len)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # LongRoPE scales cos and sin (HF's attention_scaling); 1 for the other rules.
+        mult = 1.0
+        if rope_kind(scaling) == "longrope":
+            factors, mult = longrope_factors(scaling, max_position, max_model_len)
+            logger.info("LongRoPE: the %s factors for every position (max_model_len %s vs pretraining length %d), "
+                        "cos/sin x %.4f", "long" if factors is scaling["long_factor"] else "short",
+                        max_model_len or max_position, scaling["original_max_position_embeddings"], mult)
         # [max_position, rotary_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mult, persistent=False)
         self.half = self.rotary_dim // 2
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
