@@ -10,7 +10,8 @@ away from their neutral values, so that a missing feature shows in the logits:
   attention and final logit soft-capping (caps small enough to bite),
   query_pre_attn_scalar != head_dim;
 * gemma3: per-head q/k norms, a sliding/full pattern, per-layer rope bases,
-  linear rope scaling on the full layers;
+  linear rope scaling on the full layers; gemma3_mm: the text model of a
+  multimodal (Gemma3ForConditionalGeneration) checkpoint, vision tower skipped;
 * phi3: fused qkv and gate_up in the checkpoint, a partial rotary factor,
   every layer sliding; LongRoPE (short and long factors, the cos/sin factor);
 * olmo2: post-norms and a q/k norm over all heads;
@@ -68,6 +69,15 @@ def _config(family: str):
         return T.Gemma3ForCausalLM, T.Gemma3TextConfig(
             **_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING, rope_parameters=rope,
             query_pre_attn_scalar=64)
+    if family == "gemma3_mm":  # a multimodal checkpoint: pagedkv runs its text model
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        text = T.Gemma3TextConfig(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING,
+                                  rope_parameters=rope, query_pre_attn_scalar=64)
+        vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, image_size=28, patch_size=14)
+        return T.Gemma3ForConditionalGeneration, T.Gemma3Config(text_config=text.to_dict(),
+                                                                vision_config=vision.to_dict(), mm_tokens_per_image=4)
     if family == "phi3":
         common = _COMMON | {"num_hidden_layers": 2}
         return T.Phi3ForCausalLM, T.Phi3Config(
@@ -90,8 +100,8 @@ def _config(family: str):
     raise AssertionError(family)
 
 
-FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "mistral_window", "mixtral", "qwen3_moe")
-WINDOWED = ("gemma2", "gemma3", "phi3", "mistral_window")
+FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
+            "qwen3_moe")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:

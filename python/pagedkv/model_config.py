@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.supported import ARCHITECTURES, MODEL_TYPES, SUPPORTED_HEAD_SIZES
+from pagedkv.supported import ARCHITECTURES, MODEL_TYPES, SUPPORTED_HEAD_SIZES, TEXT_OF_MULTIMODAL
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -151,6 +151,9 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
         arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type)
+        if arch in TEXT_OF_MULTIMODAL and "text_config" in hf:
+            hf = _text_config(hf)
+            model_type = hf.get("model_type", "")
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         dtype = hf.get("torch_dtype") or hf.get("dtype")
@@ -229,6 +232,15 @@ class ModelConfig:
         kv_heads = max(1, self.num_key_value_heads // tensor_parallel_size)
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * kv_heads * self.head_dim * itemsize
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's text model, with what the wrapper alone states (dtype, tokens, tying)."""
+    text = dict(hf["text_config"])
+    for key in ("torch_dtype", "dtype", "bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        if key in hf and text.get(key) is None:
+            text[key] = hf[key]
+    return text
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None, float]:

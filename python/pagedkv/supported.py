@@ -23,11 +23,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma", "Gemma3ForConditionalGeneration"),  # its text model
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
 }
+
+# Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
 
 # config.json `model_type` -> architecture, for configs that do not name one.
 MODEL_TYPES: dict[str, str] = {

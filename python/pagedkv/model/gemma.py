@@ -12,10 +12,13 @@
   logits soft-capped (cap 30); softmax scale query_pre_attn_scalar^-1/2.
 * Gemma 3: an RMSNorm over each q and k head; sliding layers rotate with
   their own base (rope_local_base_freq), full layers with rope_theta and
-  its scaling.
+  its scaling. The multimodal checkpoints (Gemma3ForConditionalGeneration)
+  run their text model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -84,3 +87,16 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, Gemma3DecoderLayer)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a multimodal Gemma 3 checkpoint (4B and up), for text prompts.
+
+    Its tensors sit under `language_model.` (`model.language_model.` in transformers 5's own names); the
+    vision tower and the projector are not loaded (pagedkv takes no image inputs).
+    """
+
+    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return ()
+        return super().split_checkpoint_tensor(name.removeprefix("language_model.").removeprefix("model."), tensor)
