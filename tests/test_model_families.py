@@ -153,6 +153,16 @@ def test_checkpoints_carry_their_features(checkpoints):
     assert [ours["qwen3_moe"].is_moe_layer(i) for i in range(2)] == [True, False]
 
 
+def test_rotary_tables_hold_max_model_len_positions(checkpoints):
+    """With the engine's max_model_len known at load, each rotary table holds that many positions, not all of
+    max_position_embeddings (Gemma 3: 131072 x 256 float32 per table); the logits do not change."""
+    path, hf = checkpoints["gemma3"]
+    model = load_model(ModelSource(path), torch.float32, CPU, max_model_len=100)
+    assert model.rotary_emb.cos_sin.shape[0] == 100 and model.rotary_emb_local.cos_sin.shape[0] == 100
+    tokens = random_tokens(9, 60)
+    assert_close_fp32(PagedRunner(model, torch.float32).step([], [(0, tokens)]), hf_logits(hf, tokens), "gemma3")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompt_logits_match_hf(family, checkpoints):
     """One 45-token prompt (longer than the window) as one prefill: every position's logits equal HF's."""

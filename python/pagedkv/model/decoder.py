@@ -144,7 +144,7 @@ class DecoderForCausalLM(nn.Module):
                                           cfg.rope_scaling, cfg.rotary_dim, cfg.max_model_len)
         # Gemma 3's sliding layers rotate with their own base.
         self.rotary_emb_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
-                                                 None, cfg.rotary_dim)
+                                                 None, cfg.rotary_dim, cfg.max_model_len)
                                  if cfg.rope_local_theta is not None else None)
         self.layers = nn.ModuleList(make_layer(cfg, i, self.rope_for_layer(i)) for i in range(cfg.num_hidden_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)

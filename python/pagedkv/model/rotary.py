@@ -1,8 +1,9 @@
 """Rotary position embedding (RoPE), with the Llama-3, linear and LongRoPE (Phi-3.5 / Phi-4) scaling rules.
 
 The rotation is the "rotate half" (GPT-NeoX) form that HF's Llama, Mistral
-and Qwen2 use: dims [0, d/2) pair with [d/2, d). cos/sin are tabulated once
-for every position up to max_position, in float32.
+and Qwen2 use: dims [0, d/2) pair with [d/2, d). cos/sin are tabulated once,
+in float32, for every position up to the engine's max_model_len (the model's
+max_position_embeddings when that is not known at load).
 
 Where the fused kernel serves the dtype and device, `rotate_and_cache` rotates
 q and k in place and writes k and v to the paged cache in one op
@@ -86,11 +87,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, rotary_dim: int | None = None,
                  max_model_len: int | None = None) -> None:
-        """max_model_len: the engine's longest sequence, where a scaling rule depends on it (LongRoPE)."""
+        """max_model_len: the engine's longest sequence, when known: the table holds that many positions (not
+        all max_position of them: Gemma 3's 131072 x 256 float32 are 128 MiB per table), and LongRoPE picks
+        its factors by it."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling, max_position, max_model_len)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        rows = min(max_position, max_model_len) if max_model_len else max_position
+        freqs = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq)
         # LongRoPE scales cos and sin (HF's attention_scaling); 1 for the other rules.
         mult = 1.0
         if rope_kind(scaling) == "longrope":
@@ -98,7 +102,7 @@ class RotaryEmbedding(nn.Module):
             logger.info("LongRoPE: the %s factors for every position (max_model_len %s vs pretraining length %d), "
                         "cos/sin x %.4f", "long" if factors is scaling["long_factor"] else "short",
                         max_model_len or max_position, scaling["original_max_position_embeddings"], mult)
-        # [max_position, rotary_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
+        # [rows, rotary_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mult, persistent=False)
         self.half = self.rotary_dim // 2
 
