@@ -8,7 +8,12 @@ summation order and oneDNN's packed GEMMs).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -202,3 +207,28 @@ def assert_same_greedy(ref_outputs, outputs, what: str, tie_gap: float = 1e-4) -
     if ties:
         warnings.warn(f"{what}: diverged at float ties only: {ties}", stacklevel=2)
     return ties
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside, restored after (tiny models: one thread avoids OpenMP
+    barrier stalls on a shared, loaded CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint folder `src` at `dst` (created), to edit without touching `src`."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    return dst
+
+
+def edit_config(path: Path, **changes) -> None:
+    """Sets keys of `path`/config.json."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))

@@ -38,11 +38,14 @@ from model_util import (
     assert_close_fp32,
     assert_greedy_matches_hf,
     assert_same_greedy,
+    copy_checkpoint,
+    edit_config,
     hf_logits,
     mixed_batch,
     mixed_reference,
     random_tokens,
     randomize,
+    torch_threads,
 )
 from pagedkv.model.loader import ModelSource, load_model
 
@@ -126,11 +129,8 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """The models are tiny: one intra-op thread avoids OpenMP barrier stalls on a shared, loaded CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def _ours(checkpoints, family: str):
@@ -252,19 +252,6 @@ def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
     assert_same_greedy(outputs[1], outputs[2], f"{family} at tensor_parallel_size=2")
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    import shutil
-
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return dst
-
-
-def _edit_config(path: Path, **changes) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(cfg | changes))
-
-
 @pytest.mark.parametrize("change, message", [
     ({"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
     ({"hidden_activation": "relu2"}, "relu2"),
@@ -272,8 +259,8 @@ def _edit_config(path: Path, **changes) -> None:
 ])
 def test_config_the_kernels_cannot_run_is_refused(change, message, checkpoints, tmp_path):
     """A layer kind, activation or window pagedkv does not run is refused at load, naming it."""
-    path = _copy(checkpoints["gemma2"][0], tmp_path)
-    _edit_config(path, **change)
+    path = copy_checkpoint(checkpoints["gemma2"][0], tmp_path)
+    edit_config(path, **change)
     with pytest.raises(ValueError, match=message):
         load_model(ModelSource(path), torch.float32, CPU)
 
@@ -282,7 +269,7 @@ def test_checkpoint_missing_an_expert_is_refused(checkpoints, tmp_path):
     """A Mixtral checkpoint without one expert's w2: a clear error naming the parameter, not a random expert."""
     from safetensors.torch import load_file, save_file
 
-    path = _copy(checkpoints["mixtral"][0], tmp_path)
+    path = copy_checkpoint(checkpoints["mixtral"][0], tmp_path)
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.block_sparse_moe.experts.5.w2.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

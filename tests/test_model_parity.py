@@ -29,7 +29,6 @@ argmax agrees with HF fp32 on >= 90% of rows (measured 96-99%).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -40,11 +39,14 @@ from model_util import (
     PagedRunner,
     assert_close_fp32,
     assert_greedy_matches_hf,
+    copy_checkpoint,
+    edit_config,
     hf_logits,
     mixed_batch,
     mixed_reference,
     random_tokens,
     randomize,
+    torch_threads,
 )
 from pagedkv.model.loader import ModelSource, load_model
 from safetensors.torch import load_file, save_file
@@ -103,11 +105,8 @@ def ours_fp32(checkpoints):
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """The models are tiny: one intra-op thread avoids OpenMP barrier stalls on a shared, loaded CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def test_checkpoints_cover_the_features(checkpoints):
@@ -182,33 +181,22 @@ def test_sharded_checkpoint_same_logits(checkpoints, ours_fp32, tmp_path):
     assert torch.equal(a, b)
 
 
-def _copy_checkpoint(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _edit_config(path: Path, **changes) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
 def test_unsupported_architecture_raises(checkpoints, tmp_path):
-    path = _copy_checkpoint(checkpoints["llama_tied"][0], tmp_path / "ckpt")
-    _edit_config(path, architectures=["GemmaForCausalLM"], model_type="gemma")
+    path = copy_checkpoint(checkpoints["llama_tied"][0], tmp_path / "ckpt")
+    edit_config(path, architectures=["GemmaForCausalLM"], model_type="gemma")
     with pytest.raises(ValueError, match="unsupported architecture 'GemmaForCausalLM'"):
         load_model(ModelSource(path), torch.float32, CPU)
 
 
 def test_unsupported_head_dim_raises(checkpoints, tmp_path):
-    path = _copy_checkpoint(checkpoints["llama_tied"][0], tmp_path / "ckpt")
-    _edit_config(path, head_dim=32)
+    path = copy_checkpoint(checkpoints["llama_tied"][0], tmp_path / "ckpt")
+    edit_config(path, head_dim=32)
     with pytest.raises(ValueError, match="head_dim 32"):
         load_model(ModelSource(path), torch.float32, CPU)
 
 
 def test_missing_weight_raises(checkpoints, tmp_path):
-    path = _copy_checkpoint(checkpoints["qwen2"][0], tmp_path / "ckpt")
+    path = copy_checkpoint(checkpoints["qwen2"][0], tmp_path / "ckpt")
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
@@ -218,7 +206,7 @@ def test_missing_weight_raises(checkpoints, tmp_path):
 
 def test_missing_bias_raises(checkpoints, tmp_path):
     """Qwen2's q/k/v bias is a weight like the others: a checkpoint without it is refused, not zero-filled."""
-    path = _copy_checkpoint(checkpoints["qwen2"][0], tmp_path / "ckpt")
+    path = copy_checkpoint(checkpoints["qwen2"][0], tmp_path / "ckpt")
     tensors = load_file(path / "model.safetensors")
     for part in "qkv":
         del tensors[f"model.layers.0.self_attn.{part}_proj.bias"]
@@ -228,7 +216,7 @@ def test_missing_bias_raises(checkpoints, tmp_path):
 
 
 def test_unknown_weight_raises(checkpoints, tmp_path):
-    path = _copy_checkpoint(checkpoints["mistral"][0], tmp_path / "ckpt")
+    path = copy_checkpoint(checkpoints["mistral"][0], tmp_path / "ckpt")
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(64)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
@@ -243,8 +231,8 @@ def test_unknown_weight_raises(checkpoints, tmp_path):
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_config_checkpoint_shape_mismatch_raises(change, checkpoints, tmp_path):
     """A config.json that disagrees with the tensors (here: the smaller / larger one) is a clear ValueError."""
-    path = _copy_checkpoint(checkpoints["mistral"][0], tmp_path / "ckpt")
-    _edit_config(path, **change)
+    path = copy_checkpoint(checkpoints["mistral"][0], tmp_path / "ckpt")
+    edit_config(path, **change)
     with pytest.raises(ValueError, match="shape|does not fit"):
         load_model(ModelSource(path), torch.float32, CPU)
 

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from model_util import torch_threads
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import EngineArgs, ModelConfig, _max_model_len
 from pagedkv.engine.memory_pool import tokens_held_at_most
@@ -41,10 +42,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def make_llm(checkpoint, **kw) -> LLM:
