@@ -85,6 +85,7 @@ class ModelRunner:
                                              torch.device("cpu"), pin=device.type == "cuda")
                            if num_cpu_blocks else [])
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
+        self.sliding_window = cfg.kv_sliding_window or 0  # entries before it are dropped blocks
         max_seqs, max_tokens = scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
         self._block_tables = np.zeros(max_seqs * self.max_blocks_per_seq, dtype=np.int32)
         self._slot_mapping = np.zeros(max_tokens, dtype=np.int64)
@@ -224,7 +225,7 @@ class ModelRunner:
         block manager drops those blocks; no layer reads them).
         """
         nd, num_blocks = batch.num_decode_tokens, self.kv_caches[0][0].shape[0]
-        window = self.model.config.kv_sliding_window or 0
+        window = self.sliding_window
         ops.validate_decode_metadata(batch.block_tables[:nd], batch.seq_lens[:nd], num_blocks=num_blocks,
                                      block_size=self.block_size, max_seq_len=batch.decode_max_seq_len,
                                      slot_mapping=batch.slot_mapping, sliding_window=window)

@@ -15,6 +15,7 @@ residual and normalizes); a layer that keeps no separate residual returns
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -31,27 +32,41 @@ from pagedkv.model.layers import (
     VocabParallelEmbedding,
 )
 from pagedkv.model.parallel_state import all_gather_last_dim, get_tp_rank, get_tp_size
+from pagedkv.model.protocol import KVCache
 from pagedkv.model.rotary import RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 # (our fused parameter, checkpoint part, shard) for checkpoints that store q/k/v and gate/up apart.
 STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                   ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
 
+# Gated activations by HF's `hidden_act` / `hidden_activation` names.
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+                "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+
+def check_activation(act: str) -> None:
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"unsupported hidden activation {act!r}; pagedkv runs {', '.join(_ACTIVATIONS)}")
+
+
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     """Gated activation: x = [gate | up] [*, 2d] -> act(gate) * up [*, d] (SwiGLU for silu, GeGLU for gelu)."""
+    check_activation(act)
     d = x.shape[-1] // 2
-    gate, up = x[..., :d], x[..., d:]
-    if act == "silu":
-        return F.silu(gate).mul_(up)
-    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return F.gelu(gate, approximate="tanh").mul_(up)
-    if act == "gelu":
-        return F.gelu(gate).mul_(up)
-    raise ValueError(f"unsupported hidden activation {act!r}; pagedkv runs silu, gelu and gelu_pytorch_tanh")
+    return _ACTIVATIONS[act](x[..., :d]).mul_(x[..., d:])
+
+
+def add_and_norm(norm: RMSNorm, hidden: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm on the (hidden, residual) pair: (norm(stream), stream), stream = hidden + residual.
+
+    The first layer has no residual yet (its input is the stream); the others fuse the add into the norm.
+    """
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
 
 
 class GatedMLP(nn.Module):
@@ -59,7 +74,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        act_and_mul(torch.zeros(2), act)  # an unknown activation fails at build time, not in the first step
+        check_activation(act)  # an unknown activation fails at build time, not in the first step
         self.act = act
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
-from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, KVCache
+from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, KVCache, add_and_norm
 from pagedkv.model.layers import RMSNorm
 from pagedkv.model.rotary import RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
@@ -33,10 +33,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, pos: StepPositions, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self._scaled(self.self_attn(hidden, pos, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self._scaled(self.mlp(hidden)), residual

@@ -44,8 +44,9 @@ def rope_kind(scaling: dict[str, Any] | None) -> str:
     return "longrope" if kind == "su" else kind  # "su": LongRoPE's first name in Phi-3 configs
 
 
-def longrope_factors(scaling: dict[str, Any], max_position: int, max_model_len: int | None) -> tuple[list, float]:
-    """(per-frequency divisors, cos/sin multiplier) of LongRoPE.
+def longrope_factors(scaling: dict[str, Any], max_position: int,
+                     max_model_len: int | None) -> tuple[bool, list[float], float]:
+    """(whether the long factors are used, the per-frequency divisors, the cos/sin multiplier) of LongRoPE.
 
     One set of factors serves every position, chosen as vLLM does: the long factors when the engine's
     max_model_len (default: the model's max_position_embeddings) exceeds the pretraining length
@@ -58,12 +59,12 @@ def longrope_factors(scaling: dict[str, Any], max_position: int, max_model_len: 
     factor = scaling.get("factor") or max_position / original
     attention = scaling.get("attention_factor") or (
         1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
-    return scaling["long_factor" if long else "short_factor"], attention
+    return long, scaling["long_factor" if long else "short_factor"], attention
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int = 0,
-                  max_model_len: int | None = None) -> torch.Tensor:
-    """float32 [head_dim / 2] inverse frequencies, scaled by `scaling` (HF's `rope_scaling` dict)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """float32 [head_dim / 2] inverse frequencies, scaled by `scaling` (HF's `rope_scaling` dict) where the rule
+    depends on nothing else (LongRoPE depends on the sequence length: `rope_frequencies`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = rope_kind(scaling)
     if kind == "default":
@@ -72,12 +73,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, m
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind == "longrope":
-        factors, _ = longrope_factors(scaling, max_position, max_model_len)
-        if len(factors) != inv_freq.numel():
-            raise ValueError(f"longrope has {len(factors)} factors for {inv_freq.numel()} rotary frequencies")
-        return inv_freq / torch.tensor(factors, dtype=torch.float32)
     raise ValueError(f"unsupported rope scaling {kind!r}; pagedkv supports default, llama3, linear and longrope")
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
+                     max_model_len: int | None) -> tuple[torch.Tensor, float]:
+    """(float32 [head_dim / 2] inverse frequencies, cos/sin multiplier: 1 but for LongRoPE) of any rule."""
+    if rope_kind(scaling) != "longrope":
+        return rope_inv_freq(head_dim, theta, scaling), 1.0
+    long, factors, mult = longrope_factors(scaling, max_position, max_model_len)
+    inv_freq = rope_inv_freq(head_dim, theta, None)
+    if len(factors) != inv_freq.numel():
+        raise ValueError(f"longrope has {len(factors)} factors for {inv_freq.numel()} rotary frequencies")
+    logger.info("LongRoPE: the %s factors for every position (max_model_len %s vs pretraining length %d), "
+                "cos/sin x %.4f", "long" if long else "short", max_model_len or max_position,
+                scaling["original_max_position_embeddings"], mult)
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), mult
 
 
 class RotaryEmbedding(nn.Module):
@@ -92,16 +103,10 @@ class RotaryEmbedding(nn.Module):
         its factors by it."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling, max_position, max_model_len)
+        # mult: LongRoPE scales cos and sin (HF's attention_scaling).
+        inv_freq, mult = rope_frequencies(self.rotary_dim, theta, scaling, max_position, max_model_len)
         rows = min(max_position, max_model_len) if max_model_len else max_position
         freqs = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq)
-        # LongRoPE scales cos and sin (HF's attention_scaling); 1 for the other rules.
-        mult = 1.0
-        if rope_kind(scaling) == "longrope":
-            factors, mult = longrope_factors(scaling, max_position, max_model_len)
-            logger.info("LongRoPE: the %s factors for every position (max_model_len %s vs pretraining length %d), "
-                        "cos/sin x %.4f", "long" if factors is scaling["long_factor"] else "short",
-                        max_model_len or max_position, scaling["original_max_position_embeddings"], mult)
         # [rows, rotary_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mult, persistent=False)
         self.half = self.rotary_dim // 2
