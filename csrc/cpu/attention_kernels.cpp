@@ -1127,13 +1127,18 @@ void qk_tile_rows_dpbf16(const uint32_t* kt, const uint32_t* qt, int64_t rp, int
 }
 #endif
 
+// The cache row of token `pos` of a sequence whose block table is `table` (row_stride: elements per token row).
+template <typename T>
+inline const T* token_row(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t pos) {
+  return cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+}
+
 // Copy keys [k0, k0 + n) of one kv head into a dense bf16 tile [kKeyTile, D], as they are.
 template <typename T, int D>
 inline void copy_key_tile(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t k0, int n,
                           T* dst) {
   for (int t = 0; t < n; ++t) {
-    const int64_t pos = k0 + t;
-    const T* row = cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+    const T* row = token_row(cache, table, bs, row_stride, k0 + t);
     std::copy(row, row + D, dst + t * D);
   }
 }
@@ -1143,8 +1148,7 @@ template <typename T, int D>
 inline void load_key_tile(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t k0, int n,
                           float* dst) {
   for (int t = 0; t < n; ++t) {
-    const int64_t pos = k0 + t;
-    const T* row = cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+    const T* row = token_row(cache, table, bs, row_stride, k0 + t);
     for (int c = 0; c < D; c += kW) load_f32(row + c).store(dst + t * D + c);
   }
 }

@@ -2,6 +2,7 @@
 // the raw-pointer parameter blocks, run the kernel variant for this CPU.
 #include <ATen/ATen.h>
 
+#include "common/fused_params.h"
 #include "common/validation.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/fused_kernels.h"
@@ -44,16 +45,8 @@ void check_cpu(const char* op, const at::Tensor& t) {
 
 cpu::RmsNormParams norm_params(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                double epsilon) {
-  cpu::RmsNormParams p{};
+  cpu::RmsNormParams p = rms_norm_params<cpu::RmsNormParams>(out, input, weight, epsilon);
   p.dtype = input.scalar_type();
-  p.out = out.data_ptr();
-  p.out_stride = out.stride(0);
-  p.input = input.const_data_ptr();
-  p.input_stride = input.stride(0);
-  p.weight = weight.const_data_ptr();
-  p.num_tokens = input.size(0);
-  p.hidden_size = input.size(1);
-  p.epsilon = static_cast<float>(epsilon);
   return p;
 }
 
@@ -85,30 +78,9 @@ void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& que
   const CacheDims c = check_rotary_cache_inputs(op, positions, query, key, value, key_cache, value_cache,
                                                 slot_mapping, cos_sin_cache);
   check_cpu(op, key_cache);
-  cpu::RotaryCacheParams p{};
+  cpu::RotaryCacheParams p = rotary_cache_params<cpu::RotaryCacheParams>(
+      positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox, c);
   p.dtype = key_cache.scalar_type();
-  p.positions = positions.data_ptr<int64_t>();
-  p.query = query.data_ptr();
-  p.query_stride_token = query.stride(0);
-  p.query_stride_head = query.stride(1);
-  p.key = key.data_ptr();
-  p.key_stride_token = key.stride(0);
-  p.key_stride_head = key.stride(1);
-  p.value = value.const_data_ptr();
-  p.value_stride_token = value.stride(0);
-  p.value_stride_head = value.stride(1);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
-  p.cos_sin_cache = cos_sin_cache.data_ptr<float>();
-  p.max_position = cos_sin_cache.size(0);
-  p.rot_dim = cos_sin_cache.size(1);
-  p.num_tokens = key.size(0);
-  p.num_heads = query.size(1);
-  p.num_kv_heads = c.num_kv_heads;
-  p.head_size = c.head_size;
-  p.num_slots = c.num_blocks * c.block_size;
-  p.is_neox = is_neox;
   run_rotary_cache(p);
 }
 

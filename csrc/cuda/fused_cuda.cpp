@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "common/fused_params.h"
 #include "common/validation.h"
 #include "fused/fused_launch.h"
 #include "cuda/launch_checks.h"
@@ -21,16 +22,8 @@ void check_cuda(const char* op, const at::Tensor& t) {
 cuda::RmsNormArgs norm_args(const char* op, const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                             double epsilon) {
   TORCH_CHECK(input.size(1) <= 0x7fffffffLL, op, ": hidden_size ", input.size(1), " is too large");
-  cuda::RmsNormArgs a{};
+  cuda::RmsNormArgs a = rms_norm_params<cuda::RmsNormArgs>(out, input, weight, epsilon);
   a.dtype = cuda::to_kernel_dtype(input.scalar_type());
-  a.out = out.data_ptr();
-  a.out_stride = out.stride(0);
-  a.input = input.const_data_ptr();
-  a.input_stride = input.stride(0);
-  a.weight = weight.const_data_ptr();
-  a.num_tokens = input.size(0);
-  a.hidden_size = static_cast<int>(input.size(1));
-  a.epsilon = static_cast<float>(epsilon);
   return a;
 }
 
@@ -66,30 +59,9 @@ void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& qu
                                                 slot_mapping, cos_sin_cache);
   check_cuda(op, key_cache);
   const c10::cuda::CUDAGuard guard(key_cache.device());
-  cuda::RotaryCacheArgs a{};
+  cuda::RotaryCacheArgs a = rotary_cache_params<cuda::RotaryCacheArgs>(
+      positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox, c);
   a.dtype = cuda::to_kernel_dtype(key_cache.scalar_type());
-  a.positions = positions.data_ptr<int64_t>();
-  a.query = query.data_ptr();
-  a.query_stride_token = query.stride(0);
-  a.query_stride_head = query.stride(1);
-  a.key = key.data_ptr();
-  a.key_stride_token = key.stride(0);
-  a.key_stride_head = key.stride(1);
-  a.value = value.const_data_ptr();
-  a.value_stride_token = value.stride(0);
-  a.value_stride_head = value.stride(1);
-  a.key_cache = key_cache.data_ptr();
-  a.value_cache = value_cache.data_ptr();
-  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
-  a.cos_sin_cache = cos_sin_cache.data_ptr<float>();
-  a.max_position = cos_sin_cache.size(0);
-  a.rot_dim = static_cast<int>(cos_sin_cache.size(1));
-  a.num_tokens = key.size(0);
-  a.num_heads = static_cast<int>(query.size(1));
-  a.num_kv_heads = static_cast<int>(c.num_kv_heads);
-  a.head_size = static_cast<int>(c.head_size);
-  a.num_slots = c.num_blocks * c.block_size;
-  a.is_neox = is_neox;
   cuda::check_launch(op, cuda::launch_rotary_embedding_and_cache(a, c10::cuda::getCurrentCUDAStream()));
 }
 
