@@ -7,6 +7,12 @@
 // slot_mapping int64 [num_tokens], slot = block_id * block_size + offset,
 // a negative slot means "skip this token" (padding).
 //
+// Quantized caches (trailing kv_cache_dtype, k_scale, v_scale; common/kv_cache_dtype.h):
+// "auto" is the compute dtype; fp8 caches hold float8 codes with per-tensor float32 [1]
+// scales; the per-token-head formats hold uint8 codes and a float16 (scale, zero) plane
+// [num_blocks, block_size, num_kv_heads, 2] per K and V, written by the cache writers
+// (mutable there) and read by the attention ops.
+//
 // Attention options (trailing, defaults off): sliding_window W > 0 lets a query at
 // position p attend to keys p - W < k <= p only (block-table entries of blocks wholly
 // before every query's window are never read); logits_soft_cap c > 0 turns each score
@@ -14,6 +20,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 #include <vector>
@@ -25,26 +32,31 @@ void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                            double logits_soft_cap);
+                            double logits_soft_cap, c10::string_view kv_cache_dtype,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
                             at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size,
-                            int64_t sliding_window, double logits_soft_cap);
+                            int64_t sliding_window, double logits_soft_cap, c10::string_view kv_cache_dtype,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                  double scale, int64_t max_query_len, int64_t max_seq_len,
-                                 int64_t sliding_window, double logits_soft_cap);
+                                 int64_t sliding_window, double logits_soft_cap, c10::string_view kv_cache_dtype,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    c10::string_view kv_cache_dtype, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
 
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
-                     const at::Tensor& block_mapping);
+                     const at::Tensor& block_mapping, const std::optional<at::TensorList>& key_scales,
+                     const std::optional<at::TensorList>& value_scales);
 
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 
@@ -56,7 +68,8 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
 // the rotated key and the value into their cache slots, as reshape_and_cache.
 void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                                     const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                                    const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox);
+                                    const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox,
+    c10::string_view kv_cache_dtype, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
 
 // Fused mixture-of-experts with SwiGLU experts (csrc/cpu/moe.cpp). hidden [T, H];
 // w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], both hidden's dtype;
@@ -75,7 +88,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, std::optional<int64_t> max_seq_len,
                            const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                           double logits_soft_cap);
+                           double logits_soft_cap, c10::string_view kv_cache_dtype,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 // True when the split-K v2 kernel should be used for this shape on this device;
 // num_sms: the CUDA device's multiprocessor count (unused on the CPU).
@@ -88,26 +102,31 @@ void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                              const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                             double logits_soft_cap);
+                             double logits_soft_cap, c10::string_view kv_cache_dtype,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
                              at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                              const std::optional<at::Tensor>& alibi_slopes, int64_t partition_size,
-                            int64_t sliding_window, double logits_soft_cap);
+                            int64_t sliding_window, double logits_soft_cap, c10::string_view kv_cache_dtype,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                   double scale, int64_t max_query_len, int64_t max_seq_len,
-                                 int64_t sliding_window, double logits_soft_cap);
+                                 int64_t sliding_window, double logits_soft_cap, c10::string_view kv_cache_dtype,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                            at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    c10::string_view kv_cache_dtype, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
 
 void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
-                      const at::Tensor& block_mapping);
+                      const at::Tensor& block_mapping, const std::optional<at::TensorList>& key_scales,
+                     const std::optional<at::TensorList>& value_scales);
 
 // Handles GPU->GPU, GPU->CPU and CPU->GPU (the dispatcher routes here whenever
 // either side is a CUDA tensor).
@@ -117,7 +136,8 @@ void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& w
 void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon);
 void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                                      const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                                     const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox);
+                                     const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox,
+    c10::string_view kv_cache_dtype, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
 
 // Multiprocessor count of a CUDA device, read once per device and cached (no sync).
 int64_t cuda_multiprocessor_count(int device);

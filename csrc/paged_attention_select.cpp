@@ -40,7 +40,8 @@ bool should_use_v2(bool is_cuda, int64_t num_sms, int64_t num_seqs, int64_t num_
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                            std::optional<int64_t> max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                           int64_t sliding_window, double logits_soft_cap) {
+                           int64_t sliding_window, double logits_soft_cap, c10::string_view kv_cache_dtype,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.defined() && query.dim() == 3, "paged_attention: query must be 3-D [num_seqs, num_heads, head_size]");
   TORCH_CHECK(key_cache.defined() && key_cache.dim() == 4,
               "paged_attention: key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size]");
@@ -62,9 +63,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                          .findSchemaOrThrow("pagedkv::paged_attention_v1", "")
                          .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      const at::Tensor&, const at::Tensor&, double, int64_t,
-                                     const std::optional<at::Tensor>&, int64_t, double)>();
+                                     const std::optional<at::Tensor>&, int64_t, double, c10::string_view,
+                                     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
     v1.call(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_len, alibi_slopes, sliding_window,
-            logits_soft_cap);
+            logits_soft_cap, kv_cache_dtype, k_scale, v_scale);
     return out;
   }
   const int64_t num_partitions = (max_len + partition_size - 1) / partition_size;
@@ -76,9 +78,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                        .findSchemaOrThrow("pagedkv::paged_attention_v2", "")
                        .typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   double, int64_t, const std::optional<at::Tensor>&, int64_t, int64_t, double)>();
+                                   double, int64_t, const std::optional<at::Tensor>&, int64_t, int64_t, double,
+                                   c10::string_view, const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&)>();
   v2.call(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_len,
-          alibi_slopes, partition_size, sliding_window, logits_soft_cap);
+          alibi_slopes, partition_size, sliding_window, logits_soft_cap, kv_cache_dtype, k_scale, v_scale);
   return out;
 }
 

@@ -12,24 +12,28 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, int max_seq_len, Tensor? alibi_slopes=None, "
-      "int sliding_window=0, float logits_soft_cap=0.0) -> ()");
+      "int sliding_window=0, float logits_soft_cap=0.0, str kv_cache_dtype=\"auto\", Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> ()");
   m.def(
       "paged_attention_v2(Tensor(a!) out, Tensor(b!) exp_sums, Tensor(c!) max_logits, Tensor(d!) tmp_out, "
       "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, "
       "int max_seq_len, Tensor? alibi_slopes=None, int partition_size=512, int sliding_window=0, "
-      "float logits_soft_cap=0.0) -> ()");
+      "float logits_soft_cap=0.0, str kv_cache_dtype=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int? max_seq_len=None, Tensor? alibi_slopes=None, int sliding_window=0, "
-      "float logits_soft_cap=0.0) -> Tensor");
+      "float logits_soft_cap=0.0, str kv_cache_dtype=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, int max_query_len, "
-      "int max_seq_len, int sliding_window=0, float logits_soft_cap=0.0) -> ()");
+      "int max_seq_len, int sliding_window=0, float logits_soft_cap=0.0, str kv_cache_dtype=\"auto\", "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping) -> ()");
-  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+      "Tensor slot_mapping, str kv_cache_dtype=\"auto\", Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
+  m.def(
+      "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
+      "Tensor(c!)[]? key_scales=None, Tensor(d!)[]? value_scales=None) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // Fused per-layer ops of the decoder (vLLM's semantics and argument order).
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
@@ -37,7 +41,7 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
       "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor cos_sin_cache, "
-      "bool is_neox=True) -> ()");
+      "bool is_neox=True, str kv_cache_dtype=\"auto\", Tensor(e!)? k_scale=None, Tensor(f!)? v_scale=None) -> ()");
   // Mixture-of-experts with SwiGLU experts, top-k routing already chosen (pagedkv.model.moe).
   m.def(
       "fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "

@@ -69,38 +69,164 @@ bool index_checks_enabled() { return index_checks_flag().load(std::memory_order_
 
 bool set_index_checks(bool enabled) { return index_checks_flag().exchange(enabled); }
 
-CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op) {
+namespace {
+// The element dtype a quantized format stores.
+at::ScalarType stored_dtype(KVCacheDType f) {
+  switch (f) {
+    case KVCacheDType::kFp8E4M3:
+      return at::kFloat8_e4m3fn;
+    case KVCacheDType::kFp8E5M2:
+      return at::kFloat8_e5m2;
+    default:
+      return at::kByte;
+  }
+}
+
+const char* format_name(KVCacheDType f) {
+  switch (f) {
+    case KVCacheDType::kAuto:
+      return "auto";
+    case KVCacheDType::kFp8E4M3:
+      return "fp8_e4m3";
+    case KVCacheDType::kFp8E5M2:
+      return "fp8_e5m2";
+    case KVCacheDType::kInt8PerTokenHead:
+      return "int8_per_token_head";
+    case KVCacheDType::kInt4PerTokenHead:
+      return "int4_per_token_head";
+  }
+  return "?";
+}
+
+// A tensor the kernels compute in (query, out, new key/value tokens): the cache's own dtype
+// when it is unquantized, else any supported compute dtype.
+void check_compute_dtype(const char* op, const char* name, const at::Tensor& t, const at::Tensor& key_cache,
+                         KVCacheDType format) {
+  if (format == KVCacheDType::kAuto) {
+    TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), op, ": ", name, " dtype ", t.scalar_type(),
+                std::string(name) == "query" ? " differs from key_cache dtype " : " differs from the cache dtype ",
+                key_cache.scalar_type());
+    return;
+  }
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), op, ": ", name, " dtype ", t.scalar_type(),
+              " is not supported with kv_cache_dtype ", format_name(format), "; supported: ", kSupportedDtypes);
+}
+}  // namespace
+
+KVCacheDType parse_kv_cache_dtype(const char* op, c10::string_view name) {
+  if (name == "auto") return KVCacheDType::kAuto;
+  if (name == "fp8" || name == "fp8_e4m3") return KVCacheDType::kFp8E4M3;
+  if (name == "fp8_e5m2") return KVCacheDType::kFp8E5M2;
+  if (name == "int8_per_token_head") return KVCacheDType::kInt8PerTokenHead;
+  if (name == "int4_per_token_head") return KVCacheDType::kInt4PerTokenHead;
+  TORCH_CHECK(false, op, ": kv_cache_dtype '", std::string(name), "' is not supported; supported: ",
+              kSupportedKVCacheDtypes);
+}
+
+CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op,
+                         KVCacheDType format) {
   TORCH_CHECK(key_cache.defined() && value_cache.defined(), op, ": key_cache and value_cache are required");
   TORCH_CHECK(key_cache.dim() == 4, op,
               ": key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size], got shape ",
               key_cache.sizes());
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": value_cache shape ", value_cache.sizes(),
               " differs from key_cache shape ", key_cache.sizes());
-  TORCH_CHECK(is_supported_dtype(key_cache.scalar_type()), op, ": key_cache dtype ", key_cache.scalar_type(),
-              " is not supported; supported: ", kSupportedDtypes);
+  if (format == KVCacheDType::kAuto) {
+    TORCH_CHECK(is_supported_dtype(key_cache.scalar_type()), op, ": key_cache dtype ", key_cache.scalar_type(),
+                " is not supported; supported: ", kSupportedDtypes,
+                " (a quantized cache needs its kv_cache_dtype, one of ", kSupportedKVCacheDtypes, ")");
+  } else {
+    TORCH_CHECK(key_cache.scalar_type() == stored_dtype(format), op, ": kv_cache_dtype ", format_name(format),
+                " stores ", stored_dtype(format), " but key_cache is ", key_cache.scalar_type());
+  }
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache dtype ",
               value_cache.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
   check_same_device(op, "value_cache", value_cache, key_cache);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
               ": key_cache and value_cache must be contiguous");
-  CacheDims d{key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3)};
+  CacheDims d{key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3) * values_per_element(format),
+              format};
   TORCH_CHECK(is_one_of(d.block_size, kSupportedBlockSizes), op, ": block_size ", d.block_size,
               " is not supported; supported block sizes: ", join(kSupportedBlockSizes));
   TORCH_CHECK(is_one_of(d.head_size, kSupportedHeadSizes), op, ": head_size ", d.head_size,
+              format == KVCacheDType::kInt4PerTokenHead ? " (twice the int4 cache's last dim)" : "",
               " is not supported; supported head sizes: ", join(kSupportedHeadSizes));
   TORCH_CHECK(d.num_kv_heads > 0, op, ": num_kv_heads must be positive, got ", d.num_kv_heads);
   return d;
 }
 
+namespace {
+at::Tensor check_scale(const char* op, const char* name, const std::optional<at::Tensor>& scale,
+                       const at::Tensor& key_cache, const CacheDims& c) {
+  const bool given = scale.has_value() && scale->defined();
+  if (c.format == KVCacheDType::kAuto) {
+    TORCH_CHECK(!given, op, ": ", name, " is given but kv_cache_dtype is auto (an unquantized cache has no scales)");
+    return {};
+  }
+  if (is_fp8(c.format)) {
+    if (!given) return {};
+    const at::Tensor& s = *scale;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1, op, ": ", name,
+                " of an fp8 cache must be a float32 tensor of one element (the per-tensor scale), got ",
+                s.scalar_type(), " of shape ", s.sizes());
+    check_same_device(op, name, s, key_cache);
+    return s;
+  }
+  TORCH_CHECK(given, op, ": kv_cache_dtype ", format_name(c.format), " needs ", name,
+              ", the float16 (scale, zero) plane [num_blocks, block_size, num_kv_heads, 2]");
+  const at::Tensor& s = *scale;
+  TORCH_CHECK(s.scalar_type() == at::kHalf, op, ": ", name, " must be float16, got ", s.scalar_type());
+  TORCH_CHECK(s.dim() == 4 && s.size(0) == c.num_blocks && s.size(1) == c.block_size && s.size(2) == c.num_kv_heads &&
+                  s.size(3) == 2,
+              op, ": ", name, " must be [num_blocks=", c.num_blocks, ", block_size=", c.block_size,
+              ", num_kv_heads=", c.num_kv_heads, ", 2], got shape ", s.sizes());
+  TORCH_CHECK(s.is_contiguous(), op, ": ", name, " must be contiguous");
+  check_same_device(op, name, s, key_cache);
+  return s;
+}
+}  // namespace
+
+KVCacheArgs check_kv_cache_args(const char* op, c10::string_view kv_cache_dtype,
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  const KVCacheDType format = parse_kv_cache_dtype(op, kv_cache_dtype);
+  KVCacheArgs a;
+  a.dims = check_kv_cache(key_cache, value_cache, op, format);
+  a.k_scale = check_scale(op, "k_scale", k_scale, key_cache, a.dims);
+  a.v_scale = check_scale(op, "v_scale", v_scale, key_cache, a.dims);
+  return a;
+}
+
+void check_scale_planes(const char* op, const std::optional<at::TensorList>& key_scales,
+                        const std::optional<at::TensorList>& value_scales, size_t num_layers,
+                        const at::Tensor& key_cache0) {
+  const bool has_k = key_scales.has_value(), has_v = value_scales.has_value();
+  TORCH_CHECK(has_k == has_v, op, ": key_scales and value_scales go together (the planes of a per-token-head cache)");
+  if (!has_k) return;
+  TORCH_CHECK(key_scales->size() == num_layers && value_scales->size() == num_layers, op, ": got ",
+              key_scales->size(), " key and ", value_scales->size(), " value scale planes for ", num_layers,
+              " layers");
+  for (size_t l = 0; l < num_layers; ++l) {
+    for (const at::Tensor& s : {(*key_scales)[l], (*value_scales)[l]}) {
+      TORCH_CHECK(s.defined() && s.scalar_type() == at::kHalf && s.dim() == 4 && s.size(0) == key_cache0.size(0) &&
+                      s.size(1) == key_cache0.size(1) && s.size(2) == key_cache0.size(2) && s.size(3) == 2 &&
+                      s.is_contiguous(),
+                  op, ": layer ", l, " scale plane must be contiguous float16 [", key_cache0.size(0), ", ",
+                  key_cache0.size(1), ", ", key_cache0.size(2), ", 2], got ",
+                  s.defined() ? s.sizes() : at::IntArrayRef{});
+      check_same_device(op, "scale plane", s, key_cache0);
+    }
+  }
+}
+
 static AttentionDims check_attention_common(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
                                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                            const at::Tensor& seq_lens) {
-  CacheDims c = check_kv_cache(key_cache, value_cache, op);
+                                            const at::Tensor& seq_lens, KVCacheDType format) {
+  CacheDims c = check_kv_cache(key_cache, value_cache, op, format);
   TORCH_CHECK(query.defined(), op, ": query is required");
   TORCH_CHECK(query.dim() == 3, op, ": query must be 3-D [tokens, num_heads, head_size], got shape ",
               query.sizes());
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), op, ": query dtype ", query.scalar_type(),
-              " differs from key_cache dtype ", key_cache.scalar_type());
+  check_compute_dtype(op, "query", query, key_cache, format);
   check_same_device(op, "query", query, key_cache);
   check_token_head_layout(op, "query", query);
   TORCH_CHECK(query.size(2) == c.head_size, op, ": query head_size ", query.size(2),
@@ -133,8 +259,8 @@ AttentionDims check_decode_inputs(const char* op, const at::Tensor& out, const a
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t sliding_window, double logits_soft_cap) {
-  AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens);
+                                  int64_t sliding_window, double logits_soft_cap, KVCacheDType format) {
+  AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens, format);
   check_window_and_soft_cap(op, sliding_window, logits_soft_cap);
   TORCH_CHECK(query.size(0) == d.num_seqs, op, ": decode takes one query token per sequence: query has ",
               query.size(0), " tokens but seq_lens has ", d.num_seqs, " sequences");
@@ -184,8 +310,8 @@ PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                  const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len,
-                                 int64_t sliding_window, double logits_soft_cap) {
-  AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens);
+                                 int64_t sliding_window, double logits_soft_cap, KVCacheDType format) {
+  AttentionDims d = check_attention_common(op, query, key_cache, value_cache, block_tables, seq_lens, format);
   check_window_and_soft_cap(op, sliding_window, logits_soft_cap);
   check_out(op, out, query);
   check_int_tensor(op, "query_start_loc", query_start_loc, at::kInt, 1);
@@ -292,8 +418,7 @@ void check_kv_tokens(const char* op, const char* name, const at::Tensor& t, cons
   TORCH_CHECK(t.dim() == 3 && t.size(1) == c.num_kv_heads && t.size(2) == c.head_size, op, ": ", name,
               " must be [num_tokens, num_kv_heads=", c.num_kv_heads, ", head_size=", c.head_size, "], got shape ",
               t.sizes());
-  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), op, ": ", name, " dtype ", t.scalar_type(),
-              " differs from the cache dtype ", key_cache.scalar_type());
+  check_compute_dtype(op, name, t, key_cache, c.format);
   TORCH_CHECK(t.device() == key_cache.device(), op, ": ", name, " is on ", t.device(), " but the cache is on ",
               key_cache.device());
   TORCH_CHECK(t.stride(2) == 1, op, ": ", name, " must have a contiguous last dim, got strides ", t.strides());
@@ -352,8 +477,8 @@ void check_rms_norm_inputs(const char* op, const char* other_name, const at::Ten
 CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions, const at::Tensor& query,
                                     const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                                    const at::Tensor& cos_sin_cache) {
-  const CacheDims c = check_kv_cache(key_cache, value_cache, op);
+                                    const at::Tensor& cos_sin_cache, KVCacheDType format) {
+  const CacheDims c = check_kv_cache(key_cache, value_cache, op, format);
   check_kv_tokens(op, "key", key, c, key_cache);
   check_kv_tokens(op, "value", value, c, key_cache);
   const int64_t num_tokens = key.size(0);
@@ -362,8 +487,8 @@ CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions,
   TORCH_CHECK(query.dim() == 3 && query.size(0) == num_tokens && query.size(1) > 0 && query.size(2) == c.head_size,
               op, ": query must be [num_tokens=", num_tokens, ", num_heads, head_size=", c.head_size,
               "], got shape ", query.sizes());
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), op, ": query dtype ", query.scalar_type(),
-              " differs from the cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), op, ": query dtype ", query.scalar_type(),
+              " differs from the key dtype ", key.scalar_type());
   check_same_device(op, "query", query, key_cache);
   TORCH_CHECK(query.stride(2) == 1, op, ": query must have a contiguous last dim, got strides ", query.strides());
   check_int_tensor(op, "positions", positions, at::kLong, 1);

@@ -8,6 +8,9 @@
 
 #include <optional>
 
+#include <c10/util/string_view.h>
+
+#include "common/kv_cache_dtype.h"
 #include "common/window.h"
 
 namespace pagedkv {
@@ -16,7 +19,15 @@ struct CacheDims {
   int64_t num_blocks;
   int64_t block_size;
   int64_t num_kv_heads;
-  int64_t head_size;
+  int64_t head_size;  // logical: twice the last dim for int4
+  KVCacheDType format = KVCacheDType::kAuto;
+};
+
+// The validated cache format of one op call: the dims (format included) and the scale
+// tensors, undefined when the format has none (auto; fp8 without k_scale/v_scale = 1.0).
+struct KVCacheArgs {
+  CacheDims dims;
+  at::Tensor k_scale, v_scale;
 };
 
 struct AttentionDims {
@@ -34,9 +45,29 @@ struct PrefillDims {
   int64_t num_tokens;  // query.size(0)
 };
 
-// key_cache/value_cache: 4-D [num_blocks, block_size, num_kv_heads, head_size],
-// identical shape, dtype and device, contiguous, supported dtype/sizes.
-CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op);
+// key_cache/value_cache: 4-D [num_blocks, block_size, num_kv_heads, X], identical shape,
+// dtype and device, contiguous, supported sizes; the dtype the format stores (auto: a
+// supported compute dtype; fp8: float8_e4m3fn / float8_e5m2; per-token-head: uint8), X =
+// head_size (int4: head_size / 2).
+CacheDims check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const char* op,
+                         KVCacheDType format = KVCacheDType::kAuto);
+
+// kv_cache_dtype one of kSupportedKVCacheDtypes ("fp8" is e4m3).
+KVCacheDType parse_kv_cache_dtype(const char* op, c10::string_view kv_cache_dtype);
+
+// Parses kv_cache_dtype, checks the caches for that format and the scales: fp8 takes
+// optional float32 [1] k_scale / v_scale on the cache's device (absent: 1.0), the
+// per-token-head formats require float16 planes [num_blocks, block_size, num_kv_heads, 2],
+// contiguous, on the cache's device; auto takes none.
+KVCacheArgs check_kv_cache_args(const char* op, c10::string_view kv_cache_dtype,
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                const at::Tensor& key_cache, const at::Tensor& value_cache);
+
+// The scale planes of copy_blocks: absent, or one per layer, each the per-token plane of
+// that layer's cache shape (planes of every layer alike).
+void check_scale_planes(const char* op, const std::optional<at::TensorList>& key_scales,
+                        const std::optional<at::TensorList>& value_scales, size_t num_layers,
+                        const at::Tensor& key_cache0);
 
 // sliding_window >= 0 (0: no window) and logits_soft_cap finite and >= 0 (0: off).
 void check_window_and_soft_cap(const char* op, int64_t sliding_window, double logits_soft_cap);
@@ -46,7 +77,8 @@ AttentionDims check_decode_inputs(const char* op, const at::Tensor& out, const a
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t sliding_window = 0, double logits_soft_cap = 0.0);
+                                  int64_t sliding_window = 0, double logits_soft_cap = 0.0,
+                                  KVCacheDType format = KVCacheDType::kAuto);
 
 // v2 scratch: exp_sums/max_logits fp32 [num_seqs, num_heads, P], tmp_out
 // [num_seqs, num_heads, P, head_size] in the query dtype, P >= ceil(max_seq_len / partition_size).
@@ -58,7 +90,8 @@ PrefillDims check_prefill_inputs(const char* op, const at::Tensor& out, const at
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                  const at::Tensor& seq_lens, int64_t max_query_len, int64_t max_seq_len,
-                                 int64_t sliding_window = 0, double logits_soft_cap = 0.0);
+                                 int64_t sliding_window = 0, double logits_soft_cap = 0.0,
+                                 KVCacheDType format = KVCacheDType::kAuto);
 
 // Value checks: every seq_len in [0, max_seq_len] and within the block table,
 // every block id a sequence uses in [0, num_blocks). Reads the tensors: free on
@@ -76,8 +109,9 @@ void check_block_table_values(const char* op, const AttentionDims& dims, const a
 void check_query_start_loc_values(const char* op, const PrefillDims& dims, const at::Tensor& query_start_loc,
                                   const at::Tensor& seq_lens, int64_t max_query_len);
 
-// key/value of new tokens: [num_tokens, num_kv_heads, head_size], the cache's
-// dtype and device, last dim dense (dims 0/1 may be strided, e.g. a fused QKV slice).
+// key/value of new tokens: [num_tokens, num_kv_heads, head_size], the cache's dtype
+// (quantized formats: a supported compute dtype, key's for value) and device, last dim
+// dense (dims 0/1 may be strided, e.g. a fused QKV slice).
 void check_kv_tokens(const char* op, const char* name, const at::Tensor& t, const CacheDims& cache,
                      const at::Tensor& key_cache);
 
@@ -106,7 +140,7 @@ void check_rms_norm_inputs(const char* op, const char* other_name, const at::Ten
 CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions, const at::Tensor& query,
                                     const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                                    const at::Tensor& cos_sin_cache);
+                                    const at::Tensor& cos_sin_cache, KVCacheDType format = KVCacheDType::kAuto);
 
 // The value checks (block table ids, seq_lens, slot_mapping, query_start_loc; CPU
 // and CUDA tensors alike) are on by default. They cost a device->host copy and a

@@ -28,9 +28,17 @@
 // lanes, no widening); the query is kept unscaled in bf16 (exactly the input) and
 // the scale is applied to the fp32 logits. P.V stays in fp32 (the probabilities
 // would have to be rounded to bf16 and V's rows interleaved in pairs of tokens).
+//
+// A quantized cache (fp8, int8 / int4 per token and head; cpu/kv_dequant.h) is read
+// by dequantizing rows into a small fp32 staging tile right before their arithmetic,
+// which then runs the fp32 code above: decode sweeps each block's codes into L1/L2,
+// then dequantizes one kv head's rows of the block at a time (bs x D floats, L1-sized)
+// for Q.K^T and again for P.V; prefill dequantizes its key and value tiles as it loads
+// them. The cache is read once, in 1 (or 1/2) byte a value instead of 2 or 4.
 #include "cpu/attention_kernels.h"
 
 #include "common/window.h"
+#include "cpu/kv_dequant.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -341,6 +349,7 @@ struct DecodeScratch {
   std::vector<float> logits;  // [heads, kMaxBlockSize] of the block (or unit) in progress; probabilities after the update
   std::vector<float> m, l;    // [heads] running max and sum of exp
   volatile float sink = 0.f;  // keeps the loads of touch_ranges (never read)
+  std::vector<float> stage;   // quantized caches: [block_size, D] dequantized rows of one kv head
 };
 
 // logits[h * kMaxBlockSize + t] = the lane sum of acc[h * NT + t]: all reduced together.
@@ -711,6 +720,58 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
   }
 }
 
+// A quantized cache's K (or V) rows for one op call (cpu/kv_dequant.h).
+inline QuantRows quant_rows(const PagedAttentionParams& p, bool value) {
+  const KVCacheDType f = p.kv_format;
+  return {f, static_cast<const uint8_t*>(value ? p.value_cache : p.key_cache), value ? p.v_plane : p.k_plane,
+          fp8_mul(f, value ? p.v_scale : p.k_scale), p.num_kv_heads};
+}
+
+// Decode over a quantized cache, block by block: the block's codes of the task's kv
+// heads (K then V) are swept into L1/L2 while the next block is prefetched, then for
+// each kv head its rows are dequantized into s.stage ([bs, D] fp32) and run through
+// the fp32 tiles: Q.K^T for every kv head, one softmax update, P.V for every kv head.
+// As in the swept path, Q.K^T starts at the last multiple of 8 rows at or before
+// `skip` and P.V at `skip`, and rows up to round_up(n, 8) (inside the block) are read.
+template <int D>
+void attend_blocks_staged(const TaskView<float>& tv, const QuantRows& kq, const QuantRows& vq, const DecodeWork& w,
+                          DecodeScratch& s) {
+  const int64_t G = tv.G, bs = tv.bs, nkv = kq.num_kv_heads;
+  const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
+  const int64_t kb = row_bytes(kq.format, D);
+  // The task's part of one block's rows: from its first kv head's row of token 0 to its last of token bs - 1.
+  const int64_t block_bytes = ((bs - 1) * nkv + w.num_kv_heads) * kb;
+  auto rows_of = [&](const QuantRows& q, int64_t b) {
+    return reinterpret_cast<const char*>(q.codes) + (static_cast<int64_t>(tv.table[b]) * bs * nkv + w.kv_head0) * kb;
+  };
+  float* logits = s.logits.data();
+  float* stage = s.stage.data();
+  for (int64_t b = first_block; b < end_block; ++b) {
+    const char* swept[2] = {rows_of(kq, b), rows_of(vq, b)};
+    s.sink = touch_ranges(swept, 2, block_bytes);
+    BlockPrefetcher next;
+    if (b + 1 < end_block) {
+      next.add(rows_of(kq, b + 1), block_bytes);
+      next.add(rows_of(vq, b + 1), block_bytes);
+    }
+    const int64_t token0 = b * bs, slot0 = static_cast<int64_t>(tv.table[b]) * bs;
+    const int skip = static_cast<int>(std::max<int64_t>(0, w.begin - token0));
+    const int n = static_cast<int>(std::min(bs, w.end - token0));
+    const int k_from = skip / 8 * 8, k_rows = static_cast<int>(round_up(n, 8));
+    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+      for (int t = k_from; t < k_rows; ++t) kq.read<D>(slot0 + t, w.kv_head0 + h, stage + t * D);
+      qk_block<float, D>(s.q.data() + h * G * D, G, stage + k_from * D, D, n - k_from,
+                         logits + h * G * kMaxBlockSize + k_from, next);
+    }
+    block_softmax<float, D>(tv, token0, skip, n, logits, s);
+    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+      for (int t = skip; t < n; ++t) vq.read<D>(slot0 + t, w.kv_head0 + h, stage + t * D);
+      pv_block<float, D>(logits + h * G * kMaxBlockSize + skip, G, stage + skip * D, D, n - skip,
+                         s.acc.data() + h * G * D, next);
+    }
+  }
+}
+
 // Attention of the query heads of a group of kv heads over tokens [begin, end);
 // leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
 // in the scratch. A group of several kv heads reads each block as one
@@ -722,8 +783,11 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
   const int64_t heads = w.num_kv_heads * G;
   const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
   const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
+  const bool quantized = p.kv_format != KVCacheDType::kAuto;
   for (int64_t h = 0; h < heads; ++h) {
-    if constexpr (kDotBf16<T>) {
+    if (quantized) {  // the fp32 rows of the staging tile: in order, pre-scaled
+      for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = to_f32(query[h * D + d]) * p.scale;
+    } else if constexpr (kDotBf16<T>) {
       // The bf16 row as given, in the first half of the head's fp32 row (so the
       // callers' offsets h * D still find it); the scale goes on the logits.
       std::copy(query + h * D, query + (h + 1) * D, reinterpret_cast<T*>(s.q.data() + h * D));
@@ -745,6 +809,13 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
                        p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
                        p.scale,
                        p.logits_soft_cap};
+  if (quantized) {
+    const TaskView<float> staged{G, heads, p.block_size, row_stride, p.seq_lens[w.seq], nullptr, nullptr,
+                                 p.block_tables + w.seq * p.max_blocks_per_seq,
+                                 p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr, p.scale,
+                                 p.logits_soft_cap};
+    return attend_blocks_staged<D>(staged, quant_rows(p, false), quant_rows(p, true), w, s);
+  }
   const bool whole_rows = w.num_kv_heads == p.num_kv_heads;
   if (whole_rows && row_stride * static_cast<int64_t>(sizeof(T)) >= kStreamRowBytes) {
     return attend_blocks_streamed<T, D>(tv, w, s);
@@ -756,6 +827,14 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
 template <typename T, typename OutT>
 inline void store_row(OutT* dst, const float* src, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<OutT>(src[chunk_pos<T>(i)] * scale);
+}
+
+// store_row for an accumulator row of this call: in the chunk order of the cache's rows,
+// or in order when they were dequantized into fp32.
+template <typename T>
+inline void store_acc(const PagedAttentionParams& p, T* dst, const float* src, float scale, int64_t n) {
+  if (p.kv_format == KVCacheDType::kAuto) return store_row<T>(dst, src, scale, n);
+  store_row<float>(dst, src, scale, n);
 }
 
 // Splits the kv heads into groups. Whole token rows read fastest (a group of one
@@ -862,7 +941,7 @@ void merge_pieces(const DecodeParams& p, int64_t seq, int64_t first, int64_t cou
       for (int c = 0; c < D; c += kW) at::vec::fmadd(wv, Vec::loadu(a + c), Vec::loadu(acc + c)).store(acc + c);
     }
     T* out = static_cast<T*>(p.out) + seq * p.out_stride + head * D;
-    store_row<T>(out, acc, 1.f / total, D);
+    store_acc<T>(p, out, acc, 1.f / total, D);
   }
 }
 
@@ -884,6 +963,7 @@ void decode_v1(const DecodeParams& p) {
     s.logits.resize(H * kMaxBlockSize);
     s.m.resize(H);
     s.l.resize(H);
+    if (p.kv_format != KVCacheDType::kAuto) s.stage.resize(p.block_size * D);
     return s;
   };
   run_tasks<DecodeScratch>(static_cast<int64_t>(plan.tasks.size()), make_scratch, [&](int64_t i, DecodeScratch& s) {
@@ -895,7 +975,7 @@ void decode_v1(const DecodeParams& p) {
     }
     attend_tokens<T, D>(p, {task.seq, 0, p.num_kv_heads, task.begin, task.end}, s);
     if (task.split < 0) {
-      for (int64_t h = 0; h < H; ++h) store_row<T>(out + h * D, s.acc.data() + h * D, 1.f / s.l[h], D);
+      for (int64_t h = 0; h < H; ++h) store_acc<T>(p, out + h * D, s.acc.data() + h * D, 1.f / s.l[h], D);
       return;
     }
     std::copy(s.m.begin(), s.m.begin() + H, parts.m.begin() + task.piece * H);
@@ -938,7 +1018,7 @@ void decode_v2_task(const DecodeParams& p, int64_t group_heads, int64_t task, De
   for (int64_t h = 0; h < heads; ++h) {
     p.max_logits[stat + h * p.max_partitions] = s.m[h];
     p.exp_sums[stat + h * p.max_partitions] = s.l[h];
-    store_row<T>(tmp_out + (stat + h * p.max_partitions) * D, s.acc.data() + h * D, 1.f / s.l[h], D);
+    store_acc<T>(p, tmp_out + (stat + h * p.max_partitions) * D, s.acc.data() + h * D, 1.f / s.l[h], D);
   }
 }
 
@@ -955,6 +1035,7 @@ void decode_v2(const DecodeParams& p) {
     s.logits.resize(group_heads * G * kMaxBlockSize);
     s.m.resize(group_heads * G);
     s.l.resize(group_heads * G);
+    if (p.kv_format != KVCacheDType::kAuto) s.stage.resize(p.block_size * D);
     return s;
   };
   run_tasks<DecodeScratch>(num_tasks, make_scratch, [&](int64_t task, DecodeScratch& s) {
@@ -1153,6 +1234,16 @@ inline void load_key_tile(const T* cache, const int32_t* table, int64_t bs, int6
   }
 }
 
+// Keys [k0, k0 + n) of kv head h of a quantized cache, dequantized into a dense fp32 tile [kKeyTile, D].
+template <int D>
+inline void load_quant_tile(const QuantRows& q, const int32_t* table, int64_t bs, int64_t h, int64_t k0, int n,
+                            float* dst) {
+  for (int t = 0; t < n; ++t) {
+    const int64_t pos = k0 + t;
+    q.read<D>(static_cast<int64_t>(table[pos / bs]) * bs + pos % bs, h, dst + t * D);
+  }
+}
+
 struct PrefillTask {
   int64_t seq;
   int64_t first_token;  // index among the sequence's new tokens
@@ -1170,6 +1261,9 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
   const int64_t q_len = p.query_start_loc[task.seq + 1] - q_begin;
   const int64_t context = p.seq_lens[task.seq] - q_len;  // tokens before the new ones
   const T* query = static_cast<const T*>(p.query);
+  const bool quantized = p.kv_format != KVCacheDType::kAuto;
+  // Q.K^T on bf16 dot products needs the bf16 key rows as they are (an unquantized cache).
+  const bool dot_bf16 = kDotBf16<T> && !quantized;
   // Row r = token * G + g; padding rows see every key and have zero queries.
   for (int64_t r = 0; r < rp; ++r) {
     const bool real = r < rows;
@@ -1179,7 +1273,7 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
     s.l[r] = 0.f;
     const T* q = real ? query + (q_begin + token) * p.query_stride + (kv_head * G + r % G) * D : nullptr;
     for (int64_t d = 0; d < D; ++d) {
-      if constexpr (kDotBf16<T>) {
+      if (dot_bf16) {
         // Pairs of dims (qk_micro_dpbf16), unscaled: the scale goes on the scores.
         reinterpret_cast<T*>(s.qt.data())[(d / 2 * rp + r) * 2 + d % 2] = real ? q[d] : T(0.f);
       } else {
@@ -1201,8 +1295,13 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
   const int64_t nvec = rp / kW;
   for (int64_t k0 = task.key_begin; k0 < task.key_end; k0 += kKeyTile) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyTile, task.key_end - k0));
-    load_key_tile<T, D>(value_cache, table, bs, row_stride, k0, n, s.vf.data());
     // Keys up to round_up(n, 4) are multiplied; rows t >= n are never read afterwards.
+    if (quantized) {
+      load_quant_tile<D>(quant_rows(p, true), table, bs, kv_head, k0, n, s.vf.data());
+      load_quant_tile<D>(quant_rows(p, false), table, bs, kv_head, k0, n, s.kf.data());
+      qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
+    } else {
+      load_key_tile<T, D>(value_cache, table, bs, row_stride, k0, n, s.vf.data());
 #if defined(CPU_CAPABILITY_AVX512_BF16)
     if constexpr (kDotBf16<T>) {
       // The key tile stays bf16, in the first half of the fp32 tile's space.
@@ -1214,6 +1313,7 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
     {
       load_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, s.kf.data());
       qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
+    }
     }
     if (cap > 0.f) {
       for (int t = 0; t < n; ++t) soft_cap_logits(s.scores.data() + t * rp, rp, cap);

@@ -10,8 +10,11 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
+
+#include "common/kv_cache_dtype.h"
 
 namespace pagedkv::cpu {
 
@@ -38,6 +41,12 @@ struct PagedAttentionParams {
   // (common/validation.h); 0: no window. Blocks wholly before that are never read.
   int64_t sliding_window = 0;
   float logits_soft_cap = 0.f;  // > 0: scores s become cap * tanh(s / cap), before ALiBi
+  // A quantized cache (common/kv_cache_dtype.h): key_cache/value_cache then hold codes
+  // (int4: head_size / 2 bytes a row); dtype stays the query's.
+  KVCacheDType kv_format = KVCacheDType::kAuto;
+  float k_scale = 1.f, v_scale = 1.f;        // fp8: the per-tensor scales
+  const c10::Half* k_plane = nullptr;        // per-token-head: [num_blocks, block_size, num_kv_heads, 2]
+  const c10::Half* v_plane = nullptr;
 };
 
 // Decode (v1 and v2): one query row per sequence.

@@ -1,11 +1,15 @@
-// Block-copy ops on the CPU: write new K/V into the paged cache, copy blocks
-// for copy-on-write, swap whole blocks between two CPU caches.
+// Block-copy ops on the CPU: write new K/V into the paged cache (quantizing it for
+// a quantized kv_cache_dtype, cpu/kv_quant.h), copy blocks for copy-on-write (with
+// their scale planes), swap whole blocks between two CPU caches.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <vector>
 
+#include "common/supported.h"
 #include "common/validation.h"
+#include "cpu/kv_quant.h"
 #include "ops.h"
 
 namespace pagedkv {
@@ -24,17 +28,43 @@ void copy_token(const at::Tensor& src, int64_t token, char* dst_row) {
   }
 }
 
+// One layer's key/value caches for a block copy: 4-D [num_blocks, ...], one shape, dtype
+// and device across K, V and every layer (what they hold does not matter: bytes move).
+void check_block_cache(const char* op, size_t layer, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& first) {
+  TORCH_CHECK(key.defined() && value.defined() && key.dim() == 4, op, ": layer ", layer,
+              " caches must be 4-D [num_blocks, block_size, num_kv_heads, X]");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value_cache dtype ", value.scalar_type(),
+              " differs from key_cache dtype ", key.scalar_type());
+  for (const at::Tensor& t : {key, value}) {
+    TORCH_CHECK(t.sizes() == first.sizes() && t.scalar_type() == first.scalar_type(), op, ": layer ", layer,
+                " cache shape/dtype ", t.sizes(), " ", t.scalar_type(), " differs from layer 0 ", first.sizes(), " ",
+                first.scalar_type());
+  }
+  TORCH_CHECK(is_one_of(first.size(1), kSupportedBlockSizes), op, ": block_size ", first.size(1),
+              " is not supported");
+  TORCH_CHECK(key.is_cpu() && value.is_cpu() && key.is_contiguous() && value.is_contiguous(), op,
+              ": CPU caches must be contiguous CPU tensors");
+}
+
 }  // namespace
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  const CacheDims c = check_kv_cache(key_cache, value_cache, "reshape_and_cache");
-  check_kv_tokens("reshape_and_cache", "key", key, c, key_cache);
-  check_kv_tokens("reshape_and_cache", "value", value, c, key_cache);
-  TORCH_CHECK(value.size(0) == key.size(0), "reshape_and_cache: key has ", key.size(0), " tokens, value has ",
-              value.size(0));
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping, c10::string_view kv_cache_dtype,
+                           std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
+  const char* op = "reshape_and_cache";
+  const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
+  const CacheDims& c = kv.dims;
+  check_kv_tokens(op, "key", key, c, key_cache);
+  check_kv_tokens(op, "value", value, c, key_cache);
+  TORCH_CHECK(value.size(0) == key.size(0), op, ": key has ", key.size(0), " tokens, value has ", value.size(0));
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value dtype ", value.scalar_type(),
+              " differs from key dtype ", key.scalar_type());
   const int64_t num_tokens = key.size(0);
-  check_slot_mapping("reshape_and_cache", slot_mapping, num_tokens, c);
+  check_slot_mapping(op, slot_mapping, num_tokens, c);
+  TORCH_CHECK(key_cache.is_cpu() && slot_mapping.is_cpu(), op, ": the CPU kernel needs CPU tensors");
+  if (c.format != KVCacheDType::kAuto) return cpu::write_quantized_tokens(key, value, key_cache, value_cache,
+                                                                          slot_mapping, kv);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t row = token_row_bytes(key_cache);
   char* kc = static_cast<char*>(key_cache.data_ptr());
@@ -48,33 +78,36 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   });
 }
 
-void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: got ", key_caches.size(),
-              " key caches but ", value_caches.size(), " value caches");
+void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping,
+                     const std::optional<at::TensorList>& key_scales,
+                     const std::optional<at::TensorList>& value_scales) {
+  const char* op = "copy_blocks";
+  TORCH_CHECK(key_caches.size() == value_caches.size(), op, ": got ", key_caches.size(), " key caches but ",
+              value_caches.size(), " value caches");
   if (key_caches.empty()) return;
-  const CacheDims c0 = check_kv_cache(key_caches[0], value_caches[0], "copy_blocks");
-  for (size_t l = 0; l < key_caches.size(); ++l) {
-    const CacheDims c = check_kv_cache(key_caches[l], value_caches[l], "copy_blocks");
-    TORCH_CHECK(c.num_blocks == c0.num_blocks && key_caches[l].sizes() == key_caches[0].sizes() &&
-                    key_caches[l].scalar_type() == key_caches[0].scalar_type(),
-                "copy_blocks: layer ", l, " cache shape/dtype ", key_caches[l].sizes(), " ",
-                key_caches[l].scalar_type(), " differs from layer 0 ", key_caches[0].sizes(), " ",
-                key_caches[0].scalar_type());
-  }
-  TORCH_CHECK(block_mapping.defined() && block_mapping.is_cpu(), "copy_blocks: CPU caches need a CPU block_mapping");
-  check_block_mapping("copy_blocks", block_mapping, c0.num_blocks, c0.num_blocks, /*disjoint_pairs=*/true);
+  for (size_t l = 0; l < key_caches.size(); ++l) check_block_cache(op, l, key_caches[l], value_caches[l], key_caches[0]);
+  check_scale_planes(op, key_scales, value_scales, key_caches.size(), key_caches[0]);
+  const int64_t num_blocks = key_caches[0].size(0);
+  TORCH_CHECK(block_mapping.defined() && block_mapping.is_cpu(), op, ": CPU caches need a CPU block_mapping");
+  check_block_mapping(op, block_mapping, num_blocks, num_blocks, /*disjoint_pairs=*/true);
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.data_ptr<int64_t>();
   const int64_t num_pairs = mapping.size(0);
-  const int64_t block_bytes = key_caches[0].stride(0) * key_caches[0].element_size();
-  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
-  // One task per (layer, K or V, pair): every task copies a whole block.
-  at::parallel_for(0, num_layers * 2 * num_pairs, 16, [&](int64_t begin, int64_t end) {
+  // Every block-indexed tensor: each layer's K and V values, then its scale planes.
+  std::vector<at::Tensor> tensors(key_caches.begin(), key_caches.end());
+  tensors.insert(tensors.end(), value_caches.begin(), value_caches.end());
+  if (key_scales.has_value()) {
+    tensors.insert(tensors.end(), key_scales->begin(), key_scales->end());
+    tensors.insert(tensors.end(), value_scales->begin(), value_scales->end());
+  }
+  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
+  // One task per (tensor, pair): every task copies a whole block.
+  at::parallel_for(0, num_tensors * num_pairs, 16, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
+      const at::Tensor& t = tensors[task / num_pairs];
       const int64_t pair = task % num_pairs;
-      const int64_t layer = task / (2 * num_pairs);
-      const bool is_value = (task / num_pairs) % 2;
-      char* base = static_cast<char*>((is_value ? value_caches : key_caches)[layer].data_ptr());
+      const int64_t block_bytes = t.stride(0) * t.element_size();
+      char* base = static_cast<char*>(t.data_ptr());
       std::memcpy(base + pairs[2 * pair + 1] * block_bytes, base + pairs[2 * pair] * block_bytes, block_bytes);
     }
   });

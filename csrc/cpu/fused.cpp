@@ -6,6 +6,7 @@
 #include "common/validation.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/fused_kernels.h"
+#include "cpu/kv_quant.h"
 #include "ops.h"
 
 namespace pagedkv {
@@ -73,15 +74,23 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
 
 void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                                     const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                                    const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox) {
+                                    const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox,
+                                    c10::string_view kv_cache_dtype, std::optional<at::Tensor> k_scale,
+                                    std::optional<at::Tensor> v_scale) {
   constexpr const char* op = "rotary_embedding_and_cache";
+  const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
   const CacheDims c = check_rotary_cache_inputs(op, positions, query, key, value, key_cache, value_cache,
-                                                slot_mapping, cos_sin_cache);
+                                                slot_mapping, cos_sin_cache, kv.dims.format);
   check_cpu(op, key_cache);
   cpu::RotaryCacheParams p = rotary_cache_params<cpu::RotaryCacheParams>(
       positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox, c);
-  p.dtype = key_cache.scalar_type();
+  p.dtype = key.scalar_type();
+  if (c.format == KVCacheDType::kAuto) return run_rotary_cache(p);
+  // A quantized cache: rotate in place with no slot to write (num_slots 0 skips every token),
+  // then quantize the rotated key and the value into their slots, as reshape_and_cache does.
+  p.num_slots = 0;
   run_rotary_cache(p);
+  cpu::write_quantized_tokens(key, value, key_cache, value_cache, slot_mapping, kv);
 }
 
 }  // namespace pagedkv

@@ -107,9 +107,12 @@ void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                              const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                             double logits_soft_cap) {
+                             double logits_soft_cap, c10::string_view kv_cache_dtype,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   constexpr const char* op = "paged_attention_v1";
   TORCH_CHECK(out.defined(), op, ": out is required");
+  const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
+  cuda::check_cuda_kv_format(op, kv);
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
                                               max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
   check_cuda_inputs(op, query, key_cache);
@@ -123,9 +126,12 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
                              const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                              int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                             int64_t partition_size, int64_t sliding_window, double logits_soft_cap) {
+                             int64_t partition_size, int64_t sliding_window, double logits_soft_cap, c10::string_view kv_cache_dtype,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   constexpr const char* op = "paged_attention_v2";
   TORCH_CHECK(out.defined(), op, ": out is required");
+  const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
+  cuda::check_cuda_kv_format(op, kv);
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
                                               max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
   check_v2_scratch(op, d, query, exp_sums, max_logits, tmp_out, max_seq_len, partition_size);
@@ -151,9 +157,12 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, cons
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                                   int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
-                                  double logits_soft_cap) {
+                                  double logits_soft_cap, c10::string_view kv_cache_dtype,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   constexpr const char* op = "paged_prefill_attention";
   TORCH_CHECK(out.defined(), op, ": out is required");
+  const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
+  cuda::check_cuda_kv_format(op, kv);
   const PrefillDims pd = check_prefill_inputs(op, out, query, key_cache, value_cache, block_tables, query_start_loc,
                                               seq_lens, max_query_len, max_seq_len, sliding_window, logits_soft_cap);
   check_cuda_inputs(op, query, key_cache);

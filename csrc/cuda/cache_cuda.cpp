@@ -22,6 +22,7 @@
 
 #include "cache/cache_launch.h"
 #include "common/validation.h"
+#include "cuda/launch_checks.h"
 #include "ops.h"
 
 namespace pagedkv {
@@ -62,8 +63,10 @@ void copy_block_runs(const char* op, const char* src, char* dst, const int64_t* 
 }  // namespace
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping, c10::string_view kv_cache_dtype,
+                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
   constexpr const char* op = "reshape_and_cache";
+  cuda::check_cuda_kv_format(op, check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache));
   const CacheDims c = check_kv_cache(key_cache, value_cache, op);
   check_kv_tokens("reshape_and_cache", "key", key, c, key_cache);
   check_kv_tokens("reshape_and_cache", "value", value, c, key_cache);
@@ -92,8 +95,12 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   check_cuda_call(op, "kernel launch", cuda::launch_reshape_and_cache(a, c10::cuda::getCurrentCUDAStream()));
 }
 
-void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
+void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping,
+                      const std::optional<at::TensorList>& key_scales,
+                      const std::optional<at::TensorList>& value_scales) {
   constexpr const char* op = "copy_blocks";
+  TORCH_CHECK(!key_scales.has_value() && !value_scales.has_value(), op,
+              ": a quantized kv_cache_dtype has no CUDA kernel in this build (CPU only)");
   TORCH_CHECK(key_caches.size() == value_caches.size(), op, ": got ", key_caches.size(), " key caches but ",
               value_caches.size(), " value caches");
   if (key_caches.empty()) return;

@@ -53,8 +53,11 @@ void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::
 
 void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                                      const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                                     const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox) {
+                                     const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache, bool is_neox,
+                                     c10::string_view kv_cache_dtype, std::optional<at::Tensor> k_scale,
+                                     std::optional<at::Tensor> v_scale) {
   constexpr const char* op = "rotary_embedding_and_cache";
+  cuda::check_cuda_kv_format(op, check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache));
   const CacheDims c = check_rotary_cache_inputs(op, positions, query, key, value, key_cache, value_cache,
                                                 slot_mapping, cos_sin_cache);
   check_cuda(op, key_cache);

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "attention/attention_launch.h"  // DType
+#include "common/validation.h"
 
 namespace pagedkv::cuda {
 
@@ -20,6 +21,12 @@ inline DType to_kernel_dtype(at::ScalarType t) {
     default:
       TORCH_CHECK(false, "pagedkv: unsupported dtype ", t);
   }
+}
+
+// The cache formats the CUDA kernels read and write.
+inline void check_cuda_kv_format(const char* op, const KVCacheArgs& kv) {
+  TORCH_CHECK(kv.dims.format == KVCacheDType::kAuto, op,
+              ": a quantized kv_cache_dtype has no CUDA kernel in this build (CPU only)");
 }
 
 inline void check_launch(const char* op, cudaError_t err) {

@@ -21,6 +21,17 @@ Attention options, on every attention op (trailing keyword arguments, off by def
   (Gemma 2's attn_logit_softcapping), before ALiBi and the softmax. 0: off.
 Negative values are refused (RuntimeError naming the argument).
 
+Quantized caches, on every op that reads or writes the cache (trailing keyword
+arguments `kv_cache_dtype="auto", k_scale=None, v_scale=None`; the formats and
+the block layout are in `pagedkv.kv_cache`): "fp8" / "fp8_e4m3" / "fp8_e5m2"
+caches are float8 tensors with optional float32 [1] per-tensor scales (absent:
+1.0); "int8_per_token_head" / "int4_per_token_head" caches are uint8 codes (int4:
+last dim head_size / 2) with required float16 (scale, zero) planes
+[num_blocks, block_size, num_kv_heads, 2] as k_scale / v_scale, which the cache
+writers fill and the attention ops read. Query, out and the new tokens' K/V stay
+in the compute dtype. `pagedkv.reference` quantizes and dequantizes by the same
+rule (`quantize_kv`, `dequantize_kv`).
+
 Index-value checks (block ids, seq_lens, slot_mapping, query_start_loc) cost a
 device->host sync on CUDA: `set_index_checks(False)` / `with index_checks(False):`
 turn them off (CPU and CUDA alike), and `validate_decode_metadata` /
@@ -89,6 +100,9 @@ def paged_attention_v1(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention, one query token per sequence, one pass over its context.
 
@@ -97,11 +111,11 @@ def paged_attention_v1(
     block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]
     (the query attends to positions 0..seq_len-1, or the last sliding_window of them;
     seq_len 0 gives zeros). max_seq_len: an upper bound of seq_lens. alibi_slopes:
-    float32 [num_heads]. sliding_window, logits_soft_cap: see the module docstring.
-    Writes `out` in place.
+    float32 [num_heads]. sliding_window, logits_soft_cap, kv_cache_dtype, k_scale,
+    v_scale: see the module docstring. Writes `out` in place.
     """
     _ops.paged_attention_v1(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
-                            alibi_slopes, sliding_window, logits_soft_cap)
+                            alibi_slopes, sliding_window, logits_soft_cap, kv_cache_dtype, k_scale, v_scale)
 
 
 def paged_attention_v2(
@@ -120,6 +134,9 @@ def paged_attention_v2(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention split over partitions of the context, then reduced.
 
@@ -132,7 +149,7 @@ def paged_attention_v2(
     """
     _ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
                             seq_lens, scale, max_seq_len, alibi_slopes, partition_size, sliding_window,
-                            logits_soft_cap)
+                            logits_soft_cap, kv_cache_dtype, k_scale, v_scale)
 
 
 def paged_attention(
@@ -147,6 +164,9 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention that picks v1 or v2 for the shape and allocates scratch.
 
@@ -156,7 +176,7 @@ def paged_attention(
     With a sliding window, min(max_seq_len, sliding_window) decides between v1 and v2.
     """
     result = _ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
-                                  alibi_slopes, sliding_window, logits_soft_cap)
+                                  alibi_slopes, sliding_window, logits_soft_cap, kv_cache_dtype, k_scale, v_scale)
     if out is None:
         return result
     return out.copy_(result)
@@ -175,6 +195,9 @@ def paged_prefill_attention(
     max_seq_len: int,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention for several new tokens per sequence (prefill, chunked prefill, prefix hits).
 
@@ -184,10 +207,11 @@ def paged_prefill_attention(
     the new ones included, so new token i sits at position p = seq_len - q_len + i and
     attends causally to positions 0..p (sliding_window W > 0: p-W+1..p). The new
     tokens' K/V must already be in the cache (`reshape_and_cache` first).
-    sliding_window, logits_soft_cap: see the module docstring.
+    sliding_window, logits_soft_cap, kv_cache_dtype, k_scale, v_scale: see the module docstring.
     """
     _ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                 scale, max_query_len, max_seq_len, sliding_window, logits_soft_cap)
+                                 scale, max_query_len, max_seq_len, sliding_window, logits_soft_cap, kv_cache_dtype,
+                                 k_scale, v_scale)
 
 
 def reshape_and_cache(
@@ -196,25 +220,35 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write new tokens' K/V into the paged cache.
+    """Write new tokens' K/V into the paged cache (quantizing them for a quantized kv_cache_dtype).
 
     key, value: [num_tokens, num_kv_heads, head_size] (last dim dense);
     slot_mapping: int64 [num_tokens], slot = block_id * block_size + offset; negative slots are skipped.
+    Per-token-head formats also write each token's (scale, zero) into k_scale / v_scale.
     """
-    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
 def copy_blocks(
     key_caches: Sequence[torch.Tensor],
     value_caches: Sequence[torch.Tensor],
     block_mapping: torch.Tensor,
+    key_scales: Sequence[torch.Tensor] | None = None,
+    value_scales: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Copy whole blocks within each layer's cache, all layers in one call (copy-on-write).
 
-    block_mapping: int64 [num_pairs, 2] of (src_block, dst_block).
+    block_mapping: int64 [num_pairs, 2] of (src_block, dst_block). key_scales / value_scales:
+    the per-token-head scale planes of each layer, copied with their blocks (fp8's per-tensor
+    scales are not block data). The caches' bytes are copied whatever their format.
     """
-    _ops.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+    _ops.copy_blocks(list(key_caches), list(value_caches), block_mapping,
+                     None if key_scales is None else list(key_scales),
+                     None if value_scales is None else list(value_scales))
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -270,6 +304,9 @@ def rotary_embedding_and_cache(
     slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """RoPE on query and key in place, then the rotated key and the value into the paged cache.
 
@@ -280,10 +317,11 @@ def rotary_embedding_and_cache(
     pairs then their sin (`RotaryEmbedding.cos_sin`); the first rot_dim dims of each
     head rotate. is_neox: pairs (i, i + rot_dim/2) (rotate-half, Llama) or GPT-J's
     (2i, 2i+1). slot_mapping as in `reshape_and_cache` (negative: skip the cache
-    write; the rotation still happens). Computes in float32, rounds once.
+    write; the rotation still happens). Computes in float32, rounds once. A quantized
+    kv_cache_dtype quantizes the rotated key and the value as `reshape_and_cache` does.
     """
     _ops.rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-                                    cos_sin_cache, is_neox)
+                                    cos_sin_cache, is_neox, kv_cache_dtype, k_scale, v_scale)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -331,45 +369,55 @@ def _check_meta_consistent(op: str, data: dict[str, torch.Tensor | None], index:
 
 @torch.library.register_fake("pagedkv::paged_attention")
 def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
-                          alibi_slopes=None, sliding_window=0, logits_soft_cap=0.0):
-    data = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
+                          alibi_slopes=None, sliding_window=0, logits_soft_cap=0.0, kv_cache_dtype="auto",
+                          k_scale=None, v_scale=None):
+    data = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "k_scale": k_scale,
+            "v_scale": v_scale}
     _check_meta_consistent("paged_attention", data, (block_tables, seq_lens, alibi_slopes))
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("pagedkv::paged_attention_v1")
 def _paged_attention_v1_fake(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
-                             alibi_slopes=None, sliding_window=0, logits_soft_cap=0.0):
-    data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache}
+                             alibi_slopes=None, sliding_window=0, logits_soft_cap=0.0, kv_cache_dtype="auto",
+                             k_scale=None, v_scale=None):
+    data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache, "k_scale": k_scale,
+            "v_scale": v_scale}
     _check_meta_consistent("paged_attention_v1", data, (block_tables, seq_lens, alibi_slopes))
 
 
 @torch.library.register_fake("pagedkv::paged_attention_v2")
 def _paged_attention_v2_fake(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
                              seq_lens, scale, max_seq_len, alibi_slopes=None, partition_size=512, sliding_window=0,
-                             logits_soft_cap=0.0):
+                             logits_soft_cap=0.0, kv_cache_dtype="auto", k_scale=None, v_scale=None):
     data = {"out": out, "exp_sums": exp_sums, "max_logits": max_logits, "tmp_out": tmp_out, "query": query,
-            "key_cache": key_cache, "value_cache": value_cache}
+            "key_cache": key_cache, "value_cache": value_cache, "k_scale": k_scale, "v_scale": v_scale}
     _check_meta_consistent("paged_attention_v2", data, (block_tables, seq_lens, alibi_slopes))
 
 
 @torch.library.register_fake("pagedkv::paged_prefill_attention")
 def _paged_prefill_attention_fake(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, max_query_len, max_seq_len, sliding_window=0, logits_soft_cap=0.0):
-    data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache}
+                                  scale, max_query_len, max_seq_len, sliding_window=0, logits_soft_cap=0.0,
+                                  kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    data = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache, "k_scale": k_scale,
+            "v_scale": v_scale}
     _check_meta_consistent("paged_prefill_attention", data, (block_tables, query_start_loc, seq_lens))
 
 
 @torch.library.register_fake("pagedkv::reshape_and_cache")
-def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
-    data = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache}
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=None,
+                            v_scale=None):
+    data = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "k_scale": k_scale,
+            "v_scale": v_scale}
     _check_meta_consistent("reshape_and_cache", data, (slot_mapping,))
 
 
 @torch.library.register_fake("pagedkv::copy_blocks")
-def _copy_blocks_fake(key_caches, value_caches, block_mapping):
+def _copy_blocks_fake(key_caches, value_caches, block_mapping, key_scales=None, value_scales=None):
     data = {f"key_caches[{i}]": t for i, t in enumerate(key_caches)}
     data |= {f"value_caches[{i}]": t for i, t in enumerate(value_caches)}
+    data |= {f"key_scales[{i}]": t for i, t in enumerate(key_scales or ())}
+    data |= {f"value_scales[{i}]": t for i, t in enumerate(value_scales or ())}
     _check_meta_consistent("copy_blocks", data, (block_mapping,))
 
 
@@ -390,9 +438,9 @@ def _fused_add_rms_norm_fake(input, residual, weight, epsilon):
 
 @torch.library.register_fake("pagedkv::rotary_embedding_and_cache")
 def _rotary_embedding_and_cache_fake(positions, query, key, value, key_cache, value_cache, slot_mapping,
-                                     cos_sin_cache, is_neox=True):
+                                     cos_sin_cache, is_neox=True, kv_cache_dtype="auto", k_scale=None, v_scale=None):
     data = {"query": query, "key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-            "cos_sin_cache": cos_sin_cache}
+            "cos_sin_cache": cos_sin_cache, "k_scale": k_scale, "v_scale": v_scale}
     _check_meta_consistent("rotary_embedding_and_cache", data, (positions, slot_mapping))
 
 

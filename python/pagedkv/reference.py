@@ -13,6 +13,62 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.kv_cache import kv_cache_format
+
+_FP16_MAX = 65504.0
+
+
+def quantize_kv(x: torch.Tensor, kv_cache_dtype: str,
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cache codes of rows x [..., head_size] (any float dtype) in a quantized format, by the rule the
+    kernels use bit for bit (`pagedkv.kv_cache`): returns (codes, plane).
+
+    fp8: codes float8 [..., head_size] of clamp(x * (1 / scale), +-max) (scale: float32 [1], default 1.0),
+    plane None. Per token and head: codes uint8 [..., head_size] (int4: [..., head_size / 2], element 2i
+    in the low nibble), plane float16 [..., 2] of (scale, zero).
+    """
+    fmt = kv_cache_format(kv_cache_dtype)
+    xf = x.float()
+    if fmt.is_fp8:
+        inv = 1.0 / (scale.float().reshape(()) if scale is not None else torch.tensor(1.0))
+        limit = torch.finfo(fmt.element).max
+        return (xf * inv).clamp(-limit, limit).to(fmt.element), None
+    q = (1 << fmt.bits) - 1
+    lo = xf.amin(-1, keepdim=True).clamp(-_FP16_MAX, _FP16_MAX)
+    hi = xf.amax(-1, keepdim=True).clamp(-_FP16_MAX, _FP16_MAX)
+    scale_h, zero_h = ((hi - lo) / q).half(), lo.half()
+    s, z = scale_h.float(), zero_h.float()
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    codes = ((xf - z) * inv).round().clamp(0, q).to(torch.uint8)
+    if fmt.values_per_element == 2:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, torch.cat([scale_h, zero_h], dim=-1)
+
+
+def dequantize_kv(codes: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 values [..., head_size] of cache codes (`quantize_kv`'s output; "auto": codes as they are).
+
+    scale: fp8's float32 [1] per-tensor scale (None: 1.0), or the per-token-head plane [..., 2].
+    """
+    fmt = kv_cache_format(kv_cache_dtype)
+    if not fmt.quantized:
+        return codes.float()
+    if fmt.is_fp8:
+        return codes.float() * (scale.float().reshape(()) if scale is not None else 1.0)
+    c = codes
+    if fmt.values_per_element == 2:
+        c = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
+    pair = scale.float()
+    return c.float() * pair[..., 0:1] + pair[..., 1:2]
+
+
+def _dequantized_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_cache_dtype: str,
+                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """The caches as the attention ops read them: as given for "auto", else dequantized to float32."""
+    if kv_cache_format(kv_cache_dtype).quantized:
+        return dequantize_kv(key_cache, kv_cache_dtype, k_scale), dequantize_kv(value_cache, kv_cache_dtype, v_scale)
+    return key_cache, value_cache
+
 
 def gather_kv(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_key: int = 0
@@ -99,13 +155,18 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention (what v1, v2 and paged_attention compute). Returns [num_seqs, num_heads, head_size].
 
     The query of a sequence sits at position seq_len - 1; with sliding_window W > 0 it sees
-    the last W positions only, and blocks before them are not read.
+    the last W positions only, and blocks before them are not read. A quantized cache is
+    read dequantized (`dequantize_kv`).
     """
     check_window_and_soft_cap(sliding_window, logits_soft_cap)
+    key_cache, value_cache = _dequantized_caches(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
     out = torch.zeros_like(query)
     for s in range(query.shape[0]):
         seq_len = int(seq_lens[s])
@@ -129,14 +190,18 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over the cache. Returns [num_tokens, num_heads, head_size].
 
     New token i of a sequence sits at position seq_len - q_len + i; with sliding_window
     W > 0 it sees positions p - W + 1..p only, and blocks before the first token's
-    window are not read.
+    window are not read. A quantized cache is read dequantized.
     """
     check_window_and_soft_cap(sliding_window, logits_soft_cap)
+    key_cache, value_cache = _dequantized_caches(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
     out = torch.zeros_like(query)
     for s in range(seq_lens.shape[0]):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
@@ -157,14 +222,25 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_size] into their slots (negative: skip)."""
+    """Write key/value [num_tokens, num_kv_heads, head_size] into their slots (negative: skip), quantized
+    by `quantize_kv` for a quantized kv_cache_dtype (the per-token-head planes k_scale / v_scale written too)."""
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    fmt = kv_cache_format(kv_cache_dtype)
+    for new, cache, scale in ((key[keep], key_cache, k_scale), (value[keep], value_cache, v_scale)):
+        if not fmt.quantized:
+            cache[blocks, offsets] = new
+            continue
+        codes, plane = quantize_kv(new, kv_cache_dtype, scale if fmt.is_fp8 else None)
+        cache[blocks, offsets] = codes
+        if plane is not None:
+            scale[blocks, offsets] = plane
 
 
 def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -221,23 +297,28 @@ def rotary_embedding_and_cache(
     slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """RoPE on query and key in place, then `reshape_and_cache` of the rotated key and the value."""
     query.copy_(rotary_embedding(positions, query, cos_sin_cache, is_neox))
     key.copy_(rotary_embedding(positions, key, cos_sin_cache, is_neox))
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
 def copy_blocks(
-    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor
+    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor,
+    key_scales: Sequence[torch.Tensor] | None = None, value_scales: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """For each (src, dst) row of block_mapping, copy block src to block dst in every layer.
+    """For each (src, dst) row of block_mapping, copy block src to block dst in every layer (and in its
+    per-token-head scale planes, when given).
 
     Destinations are unique and never also sources (the kernels copy the pairs concurrently
     and refuse such mappings), so the order of the rows does not matter.
     """
     for src, dst in block_mapping.tolist():
-        for cache in (*key_caches, *value_caches):
+        for cache in (*key_caches, *value_caches, *(key_scales or ()), *(value_scales or ())):
             cache[dst] = cache[src]
 
 
