@@ -148,7 +148,7 @@ class PagedSequence:
 
         cfg, fmt = model.config, kv_cache_format(variant.kv_cache_dtype)
         num_blocks = -(-max_len // block_size)
-        # Zeroed memory: a kernel reading a slot before it is written would show up as a difference, not noise.
+        # Zeroed, not empty: runs stay deterministic even if a kernel read a slot before writing it.
         self.caches = [allocate_layer_cache(fmt, num_blocks, block_size, model.num_kv_heads, cfg.head_dim,
                                             torch.float32, lambda shape, dtype: torch.zeros(shape, dtype=dtype))
                        for _ in range(cfg.num_hidden_layers)]
@@ -213,7 +213,7 @@ class Fidelity:
     seconds: float = 0.0
     error: str | None = None
 
-    def add_reference(self, logp_ref: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
+    def add(self, logp_ref: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
         """logp_ref, logp: log-probabilities [n, vocab]; targets: the next token of the first len(targets) rows."""
         kl = F.kl_div(logp, logp_ref, log_target=True, reduction="none").sum(-1)  # KL(p_ref || p) per row
         self.positions += logp.shape[0]
@@ -253,7 +253,7 @@ def run_fidelity(model, ids: list[int], vs: list[Variant], args: argparse.Namesp
             t0 = time.perf_counter()
             logp_ref = runs[ref].prefill(chunk, start).log_softmax(-1)
             stats[ref].seconds += time.perf_counter() - t0
-            stats[ref].add_reference(logp_ref, logp_ref, targets)  # KL 0, top-1 100%: its perplexity is the news
+            stats[ref].add(logp_ref, logp_ref, targets)  # KL 0, top-1 100%: its perplexity is the news
             if s == 0 and start == 0:  # calibrate from the text's first chunk, before any quantized write
                 amax = runs[ref].cached_amax(0, len(chunk))
                 for v in vs:
@@ -281,7 +281,7 @@ def step_variant(run: PagedSequence, stat: Fidelity, chunk: list[int], start: in
         stat.error = error_text(e)
         log(f"   {run.variant.label}: {stat.error}")
         return
-    stat.add_reference(logp_ref, logp, targets)
+    stat.add(logp_ref, logp, targets)
 
 
 def fidelity_part(model_dir: Path, ids: list[int], vs: list[Variant], args: argparse.Namespace) -> dict:
