@@ -21,7 +21,7 @@ bench: install
 bench-throughput: install
 	$(PYTHON) bench/bench_throughput.py --json bench/results/throughput_cpu.json --out bench/results/throughput_cpu.md
 
-# Every result in bench/README.md: tables (md/json) and pictures (png) under bench/results/. About 25 minutes on
+# Every result in bench/README.md: tables (md/json) and pictures (png) under bench/results/. About 45 minutes on
 # 2 cores (the throughput bench and vLLM's cold starts take most of it); run it on an otherwise idle machine.
 bench-all: install
 	$(PYTHON) -m pip install -q matplotlib
@@ -41,6 +41,9 @@ bench-all: install
 	$(PYTHON) bench/bench_soak.py --num-requests 4000 --out bench/results/soak_cpu.md --json bench/results/soak_cpu.json
 	$(PYTHON) bench/bench_moe.py --out bench/results/moe_cpu
 	$(PYTHON) bench/bench_window.py --out bench/results/window_cpu.md
+	# Quantized KV caches: fidelity and capacity per kv_cache_dtype, vLLM CPU's fp8 beside them (~20 minutes,
+	# 8 of them vLLM's three cold starts).
+	$(PYTHON) bench/bench_kv_fidelity.py --out bench/results/kv_fidelity_cpu
 	$(PYTHON) bench/family_checkpoints.py mixtral $(FAMILY_DIR)/mixtral
 	$(PYTHON) bench/bench_throughput.py --model $(FAMILY_DIR)/mixtral --systems pagedkv,vllm --vllm-omp-bind all \
 		--json bench/results/throughput_mixtral_cpu.json --out bench/results/throughput_mixtral_cpu.md

