@@ -137,11 +137,12 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def run_pagedkv(name: str, wl: PrefixWorkload, caching: bool, loaded, args: argparse.Namespace) -> RunResult:
+def run_pagedkv(name: str, wl: PrefixWorkload, caching: bool, loaded, args: argparse.Namespace,
+                kv_cache_dtype: str = "auto") -> RunResult:
     from pagedkv import LLM, SamplingParams
 
     llm = LLM(dtype="float32", device="cpu", kv_cache_memory=args.kv_cache_gib * GiB, block_size=args.block_size,
-              enable_prefix_caching=caching, seed=args.seed, loaded_model=loaded)
+              enable_prefix_caching=caching, seed=args.seed, loaded_model=loaded, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=wl.output_len, ignore_eos=True)
     warm = [list(range(7000 + 50 * k, 7000 + 50 * k + 24)) for k in range(2)]  # shares nothing with the workload
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0.0, max_tokens=4),
@@ -286,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (see bench_throughput.py)")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--kv-cache-dtypes", default="",
+                   help="comma-separated quantized kv_cache_dtype values: each adds a caching-on run 'on[<dtype>]'")
     return p.parse_args(argv)
 
 
@@ -309,11 +312,12 @@ def main(argv: list[str] | None = None) -> None:
     loaded = LoadedModel.load(EngineArgs(model=str(model_dir), device="cpu", dtype="float32"))
     shared, stamped = make_workloads(loaded.tokenizer, args)
     log(f"workload: {workload_line(shared, args)}")
-    runs = [("off", shared, False), ("on", shared, True), ("timestamp", stamped, True)]
+    runs = [("off", shared, False, "auto"), ("on", shared, True, "auto"), ("timestamp", stamped, True, "auto")]
+    runs += [(f"on[{d}]", shared, True, d) for d in args.kv_cache_dtypes.split(",") if d.strip()]
     results = []
-    for name, wl, caching in runs:
+    for name, wl, caching, kv_dtype in runs:
         log(f"== {name}")
-        results.append(run_pagedkv(name, wl, caching, loaded, args))
+        results.append(run_pagedkv(name, wl, caching, loaded, args, kv_dtype))
         results[-1].notes.append(f"load {os.getloadavg()[0]:.2f} after")  # timings move with the box's load
         log(f"   {results[-1].elapsed_s:.2f} s")
     if not args.no_vllm:
