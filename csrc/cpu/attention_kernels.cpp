@@ -289,8 +289,56 @@ inline int64_t chunk_pos(int64_t i) {
   return i - r + (r % P) * kW + r / P;
 }
 
+// Rows of a quantized cache read directly (no staging): fp8 codes and int8 codes.
+template <typename T>
+constexpr bool kFp8Row = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+template <typename T>
+constexpr bool kCodeRow = kFp8Row<T> || std::is_same_v<T, uint8_t>;
+
+// kW codes widened to fp32: int8 codes as integers; fp8 through fp16 (cpu/kv_dequant.h), so an
+// e4m3 value comes out 2^-8 times its value (the 2^8 is folded into the query's scale).
+template <typename T>
+inline Vec widen_codes(const T* p) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(p);
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  if constexpr (kFp8Row<T>) {
+    constexpr KVCacheDType f =
+        std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2 : KVCacheDType::kFp8E4M3;
+    return Vec(_mm512_cvtph_ps(fp8_to_half_bits(f, _mm256_cvtepu8_epi16(raw))));
+  } else {
+    return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+  if constexpr (kFp8Row<T>) {
+    constexpr KVCacheDType f =
+        std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2 : KVCacheDType::kFp8E4M3;
+    return Vec(_mm256_cvtph_ps(fp8_to_half_bits(f, _mm_cvtepu8_epi16(raw))));
+  } else {
+    return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
+  }
+#else
+  float lanes[kW];
+  for (int i = 0; i < kW; ++i) {
+    if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+      lanes[i] = static_cast<float>(c10::Float8_e4m3fn(bytes[i], c10::Float8_e4m3fn::from_bits())) * (1.f / 256.f);
+    } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+      lanes[i] = static_cast<float>(c10::Float8_e5m2(bytes[i], c10::Float8_e5m2::from_bits()));
+    } else {
+      lanes[i] = static_cast<float>(bytes[i]);
+    }
+  }
+  return Vec::loadu(lanes);
+#endif
+}
+
 template <typename T>
 inline void load_chunk(const T* p, Vec* out) {
+  if constexpr (kCodeRow<T>) {
+    out[0] = widen_codes(p);
+    return;
+  }
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (kParts<T> == 2) {
     // A bf16 is the top half of an fp32: the low 16 bits of each 32-bit word hold
@@ -301,7 +349,7 @@ inline void load_chunk(const T* p, Vec* out) {
     return;
   }
 #endif
-  out[0] = load_f32(p);
+  if constexpr (!kCodeRow<T>) out[0] = load_f32(p);
 }
 
 // out[i] = the sum of the lanes of v[i], i < 8. With SIMD it is one transposing
@@ -350,6 +398,7 @@ struct DecodeScratch {
   std::vector<float> m, l;    // [heads] running max and sum of exp
   volatile float sink = 0.f;  // keeps the loads of touch_ranges (never read)
   std::vector<float> stage;   // quantized caches: [block_size, D] dequantized rows of one kv head
+  std::vector<float> qsum;    // int8 per token and head: [heads] sum of each pre-scaled query row
 };
 
 // logits[h * kMaxBlockSize + t] = the lane sum of acc[h * NT + t]: all reduced together.
@@ -571,7 +620,53 @@ struct TaskView {
   const float* slopes;   // at the task's first head, or nullptr
   float logit_scale;     // applied to the logits when Q.K^T ran on the unscaled bf16 query (kDotBf16)
   float soft_cap;        // logits_soft_cap, 0 when off
+  // int8 per token and head read directly (rows of uint8_t codes): the planes, and sum(q) of each head.
+  const c10::Half* k_plane = nullptr;  // [num_blocks, block_size, num_kv_heads, 2]
+  const c10::Half* v_plane = nullptr;
+  int64_t num_kv_heads = 0, kv_head0 = 0;
+  const float* qsum = nullptr;  // [heads]
 };
+
+// int8 per token and head, read directly. Q.K^T ran on the codes c of each token, so the
+// logit is s_t * (q.c) + z_t * sum(q) with the token's (scale s_t, zero z_t); and P.V runs
+// on the codes with p_t * s_t, while sum_t p_t z_t goes to every element of the head's
+// accumulator. `slot0`: the block's first slot; rows [from, n) of the block; logits
+// and acc: the rows of the G heads of task-local kv head h.
+// (No local arrays here: GCC vectorized such loops with aligned 32-byte loads of stack arrays it had
+// not aligned, in the AVX-512 build.)
+template <typename T>
+inline const c10::Half* plane_row(const TaskView<T>& tv, const c10::Half* plane, int64_t h, int64_t slot) {
+  return plane + (slot * tv.num_kv_heads + tv.kv_head0 + h) * 2;
+}
+
+template <typename T>
+inline void affine_logits(const TaskView<T>& tv, int64_t h, int64_t slot0, int from, int n, float* logits) {
+  for (int t = from; t < n; ++t) {
+    const c10::Half* e = plane_row(tv, tv.k_plane, h, slot0 + t);
+    const float sc = static_cast<float>(e[0]), ze = static_cast<float>(e[1]);
+    for (int64_t g = 0; g < tv.G; ++g) {
+      float& x = logits[g * kMaxBlockSize + t];
+      x = sc * x + ze * tv.qsum[h * tv.G + g];
+    }
+  }
+}
+
+template <typename T, int D>
+inline void affine_probs(const TaskView<T>& tv, int64_t h, int64_t slot0, int from, int n, float* logits,
+                         float* acc) {
+  for (int64_t g = 0; g < tv.G; ++g) {
+    float* row = logits + g * kMaxBlockSize;
+    float shift = 0.f;
+    for (int t = from; t < n; ++t) {
+      const c10::Half* e = plane_row(tv, tv.v_plane, h, slot0 + t);
+      shift += row[t] * static_cast<float>(e[1]);
+      row[t] *= static_cast<float>(e[0]);
+    }
+    const Vec sv(shift);
+    float* a = acc + g * D;
+    for (int c = 0; c < D; c += kW) (Vec::loadu(a + c) + sv).store(a + c);
+  }
+}
 
 // row[t] = cap * tanh(row[t] / cap) for t < n, a vector at a time: rows hold a multiple
 // of kW logits, so n rounded up to kW stays inside (the extra lanes are masked later).
@@ -658,6 +753,9 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
         qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + k_from * row_stride + h * D, row_stride, nb - k_from,
                        logits + h * G * kMaxBlockSize + t0 + k_from, next);
+        if constexpr (std::is_same_v<T, uint8_t>) {
+          affine_logits(tv, h, tv.table[b] * bs, k_from, nb, logits + h * G * kMaxBlockSize + t0);
+        }
       }
     }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
@@ -665,6 +763,10 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
       const int v_from = b == b0 ? skip : 0;
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+        if constexpr (std::is_same_v<T, uint8_t>) {
+          affine_probs<T, D>(tv, h, tv.table[b] * bs, v_from, nb, logits + h * G * kMaxBlockSize + t0,
+                             s.acc.data() + h * G * D);
+        }
         pv_block<T, D>(logits + h * G * kMaxBlockSize + t0 + v_from, G, values(b) + v_from * row_stride + h * D,
                        row_stride, nb - v_from, s.acc.data() + h * G * D, next);
       }
@@ -707,7 +809,18 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
         ahead.advance_to(k_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
       }
     }
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      for (int64_t h = 0; h < nkv; ++h) {
+        affine_logits(tv, h, tv.table[b] * bs, first_group, n, logits + h * G * kMaxBlockSize);
+      }
+    }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      for (int64_t h = 0; h < nkv; ++h) {
+        affine_probs<T, D>(tv, h, tv.table[b] * bs, skip, n, logits + h * G * kMaxBlockSize,
+                           s.acc.data() + h * G * D);
+      }
+    }
     for (int t = first_group; t < n; t += kStreamTokens) {
       const int from = std::max(t, skip);
       const int tokens = std::min(t + kStreamTokens, n) - from;
@@ -777,50 +890,94 @@ void attend_blocks_staged(const TaskView<float>& tv, const QuantRows& kq, const 
 // in the scratch. A group of several kv heads reads each block as one
 // contiguous stretch (token rows are [num_kv_heads, head_size]), which the
 // stream prefetchers, the TLB and the DRAM pages prefer.
-template <typename T, int D>
-void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
+// attend_tokens over rows of element type R: the cache's own (T, unquantized), or fp8 / int8
+// codes read directly. The query goes to s.q in R's chunk order, pre-scaled (times fp8's code
+// multiplier, cpu/kv_dequant.h); with bf16 dot products it stays bf16 and unscaled.
+template <typename T, typename R, int D>
+void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
   const int64_t G = p.num_heads / p.num_kv_heads;
   const int64_t heads = w.num_kv_heads * G;
   const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
   const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
-  const bool quantized = p.kv_format != KVCacheDType::kAuto;
+  const float q_scale = kFp8Row<R> ? p.scale * fp8_mul(p.kv_format, p.k_scale) : p.scale;
+  if constexpr (std::is_same_v<R, uint8_t>) s.qsum.resize(heads);
   for (int64_t h = 0; h < heads; ++h) {
-    if (quantized) {  // the fp32 rows of the staging tile: in order, pre-scaled
-      for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = to_f32(query[h * D + d]) * p.scale;
-    } else if constexpr (kDotBf16<T>) {
+    if constexpr (kDotBf16<R>) {
       // The bf16 row as given, in the first half of the head's fp32 row (so the
       // callers' offsets h * D still find it); the scale goes on the logits.
       std::copy(query + h * D, query + (h + 1) * D, reinterpret_cast<T*>(s.q.data() + h * D));
     } else {
-      for (int64_t d = 0; d < D; ++d) s.q[h * D + chunk_pos<T>(d)] = to_f32(query[h * D + d]) * p.scale;
+      float sum = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = to_f32(query[h * D + d]) * q_scale;
+        s.q[h * D + chunk_pos<R>(d)] = x;
+        sum += x;
+      }
+      if constexpr (std::is_same_v<R, uint8_t>) s.qsum[h] = sum;
     }
   }
   std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
   std::fill(s.l.begin(), s.l.begin() + heads, 0.f);
-  const TaskView<T> tv{G,
-                       heads,
-                       p.block_size,
-                       row_stride,
-                       p.seq_lens[w.seq],
-                       static_cast<const T*>(p.key_cache) + w.kv_head0 * D,
-                       static_cast<const T*>(p.value_cache) + w.kv_head0 * D,
-                       p.block_tables + w.seq * p.max_blocks_per_seq,
-                       p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
-                       p.scale,
-                       p.logits_soft_cap};
-  if (quantized) {
-    const TaskView<float> staged{G, heads, p.block_size, row_stride, p.seq_lens[w.seq], nullptr, nullptr,
-                                 p.block_tables + w.seq * p.max_blocks_per_seq,
-                                 p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr, p.scale,
-                                 p.logits_soft_cap};
-    return attend_blocks_staged<D>(staged, quant_rows(p, false), quant_rows(p, true), w, s);
+  TaskView<R> tv{G,
+                 heads,
+                 p.block_size,
+                 row_stride,
+                 p.seq_lens[w.seq],
+                 static_cast<const R*>(p.key_cache) + w.kv_head0 * D,
+                 static_cast<const R*>(p.value_cache) + w.kv_head0 * D,
+                 p.block_tables + w.seq * p.max_blocks_per_seq,
+                 p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
+                 p.scale,
+                 p.logits_soft_cap};
+  if constexpr (std::is_same_v<R, uint8_t>) {
+    tv.k_plane = p.k_plane;
+    tv.v_plane = p.v_plane;
+    tv.num_kv_heads = p.num_kv_heads;
+    tv.kv_head0 = w.kv_head0;
+    tv.qsum = s.qsum.data();
   }
   const bool whole_rows = w.num_kv_heads == p.num_kv_heads;
-  if (whole_rows && row_stride * static_cast<int64_t>(sizeof(T)) >= kStreamRowBytes) {
-    return attend_blocks_streamed<T, D>(tv, w, s);
+  if (whole_rows && row_stride * static_cast<int64_t>(sizeof(R)) >= kStreamRowBytes) {
+    return attend_blocks_streamed<R, D>(tv, w, s);
   }
-  attend_blocks_swept<T, D>(tv, w, s);
+  attend_blocks_swept<R, D>(tv, w, s);
+}
+
+// Attention of the query heads of a group of kv heads over tokens [begin, end);
+// leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
+// in the scratch. A group of several kv heads reads each block as one
+// contiguous stretch (token rows are [num_kv_heads, head_size]), which the
+// stream prefetchers, the TLB and the DRAM pages prefer. fp8 and int8 caches are
+// read directly (their codes widened in registers), int4 through the staging tile.
+template <typename T, int D>
+void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
+  switch (p.kv_format) {
+    case KVCacheDType::kAuto:
+      return attend_rows<T, T, D>(p, w, s);
+    case KVCacheDType::kFp8E4M3:
+      return attend_rows<T, c10::Float8_e4m3fn, D>(p, w, s);
+    case KVCacheDType::kFp8E5M2:
+      return attend_rows<T, c10::Float8_e5m2, D>(p, w, s);
+    case KVCacheDType::kInt8PerTokenHead:
+      return attend_rows<T, uint8_t, D>(p, w, s);
+    case KVCacheDType::kInt4PerTokenHead:
+      break;
+  }
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t heads = w.num_kv_heads * G;
+  const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
+  for (int64_t h = 0; h < heads; ++h) {  // the fp32 rows of the staging tile: in order, pre-scaled
+    for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = to_f32(query[h * D + d]) * p.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
+  std::fill(s.l.begin(), s.l.begin() + heads, 0.f);
+  const TaskView<float> staged{G, heads, p.block_size, p.num_kv_heads * D, p.seq_lens[w.seq], nullptr, nullptr,
+                               p.block_tables + w.seq * p.max_blocks_per_seq,
+                               p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr, p.scale,
+                               p.logits_soft_cap};
+  attend_blocks_staged<D>(staged, quant_rows(p, false), quant_rows(p, true), w, s);
 }
 
 // dst[d] = src[chunk position of d] * scale, in the output dtype.
@@ -834,7 +991,8 @@ inline void store_row(OutT* dst, const float* src, float scale, int64_t n) {
 template <typename T>
 inline void store_acc(const PagedAttentionParams& p, T* dst, const float* src, float scale, int64_t n) {
   if (p.kv_format == KVCacheDType::kAuto) return store_row<T>(dst, src, scale, n);
-  store_row<float>(dst, src, scale, n);
+  // fp8 rows were read as code values times fp8_mul's inverse (cpu/kv_dequant.h): the V multiplier goes here.
+  store_row<float>(dst, src, is_fp8(p.kv_format) ? scale * fp8_mul(p.kv_format, p.v_scale) : scale, n);
 }
 
 // Splits the kv heads into groups. Whole token rows read fastest (a group of one
