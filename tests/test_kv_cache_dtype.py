@@ -489,7 +489,9 @@ def test_swap_preemption_with_a_quantized_cache(loaded_model, cache_dtype):
     equal a run of the same format that never preempts. fp8 scales fixed at 1.0, so the two runs' first batches
     (which differ) do not set different scales."""
     cfg = loaded_model.model.config
-    prompts = [PARAGRAPH * (2 + i % 3) + q for i, q in enumerate(PROMPTS * 2)]  # ~6 x 60-130 tokens
+    ids = loaded_model.tokenizer.encode(PARAGRAPH * 5)
+    # 12 tokens into a block: each sequence needs a new block within its 6 tokens, and 24 blocks hold 4 prompts.
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (60, 92, 124, 61, 93, 125)]
     kw = dict(kv_cache_dtype=cache_dtype, calculate_kv_scales=False, max_model_len=256)
     ref = make_llm(loaded_model, **kw).generate(prompts, greedy(6, logprobs=2), use_tqdm=False)
     tiny = 24 * 16 * cfg.kv_bytes_per_token(torch.float32, 1, cache_dtype)
