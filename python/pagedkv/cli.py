@@ -120,7 +120,8 @@ def print_stats(llm, outputs, elapsed: float) -> None:
     gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     print("\nKV cache")
-    print(f"  blocks: {s.num_gpu_blocks} x {bs} tokens, {engine.kv_spec.bytes_per_token} bytes a token; "
+    print(f"  blocks: {s.num_gpu_blocks} x {bs} tokens, {engine.kv_spec.bytes_per_token} bytes a token "
+          f"(kv_cache_dtype {engine.kv_spec.cache_dtype}); "
           f"peak in use {s.peak_used_gpu_blocks} ({100 * s.peak_used_gpu_blocks / s.num_gpu_blocks:.1f}%)")
     print(f"  prefix cache: {'on' if engine.cache_config.enable_prefix_caching else 'off'}, hit rate "
           f"{100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits} of {s.prefix_cache_queries} prompt tokens; "
