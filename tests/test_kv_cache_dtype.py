@@ -70,6 +70,11 @@ def test_cache_dtype_is_validated_and_kept_canonical():
         assert EngineArgs(calculate_kv_scales=value).cache_config().calculate_kv_scales is value
     with pytest.raises(ValueError, match="calculate_kv_scales must be None, True or False"):
         CacheConfig(calculate_kv_scales="yes")
+    # EngineArgs refuses them at once, before a model loads or an engine-core process starts.
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineArgs(model="/nonexistent", kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="calculate_kv_scales must be"):
+        EngineArgs(calculate_kv_scales=1.0)
 
 
 def test_llm_refuses_an_unknown_kv_cache_dtype(loaded_model):

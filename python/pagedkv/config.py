@@ -35,6 +35,11 @@ def _positive(owner: str, **values: Any) -> None:
             raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
 
 
+def _check_calculate_kv_scales(value: Any) -> None:
+    if value is not None and not isinstance(value, bool):  # identity, not ==: 1.0 is not a setting
+        raise ValueError(f"calculate_kv_scales must be None, True or False, got {value!r}")
+
+
 def cpu_has_bf16_dot_products() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16, which AMX CPUs also have)."""
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
@@ -107,8 +112,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         self.cache_dtype = kv_cache_format(self.cache_dtype).name  # ValueError listing the valid values
-        if self.calculate_kv_scales not in (None, True, False):
-            raise ValueError(f"calculate_kv_scales must be None, True or False, got {self.calculate_kv_scales!r}")
+        _check_calculate_kv_scales(self.calculate_kv_scales)
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -184,6 +188,10 @@ class EngineArgs:
     # per-layer scales come from (CacheConfig.calculate_kv_scales).
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool | None = None
+
+    def __post_init__(self) -> None:
+        kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
+        _check_calculate_kv_scales(self.calculate_kv_scales)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
