@@ -841,6 +841,7 @@ def bench_fused_ops(args: argparse.Namespace) -> list[dict]:
     and 2048 (a prefill chunk). No cache flush and no settle sleep: in a forward pass these
     ops read activations the GEMM before them has just written, on threads it kept busy.
     """
+    from pagedkv.kv_cache import KVCache
     from pagedkv.model.layers import RMSNorm
     from pagedkv.model.rotary import RotaryEmbedding
 
@@ -853,8 +854,8 @@ def bench_fused_ops(args: argparse.Namespace) -> list[dict]:
             norm = RMSNorm(hidden, 1e-5).to(args.device, dtype)
             rope = RotaryEmbedding(head_size, 8192, 1e5).to(args.device)
             num_blocks = 2048 // BLOCK_SIZE + 8
-            kv_cache = tuple(torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype,
-                                         device=args.device) for _ in range(2))
+            kv_cache = KVCache(*(torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype,
+                                             device=args.device) for _ in range(2)))
             for num_tokens in (48, 2048):
                 log(f"fused ops {dtype_name} {model} {num_tokens} tokens")
                 x = torch.randn(num_tokens, hidden, generator=gen).to(args.device, dtype)

@@ -13,6 +13,7 @@ import pagedkv
 import pytest
 import torch
 from pagedkv import ops, reference
+from pagedkv.kv_cache import KVCache
 from pagedkv.model.rotary import RotaryEmbedding
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and pagedkv.built_with_cuda else [])
@@ -196,7 +197,7 @@ def test_rotary_matches_the_model_rotation():
     qk = rope(torch.cat([q, k], dim=1), cos, sin)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ops.reshape_and_cache(qk[:, 9:], v, kc_ref, vc_ref, slots)
-    rope.rotate_and_cache(positions, q, k, v, (kc, vc), slots)
+    rope.rotate_and_cache(positions, q, k, v, KVCache(kc, vc), slots)
     torch.testing.assert_close(q, qk[:, :9], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(vc, vc_ref)

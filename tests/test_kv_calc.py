@@ -131,3 +131,34 @@ def test_mixture_of_experts_parameters_from_the_config():
                                "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
                                "num_experts_per_tok": 2, "max_position_embeddings": 32768})
     assert count_params_from_config(cfg) == 46_702_792_704
+
+
+def test_kv_cache_dtype_counts_the_stored_format(tmp_path):
+    """Llama-2-7B (head_dim 128): fp8 1 byte a value; int8 / int4 per token head 1 / 0.5 byte plus a 4-byte
+    (scale, zero) pair per token and KV head; the figure is the engine's kv_cache_spec for that format."""
+    path = write_config(tmp_path)
+    cfg = ModelConfig.from_hf(LLAMA_7B)
+    per_token = {"auto": 524_288, "fp8": 262_144, "fp8_e5m2": 262_144,
+                 "int8_per_token_head": 2 * 32 * 32 * (128 + 4), "int4_per_token_head": 139_264}
+    for name, expected in per_token.items():
+        r = kv_calc(path, dtype="float16", kv_cache_dtype=name, kv_cache_memory=8 << 30)
+        assert r.bytes_per_token == expected == kv_cache_spec(cfg, torch.float16, 16, 1, name).bytes_per_token
+        assert r.num_blocks == (8 << 30) // (expected * 16)
+    assert kv_calc(path, dtype="float16", kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        kv_calc(path, kv_cache_dtype="int2")
+
+
+def test_cli_names_the_kv_cache_dtype(tmp_path, capsys):
+    path = write_config(tmp_path)
+    assert main(["kv-calc", path, "--dtype", "float16", "--kv-cache-dtype", "int4_per_token_head",
+                 "--kv-cache-memory", "8GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "kv_cache_dtype  int4_per_token_head" in out
+    assert "139,264 bytes (2 x layers x KV heads x (head_dim / 2 bytes + 4-byte scale pair))" in out
+    assert main(["kv-calc", path, "--dtype", "float16", "--kv-cache-memory", "8GiB"]) == 0
+    assert "kv_cache_dtype  auto (float16)" in capsys.readouterr().out
+    assert main(["kv-calc", path, "--kv-cache-dtype", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_cache_dtype"] == "fp8_e4m3"
+    with pytest.raises(SystemExit):
+        main(["kv-calc", path, "--kv-cache-dtype", "fp4"])

@@ -433,6 +433,17 @@ def test_metrics_move_as_requests_run(server, client, loaded_model):
     assert delta("vllm:request_generation_tokens_sum") == 6
 
 
+def test_cache_config_info_names_the_cache_dtype(server):
+    """vLLM's info gauge: 1, labelled with the cache settings (the engine core's, sized pool included)."""
+    text = httpx.get(server.url + "/metrics").text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "vllm:cache_config_info"]
+    (s,) = family.samples
+    assert s.value == 1
+    assert s.labels["cache_dtype"] == "auto" and s.labels["engine"] == "0" and s.labels["block_size"] == "16"
+    assert s.labels["num_gpu_blocks"] == str(server.engine.get_stats().num_gpu_blocks)
+    assert s.labels["calculate_kv_scales"] == "None" and s.labels["kv_cache_memory"] == str(256 << 20)
+
+
 def test_killed_core_fails_streams_turns_health_503_and_exits_nonzero(default_model_dir):
     """kill -9 of the engine-core process mid-stream: the stream ends with an error event, /health answers 503,
     new requests 503, and the server stops with exit status 1."""

@@ -58,9 +58,10 @@ def tiny_checkpoint(tmp_path_factory, default_model_dir) -> Path:
     return path
 
 
-def _kv_memory(path: Path, tp: int, num_blocks: int) -> int:
+def _kv_memory(path: Path, tp: int, num_blocks: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes that give exactly `num_blocks` blocks per rank at size `tp` (so every size preempts alike)."""
-    return ModelConfig.from_pretrained(path).kv_bytes_per_token(torch.float32, tp) * BLOCK_SIZE * num_blocks
+    cfg = ModelConfig.from_pretrained(path)
+    return cfg.kv_bytes_per_token(torch.float32, tp, kv_cache_dtype) * BLOCK_SIZE * num_blocks
 
 
 def _prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
@@ -74,10 +75,12 @@ def _params(n: int = len(QUESTIONS), max_tokens: int = 32) -> list[SamplingParam
     return params
 
 
-def _engine_kwargs(path: Path, tp: int, num_blocks: int, preemption_mode: str) -> dict:
+def _engine_kwargs(path: Path, tp: int, num_blocks: int, preemption_mode: str, **cache) -> dict:
+    """cache: kv_cache_dtype (the pool still gets exactly num_blocks blocks) and calculate_kv_scales."""
     return dict(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=tp,
-                kv_cache_memory=_kv_memory(path, tp, num_blocks), enable_prefix_caching=True,
-                preemption_mode=preemption_mode, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+                kv_cache_memory=_kv_memory(path, tp, num_blocks, cache.get("kv_cache_dtype", "auto")),
+                enable_prefix_caching=True, preemption_mode=preemption_mode, max_model_len=MAX_MODEL_LEN,
+                block_size=BLOCK_SIZE, **cache)
 
 
 def _run(kwargs: dict, prompts, params):
@@ -113,6 +116,19 @@ def test_tiny_llama_sharded_matches_one_device(tiny_checkpoint, tiny_reference, 
     assert stats.num_preemptions > 0 and ref_stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
     assert all(o.finished for o in outputs)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "fp8"])
+def test_quantized_cache_sharded_matches_one_device(tiny_checkpoint, tiny_reference, kv_cache_dtype):
+    """Each rank quantizes its own KV heads; the per-token-head pairs are per head, so sharding changes nothing
+    but float sum order, and fp8 at fixed scales (1.0) the same. Swapping and the fork move the scale planes."""
+    prompts = tiny_reference[0]
+    cache = dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=False)
+    ref_outputs, _ = _run(_engine_kwargs(tiny_checkpoint, 1, NUM_BLOCKS, "swap", **cache), prompts, _params())
+    outputs, stats = _run(_engine_kwargs(tiny_checkpoint, 2, NUM_BLOCKS, "swap", **cache), prompts, _params())
+    assert_same_greedy(ref_outputs, outputs, f"tiny Llama, {kv_cache_dtype} cache, tensor_parallel_size=2",
+                       tie_gap=1e-2)
+    assert stats.num_preemptions > 0 and all(o.finished for o in outputs)
 
 
 def test_default_model_at_size_3_matches_one_device(loaded_model, default_model_dir):

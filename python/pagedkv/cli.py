@@ -8,6 +8,8 @@ import logging
 import sys
 import time
 
+from pagedkv.kv_cache import KV_CACHE_DTYPES
+
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "Write a haiku about paged memory.",
@@ -34,6 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one sequence takes in a step (0: no cap)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV-cache storage: auto (the compute dtype), fp8 (= fp8_e4m3) or fp8_e5m2 with per-layer "
+                        "scales, or int8/int4 with a (scale, zero) pair per token and KV head")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp8: compute the per-layer scales from the first batch (--no-calculate-kv-scales: the "
+                        "checkpoint's or 1.0); default: computed only when the checkpoint has none")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped-out blocks")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
@@ -64,7 +72,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "long_prefill_token_threshold": ns.long_prefill_token_threshold,
             "tensor_parallel_size": ns.tensor_parallel_size, "enforce_eager": ns.enforce_eager,
             "max_logprobs": ns.max_logprobs, "generation_config": ns.generation_config,
-            "engine_core": ns.engine_core, "cpu_threads_bind": ns.cpu_threads_bind}
+            "engine_core": ns.engine_core, "cpu_threads_bind": ns.cpu_threads_bind,
+            "kv_cache_dtype": ns.kv_cache_dtype, "calculate_kv_scales": ns.calculate_kv_scales}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -111,7 +120,8 @@ def print_stats(llm, outputs, elapsed: float) -> None:
     gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     print("\nKV cache")
-    print(f"  blocks: {s.num_gpu_blocks} x {bs} tokens, {engine.kv_spec.bytes_per_token} bytes a token; "
+    print(f"  blocks: {s.num_gpu_blocks} x {bs} tokens, {engine.kv_spec.bytes_per_token} bytes a token "
+          f"(kv_cache_dtype {engine.kv_spec.cache_dtype}); "
           f"peak in use {s.peak_used_gpu_blocks} ({100 * s.peak_used_gpu_blocks / s.num_gpu_blocks:.1f}%)")
     print(f"  prefix cache: {'on' if engine.cache_config.enable_prefix_caching else 'off'}, hit rate "
           f"{100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits} of {s.prefix_cache_queries} prompt tokens; "
@@ -127,7 +137,7 @@ def cmd_kv_calc(ns: argparse.Namespace) -> int:
     result = kv_calc(ns.model, ns.dtype, ns.block_size, ns.context,
                      None if ns.kv_cache_memory is None else parse_bytes(ns.kv_cache_memory),
                      None if ns.gpu_memory is None else parse_bytes(ns.gpu_memory), ns.gpu_memory_utilization,
-                     ns.tensor_parallel_size, parse_bytes(ns.activation_memory))
+                     ns.tensor_parallel_size, parse_bytes(ns.activation_memory), kv_cache_dtype=ns.kv_cache_dtype)
     print(result.to_json() if ns.json else format_report(result))
     return 0
 
@@ -137,7 +147,10 @@ def add_kv_calc_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="HF config.json or checkpoint folder (only the config is read); default: SmolLM2-135M")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="KV dtype; auto: the checkpoint's (float16 when the config names none)")
+                   help="compute dtype (weights, and the KV cache under --kv-cache-dtype auto); auto: the "
+                        "checkpoint's (float16 when the config names none)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV-cache storage format (as pagedkv serve's); scale planes are counted")
     p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
     p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's max)")
     p.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes (e.g. 8GiB); overrides --gpu-memory")

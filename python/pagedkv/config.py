@@ -3,7 +3,8 @@
 The names are vLLM's, so that a vLLM launch line reads the same here:
 `gpu_memory_utilization`, `max_num_batched_tokens`, `max_num_seqs`,
 `block_size`, `enable_prefix_caching`, `swap_space`, `preemption_mode`,
-`max_model_len`.
+`max_model_len`, `kv_cache_dtype` (CacheConfig.cache_dtype),
+`calculate_kv_scales`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.kv_cache import kv_cache_format
 from pagedkv.model_config import ModelConfig
 from pagedkv.supported import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES  # noqa: F401  (re-exported)
 
@@ -31,6 +33,11 @@ def _positive(owner: str, **values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+def _check_calculate_kv_scales(value: Any) -> None:
+    if value is not None and not isinstance(value, bool):  # identity, not ==: 1.0 is not a setting
+        raise ValueError(f"calculate_kv_scales must be None, True or False, got {value!r}")
 
 
 def cpu_has_bf16_dot_products() -> bool:
@@ -82,7 +89,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 @dataclass(slots=True)
 class CacheConfig:
-    """The paged KV cache: block size, how much memory it gets, prefix caching, swap space."""
+    """The paged KV cache: block size, storage format, how much memory it gets, prefix caching, swap space.
+
+    cache_dtype: a `kv_cache_dtype` (pagedkv.kv_cache: "auto" is the compute dtype; fp8 and the per-token-head
+    int8/int4 formats store less per token), kept under its canonical name ("fp8" becomes "fp8_e4m3").
+    calculate_kv_scales (fp8 only): None computes the per-layer scales from the first batch when the
+    checkpoint has none, True always computes them, False takes the checkpoint's or 1.0.
+    num_gpu_blocks / num_cpu_blocks: set once the pool is sized (vLLM's fields; the metrics report them).
+    """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -91,8 +105,14 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     watermark: float = 0.01
     hash_algo: str = "sha256"
+    cache_dtype: str = "auto"
+    calculate_kv_scales: bool | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        self.cache_dtype = kv_cache_format(self.cache_dtype).name  # ValueError listing the valid values
+        _check_calculate_kv_scales(self.calculate_kv_scales)
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -101,6 +121,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+
+    def metrics_info(self) -> dict[str, str]:
+        """Every field as a string: the labels of the `vllm:cache_config_info` gauge (vLLM's method)."""
+        return {name: str(getattr(self, name)) for name in self.__dataclass_fields__}
 
 
 @dataclass(slots=True)
@@ -160,11 +184,20 @@ class EngineArgs:
     # The core's compute CPUs (engine/cpu_binding.py): "auto", "all", "nobind" or a list such as "0-3";
     # None reads $PAGEDKV_CPU_THREADS_BIND.
     cpu_threads_bind: str | None = None
+    # The KV cache's storage format (vLLM's name; pagedkv.kv_cache.KV_CACHE_DTYPES) and, for fp8, where its
+    # per-layer scales come from (CacheConfig.calculate_kv_scales).
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool | None = None
+
+    def __post_init__(self) -> None:
+        kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
+        _check_calculate_kv_scales(self.calculate_kv_scales)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
-                           enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo)
+                           enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo,
+                           cache_dtype=self.kv_cache_dtype, calculate_kv_scales=self.calculate_kv_scales)
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
         return SchedulerConfig(

@@ -5,7 +5,9 @@ questions one asks before a launch: how many bytes a token and a block of
 KV cache take, how many blocks a memory budget holds, and how many
 sequences of a given context fit at once. The per-token figure comes from
 `pagedkv.engine.memory_pool.kv_cache_spec`, the function the engine sizes
-its own pool with, so the tool and the engine cannot disagree.
+its own pool with, so the tool and the engine cannot disagree; it counts
+the cache in `--kv-cache-dtype`'s format (fp8: one byte a value; int8/int4
+per token head: one or half a byte a value plus a 4-byte scale pair).
 
 The budget is either `--kv-cache-memory` bytes, or a device of
 `--gpu-memory` bytes of which `--gpu-memory-utilization` goes to weights +
@@ -29,6 +31,8 @@ import torch
 
 from pagedkv.config import SUPPORTED_BLOCK_SIZES, ModelConfig, resolve_dtype
 from pagedkv.engine.memory_pool import kv_cache_spec, tokens_held_at_most
+from pagedkv.kv_cache import SCALE_PAIR_BYTES, kv_cache_format
+from pagedkv.supported import kv_cache_format_refusal
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -94,6 +98,7 @@ class KVCalcResult:
     model: str
     dtype: str
     block_size: int
+    kv_cache_dtype: str  # the cache's storage format (canonical name); "auto" stores `dtype`
     tensor_parallel_size: int
     num_layers: int
     num_kv_heads: int
@@ -137,8 +142,12 @@ def kv_budget(weight_bytes: int, kv_cache_memory: int | None, gpu_memory: int | 
 def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: int = 16, context: int | None = None,
             kv_cache_memory: int | None = None, gpu_memory: int | None = None,
             gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-            activation_memory: int = 0) -> KVCalcResult:
-    """Sizes the KV cache of `model` (see the module docstring). context: default the model's max length."""
+            activation_memory: int = 0, kv_cache_dtype: str = "auto") -> KVCalcResult:
+    """Sizes the KV cache of `model` (see the module docstring). context: default the model's max length.
+
+    dtype: the compute dtype (the weights' bytes, and the cache's under kv_cache_dtype "auto").
+    """
+    fmt = kv_cache_format(kv_cache_dtype)
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
@@ -146,13 +155,16 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
     config_path = find_config(model)
     cfg = ModelConfig.from_pretrained(config_path.parent)
     cfg.check_tensor_parallel_size(tensor_parallel_size)
+    problem = kv_cache_format_refusal(fmt, cfg.head_dim, block_size)
+    if problem:
+        raise ValueError(problem)
     # "auto": the checkpoint's own dtype (float16 when the config names none), i.e. what it was trained/stored in.
     torch_dtype = resolve_dtype((cfg.torch_dtype or torch.float16) if dtype == "auto" else dtype, None,
                                 torch.device("cpu"))
     context = context or cfg.max_position_embeddings
     if context < 1:
         raise ValueError(f"context must be >= 1 token, got {context}")
-    spec = kv_cache_spec(cfg, torch_dtype, block_size, tensor_parallel_size)
+    spec = kv_cache_spec(cfg, torch_dtype, block_size, tensor_parallel_size, fmt.name)
     window = cfg.kv_sliding_window
     # A decoding sequence of an all-sliding model keeps the blocks of its window only (the block manager frees
     # the others), however long its context.
@@ -166,6 +178,7 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
     budget, how = kv_budget(weight_bytes, kv_cache_memory, gpu_memory, gpu_memory_utilization, activation_memory)
     result = KVCalcResult(
         model=str(config_path.parent), dtype=str(torch_dtype).removeprefix("torch."), block_size=block_size,
+        kv_cache_dtype=fmt.name,
         tensor_parallel_size=tensor_parallel_size, num_layers=cfg.num_hidden_layers,
         num_kv_heads=max(1, cfg.num_key_value_heads // tensor_parallel_size), head_dim=cfg.head_dim,
         bytes_per_token=spec.bytes_per_token, bytes_per_block=spec.bytes_per_block, context=context,
@@ -176,6 +189,15 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
         result.num_tokens = result.num_blocks * block_size
         result.max_concurrent_seqs = result.num_blocks // -(-held // block_size)
     return result
+
+
+def _per_token_rule(kv_cache_dtype: str) -> str:
+    """How a token's bytes add up in this format."""
+    fmt = kv_cache_format(kv_cache_dtype)
+    if fmt.per_token_scale:
+        values = "head_dim" if fmt.values_per_element == 1 else f"head_dim / {fmt.values_per_element}"
+        return f"2 x layers x KV heads x ({values} bytes + {SCALE_PAIR_BYTES}-byte scale pair)"
+    return "2 x layers x KV heads x head_dim x " + ("1 byte" if fmt.quantized else "dtype bytes")
 
 
 def _gib(n: int) -> str:
@@ -189,7 +211,8 @@ def format_report(r: KVCalcResult) -> str:
         f"model           {r.model}",
         f"shape           {r.num_layers} layers x {r.num_kv_heads} KV heads{per} x head_dim {r.head_dim}, {r.dtype}"
         + (f", tensor parallel {r.tensor_parallel_size}" if r.tensor_parallel_size > 1 else ""),
-        f"per token       {r.bytes_per_token:,} bytes{per} (2 x layers x KV heads x head_dim x dtype bytes)",
+        f"kv_cache_dtype  {r.kv_cache_dtype}" + ("" if r.kv_cache_dtype != "auto" else f" ({r.dtype})"),
+        f"per token       {r.bytes_per_token:,} bytes{per} ({_per_token_rule(r.kv_cache_dtype)})",
         f"per block       {r.bytes_per_block:,} bytes ({r.block_size} tokens)",
         f"one sequence    {_gib(r.bytes_per_sequence)} at {r.context} tokens "
         f"({100 * r.bytes_per_sequence / max(r.weight_bytes, 1):.1f}% of the weights)"

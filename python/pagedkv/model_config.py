@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.kv_cache import kv_cache_format
 from pagedkv.supported import ARCHITECTURES, MODEL_TYPES, SUPPORTED_HEAD_SIZES, TEXT_OF_MULTIMODAL
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -223,15 +224,18 @@ class ModelConfig:
                 f"{self.num_key_value_heads} KV heads, intermediate size {self.mlp_shard_size}, vocabulary "
                 f"{self.vocab_size}); valid sizes: {valid}")
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-        """KV-cache bytes one token takes on one device: 2 (K and V) x layers x kv heads x head_dim x dtype bytes.
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1,
+                           kv_cache_dtype: str = "auto") -> int:
+        """KV-cache bytes one token takes on one device: 2 (K and V) x layers x kv heads x bytes per token and head.
 
-        With tensor parallelism each device holds its share of the KV heads
-        (at least one: heads are replicated when there are fewer than devices).
+        Bytes per token and head are head_dim x the element size for "auto" (the compute dtype `dtype`) and
+        fp8, head_dim (int8) or head_dim / 2 (int4) bytes plus the 4-byte (scale, zero) pair for the
+        per-token-head formats (`KVCacheFormat.bytes_per_token_head`). With tensor parallelism each device
+        holds its share of the KV heads (at least one: heads are replicated when there are fewer than devices).
         """
         kv_heads = max(1, self.num_key_value_heads // tensor_parallel_size)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * kv_heads * self.head_dim * itemsize
+        per_head = kv_cache_format(kv_cache_dtype).bytes_per_token_head(self.head_dim, dtype)
+        return 2 * self.num_hidden_layers * kv_heads * per_head
 
 
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:

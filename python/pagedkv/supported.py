@@ -40,3 +40,21 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM", "mixtral": "MixtralForCausalLM",
 }
+
+
+def kv_cache_format_refusal(fmt, head_size: int, block_size: int) -> str | None:
+    """Why the KV-cache format `fmt` (a pagedkv.kv_cache.KVCacheFormat) cannot store heads of `head_size` in blocks
+    of `block_size` tokens, or None when it can.
+
+    The one rule every caller shares (the engine at start, kv-calc): a head must be a whole number of stored
+    elements (int4 packs two codes a byte), and the kernels' head and block sizes hold for every format.
+    """
+    name = f"kv_cache_dtype {fmt.name}"
+    if head_size % fmt.values_per_element:
+        return (f"{name} packs {fmt.values_per_element} values a byte, so head_size must be a multiple of "
+                f"{fmt.values_per_element}; this model's is {head_size}")
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        return f"{name}: head_size {head_size} is not supported (supported: {SUPPORTED_HEAD_SIZES})"
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        return f"{name}: block_size {block_size} is not supported (supported: {SUPPORTED_BLOCK_SIZES})"
+    return None

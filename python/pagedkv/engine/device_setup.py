@@ -21,7 +21,7 @@ from pagedkv.engine.memory_pool import (
     needs_activation_profile,
     plan_kv_cache,
 )
-from pagedkv.engine.model_runner import ModelRunner, profile_activation_peak
+from pagedkv.engine.model_runner import ModelRunner, check_kv_cache_dtype, profile_activation_peak
 from pagedkv.model.loader import LoadedModel
 
 
@@ -47,9 +47,11 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
     driver = tp is None or tp.is_driver
     loaded = loaded or LoadedModel.load(args, tp.device if tp else None, with_tokenizer=driver)
     cc, sc = args.cache_config(), args.scheduler_config(loaded.model.config)
+    check_kv_cache_dtype(cc.cache_dtype, loaded.model.config.head_dim, cc.block_size, loaded.device)
     if tp is not None:
         tp.barrier()  # every rank has its shard
     plan = _plan_cache(loaded, cc, sc, args.seed, tp)
+    cc.num_gpu_blocks, cc.num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
     bm = (BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark, cc.enable_prefix_caching,
                        cc.hash_algo, sliding_window=loaded.model.config.kv_sliding_window) if driver else None)
     runner = ModelRunner(loaded.model, bm, cc, sc, plan.num_blocks, plan.num_cpu_blocks, loaded.dtype,
@@ -62,7 +64,8 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
 def _plan_cache(loaded: LoadedModel, cc: CacheConfig, sc: SchedulerConfig, seed: int,
                 tp: TPRuntime | None) -> KVCachePlan:
     """Every rank measures its own budget (its free memory, its activation peak); all take the smallest count."""
-    spec = kv_cache_spec(loaded.model.config, loaded.dtype, cc.block_size, tp.world_size if tp else 1)
+    spec = kv_cache_spec(loaded.model.config, loaded.dtype, cc.block_size, tp.world_size if tp else 1,
+                         cc.cache_dtype)
     peak = (profile_activation_peak(loaded.model, cc, sc, loaded.dtype, loaded.device, seed)
             if needs_activation_profile(cc, loaded.device) else 0)
     num_blocks = local_num_blocks(spec, cc, loaded.device, peak, tp.local_world_size if tp else 1)

@@ -161,10 +161,11 @@ class LLMEngine:
         cc, sc, spec = self.cache_config, self.scheduler_config, plan.spec
         tokens = plan.num_blocks * cc.block_size
         per_device = f" per device (x{self.tp.world_size} ranks)" if self.tp else ""
-        logger.info("KV cache%s: %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); max concurrency at "
-                    "max_model_len=%d: %.1fx; swap: %d CPU blocks; prefix caching %s", per_device, plan.num_blocks,
-                    cc.block_size, tokens, spec.bytes_per_token, plan.num_blocks * spec.bytes_per_block / GiB,
-                    sc.max_model_len, tokens / sc.max_model_len, plan.num_cpu_blocks,
+        logger.info("KV cache%s: kv_cache_dtype %s, %d blocks x %d tokens = %d tokens, %d bytes a token (%.2f GiB); "
+                    "max concurrency at max_model_len=%d: %.1fx; swap: %d CPU blocks; prefix caching %s", per_device,
+                    spec.cache_dtype, plan.num_blocks, cc.block_size, tokens, spec.bytes_per_token,
+                    plan.num_blocks * spec.bytes_per_block / GiB, sc.max_model_len, tokens / sc.max_model_len,
+                    plan.num_cpu_blocks,
                     "on" if cc.enable_prefix_caching else "off")
 
     def shutdown(self) -> None:

@@ -1,9 +1,14 @@
 """Sizing the KV-cache memory pool: bytes per token and per block, and how many blocks fit.
 
-KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes
-(per device: a tensor-parallel rank holds its share of the KV heads). A
-7B Llama (32 layers, 32 KV heads, head_dim 128, fp16) takes 524,288 bytes a
-token, 536,870,912 for a 1024-token sequence.
+KV bytes per token = 2 (K and V) x layers x KV heads x bytes per token and
+head (per device: a tensor-parallel rank holds its share of the KV heads).
+Bytes per token and head depend on the cache dtype (`kv_cache_dtype`,
+pagedkv.kv_cache): head_dim x the compute dtype's bytes for "auto", head_dim
+for fp8, head_dim (int8) or head_dim / 2 (int4) plus a 4-byte (scale, zero)
+pair for the per-token-head formats. A 7B Llama (32 layers, 32 KV heads,
+head_dim 128, fp16) takes 524,288 bytes a token, 536,870,912 for a
+1024-token sequence; 262,144 a token in fp8, 139,264 in int4.
+The CPU swap pool uses the same format, so its blocks are the same bytes.
 
 The budget: on CUDA, gpu_memory_utilization x total device memory, minus the
 weights, minus the activation peak of a profiling forward at
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.config import CacheConfig, GiB, ModelConfig, SchedulerConfig
+from pagedkv.kv_cache import kv_cache_format
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ class KVCacheSpec:
 
     bytes_per_token: int
     block_size: int
+    cache_dtype: str = "auto"  # the kv_cache_dtype the bytes are counted for (canonical name)
 
     @property
     def bytes_per_block(self) -> int:
@@ -50,9 +57,14 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size) * self.bytes_per_block
 
 
-def kv_cache_spec(cfg: ModelConfig, dtype: torch.dtype, block_size: int, tensor_parallel_size: int = 1) -> KVCacheSpec:
-    """The one place bytes per token / per block are computed (the engine and sizing tools share it)."""
-    return KVCacheSpec(cfg.kv_bytes_per_token(dtype, tensor_parallel_size), block_size)
+def kv_cache_spec(cfg: ModelConfig, dtype: torch.dtype, block_size: int, tensor_parallel_size: int = 1,
+                  cache_dtype: str = "auto") -> KVCacheSpec:
+    """The one place bytes per token / per block are computed (the engine and sizing tools share it).
+
+    dtype: the compute dtype (what "auto" stores); cache_dtype: the kv_cache_dtype (scale planes counted).
+    """
+    name = kv_cache_format(cache_dtype).name
+    return KVCacheSpec(cfg.kv_bytes_per_token(dtype, tensor_parallel_size, name), block_size, name)
 
 
 def available_ram() -> int:
@@ -112,8 +124,8 @@ def check_fits(spec: KVCacheSpec, num_blocks: int, watermark_blocks: int, max_mo
                 f"the {needed} one sequence of this sliding-window model (window {sliding_window}) can hold at once")
         raise ValueError(
             f"the KV cache holds {max(usable, 0)} tokens ({num_blocks} blocks of {spec.block_size}, "
-            f"{spec.bytes_per_token} bytes a token), fewer than {what}: raise {setting} "
-            f"or lower max_model_len")
+            f"{spec.bytes_per_token} bytes a token in kv_cache_dtype {spec.cache_dtype}), fewer than {what}: "
+            f"raise {setting} or lower max_model_len")
 
 
 @dataclass(slots=True, frozen=True)

@@ -9,6 +9,13 @@ computed only for the rows whose next token is sampled.
 Sliding-window models: the block tables carry DROPPED_BLOCK (-1) where the
 block manager released a block before the window; the attention ops, given
 the layer's window, neither read nor index-check an entry wholly before it.
+
+Quantized caches (`kv_cache_dtype`, pagedkv.kv_cache): each layer's KVCache
+carries its format and scales, and every op gets them. A block is its value
+rows plus, for the per-token-head formats, its scale-plane rows: swapping
+and copy-on-write move both. fp8's per-layer scales are not block data;
+they come from the checkpoint, or from the first step with prefill tokens
+(`calculate_kv_scales`), or are 1.0 (pagedkv.model.kv_scales).
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ from pagedkv.core.sequence import Sequence
 from pagedkv.core.step_batch import BlockOps, StepBatch
 from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.engine.cuda_graphs import DecodeGraphs
+from pagedkv.kv_cache import KVCache, allocate_layer_cache, kv_cache_format
 from pagedkv.model.attention import AttentionMetadata
+from pagedkv.model.kv_scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from pagedkv.model.protocol import CausalLM
 from pagedkv.model.sampler import Sampler, SamplingBatch
 from pagedkv.outputs import SamplerOutput
+from pagedkv.supported import kv_cache_format_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -46,23 +56,60 @@ class StepInputs:
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device, pin: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+                      device: torch.device, pin: bool = False, kv_cache_dtype: str = "auto") -> list[KVCache]:
+    """Per layer a KVCache: key/value [num_blocks, block_size, num_kv_heads, X] in `kv_cache_dtype`'s format
+    (X = head_dim, or head_dim / 2 for int4), with its scale planes or per-layer fp8 scales (dtype: the compute
+    dtype, what "auto" stores).
 
     CPU memory is left untouched until blocks are written (the kernels never
     read a slot before it is written) and is backed by transparent huge pages
-    where the host allows (pagedkv.host_memory: fewer TLB misses in decode).
+    where the host allows (pagedkv.host_memory: fewer TLB misses in decode);
+    the scale planes too, as they are read beside the values. CUDA caches are
+    zeroed; `pin`: page-locked CPU memory (a CUDA engine's swap cache).
     """
-    shape = (num_blocks, block_size, num_kv_heads, cfg.head_dim)
+    fmt = kv_cache_format(kv_cache_dtype)
 
-    def make() -> torch.Tensor:
+    def make(shape: tuple[int, ...], element: torch.dtype) -> torch.Tensor:
         if device.type == "cpu" and not pin:
-            return host_memory.empty_huge_pages(shape, dtype)
+            return host_memory.empty_huge_pages(shape, element)
         if device.type == "cuda":
-            return torch.zeros(shape, dtype=dtype, device=device)
-        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+            return torch.zeros(shape, dtype=element, device=device)
+        return torch.empty(shape, dtype=element, device=device, pin_memory=pin)
 
-    return [(make(), make()) for _ in range(cfg.num_hidden_layers)]
+    return [allocate_layer_cache(fmt, num_blocks, block_size, num_kv_heads, cfg.head_dim, dtype, make)
+            for _ in range(cfg.num_hidden_layers)]
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, head_size: int, block_size: int, device: torch.device) -> None:
+    """Refuses at start a cache dtype this model or this machine cannot run, naming the setting.
+
+    The format's head and block size rule is `pagedkv.supported.kv_cache_format_refusal`; on the CPU the
+    quantized kernels exist in the AVX2 and AVX-512 variants only, not in the "default" one.
+    """
+    fmt = kv_cache_format(kv_cache_dtype)
+    problem = kv_cache_format_refusal(fmt, head_size, block_size)
+    if problem:
+        raise ValueError(f"{problem}; use kv_cache_dtype='auto'")
+    if fmt.quantized and device.type == "cpu" and ops.cpu_capability() == "default":
+        raise ValueError(f"kv_cache_dtype={fmt.name} needs the AVX2 or AVX-512 CPU kernels, and this process runs "
+                         "the 'default' ones (a CPU without AVX2, or PAGEDKV_CPU_CAPABILITY=default); use "
+                         "kv_cache_dtype='auto'")
+
+
+def fp8_scale_source(calculate: bool | None, found: list[tuple[float | None, float | None]]) -> str:
+    """Where an fp8 cache's scales come from: "calculate" (the first batch), "checkpoint" or "one" (1.0).
+
+    found: per layer the checkpoint's (k_scale, v_scale), None where it has none. vLLM's rule, with None
+    computing only what the checkpoint does not give: True always computes, False never does.
+    """
+    has_any = any(s is not None for pair in found for s in pair)
+    if calculate or (calculate is None and not has_any):
+        return "calculate"
+    return "checkpoint" if has_any else "one"
+
+
+def _scale_range(values: list[float]) -> str:
+    return f"{min(values):.4g}" if min(values) == max(values) else f"{min(values):.4g}-{max(values):.4g}"
 
 
 class ModelRunner:
@@ -80,10 +127,15 @@ class ModelRunner:
         self.model, self.bm, self.dtype, self.device, self.channel = model, block_manager, dtype, device, channel
         cfg = model.config
         self.block_size = cache_config.block_size
-        self.kv_caches = allocate_kv_cache(cfg, model.num_kv_heads, num_gpu_blocks, self.block_size, dtype, device)
+        self.kv_format = kv_cache_format(cache_config.cache_dtype)
+        # The swap cache has the same format, so a block swaps as bytes, scale-plane rows included.
+        self.kv_caches = allocate_kv_cache(cfg, model.num_kv_heads, num_gpu_blocks, self.block_size, dtype, device,
+                                           kv_cache_dtype=self.kv_format.name)
         self.cpu_caches = (allocate_kv_cache(cfg, model.num_kv_heads, num_cpu_blocks, self.block_size, dtype,
-                                             torch.device("cpu"), pin=device.type == "cuda")
+                                             torch.device("cpu"), pin=device.type == "cuda",
+                                             kv_cache_dtype=self.kv_format.name)
                            if num_cpu_blocks else [])
+        self.kv_scales_pending = self._init_kv_scales(cache_config.calculate_kv_scales)
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.sliding_window = cfg.kv_sliding_window or 0  # entries before it are dropped blocks
         max_seqs, max_tokens = scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
@@ -99,6 +151,46 @@ class ModelRunner:
                                        scheduler_config.max_model_len)
             self.graphs.capture()
 
+    # --- fp8 scales ------------------------------------------------------------
+    def _init_kv_scales(self, calculate: bool | None) -> bool:
+        """Puts the checkpoint's fp8 scales (else 1.0) into each layer's KVCache; returns whether the first step
+        with prefill tokens is to compute them (`fp8_scale_source`)."""
+        if not self.kv_format.is_fp8:
+            if calculate and self.kv_format.quantized:
+                logger.info("calculate_kv_scales: %s has no per-tensor scales (each token's are written with it)",
+                            self.kv_format.name)
+            return False
+        found = self.model.checkpoint_kv_scales()
+        source = fp8_scale_source(calculate, found)
+        name = self.kv_format.name
+        if source == "calculate":
+            logger.info("fp8 KV-cache scales (%s): computed from the first batch with prefill tokens, per layer "
+                        "(amax / %g for K, / %g for V)%s", name, K_SCALE_CONSTANT, V_SCALE_CONSTANT,
+                        "; the checkpoint's are not used (calculate_kv_scales=True)"
+                        if any(s is not None for pair in found for s in pair) else "")
+            return True
+        for kv, (k, v) in zip(self.kv_caches, found, strict=True):
+            kv.k_scale.fill_(1.0 if k is None else k)
+            kv.v_scale.fill_(1.0 if v is None else v)
+        if source == "one":
+            logger.info("fp8 KV-cache scales (%s): 1.0 (calculate_kv_scales=False and the checkpoint has none)", name)
+            return False
+        missing = sum(s is None for pair in found for s in pair)
+        ks, vs = [k for k, _ in found if k is not None], [v for _, v in found if v is not None]
+        logger.info("fp8 KV-cache scales (%s): from the checkpoint, k_scale %s, v_scale %s%s", name,
+                    _scale_range(ks) if ks else "none", _scale_range(vs) if vs else "none",
+                    f" ({missing} of {2 * len(found)} missing: 1.0)" if missing else "")
+        return False
+
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Per layer the fp8 cache's (k_scale, v_scale) now (a device sync; for logs and tests)."""
+        return [(kv.k_scale.item(), kv.v_scale.item()) for kv in self.kv_caches]
+
+    def _log_calibrated_scales(self) -> None:
+        scales = self.kv_scales()
+        logger.info("fp8 KV-cache scales (%s) computed from the first batch: k_scale %s, v_scale %s",
+                    self.kv_format.name, _scale_range([k for k, _ in scales]), _scale_range([v for _, v in scales]))
+
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor | None:
         """The forward a decode graph captures: logits of every row (a graph's batch is all decodes)."""
@@ -111,13 +203,17 @@ class ModelRunner:
             if not pairs:
                 continue
             mapping = torch.tensor(pairs, dtype=torch.int64)
-            for (gk, gv), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
-                src_k, dst_k, src_v, dst_v = (gk, ck, gv, cv) if gpu_to_cpu else (ck, gk, cv, gv)
-                ops.swap_blocks(src_k, dst_k, mapping)
-                ops.swap_blocks(src_v, dst_v, mapping)
+            for gpu, cpu in zip(self.kv_caches, self.cpu_caches, strict=True):
+                # Values, then the per-token scale planes: every tensor a block id indexes.
+                for g, c in zip(gpu.block_tensors(), cpu.block_tensors(), strict=True):
+                    ops.swap_blocks(*((g, c) if gpu_to_cpu else (c, g)), mapping)
         if block_ops.copy:
             mapping = torch.tensor(block_ops.copy, dtype=torch.int64, device=self.device)
-            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+            planes = ({"key_scales": [kv.k_scale for kv in self.kv_caches],
+                       "value_scales": [kv.v_scale for kv in self.kv_caches]}
+                      if self.kv_format.per_token_scale else {})
+            ops.copy_blocks([kv.key for kv in self.kv_caches], [kv.value for kv in self.kv_caches], mapping,
+                            **planes)
 
     # --- inputs --------------------------------------------------------------
     def build_batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[Sequence]]:
@@ -249,8 +345,14 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         inputs = self.device_inputs(batch)
+        # Every rank decides alike (same batch, same state), and each computes the scales of its own heads.
+        calibrate = self.kv_scales_pending and batch.num_prefills > 0
+        inputs.meta.calibrate_kv_scales = calibrate
         with ops.index_checks(False):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if calibrate:  # only once the forward went through: a failed step leaves it to the next one
+            self.kv_scales_pending = False
+            self._log_calibrated_scales()
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     @torch.inference_mode()

@@ -9,6 +9,11 @@ first writes the step's new K/V into its paged cache (the fused
 `rotary_embedding_and_cache`, or `reshape_and_cache` after an unfused rotation;
 see `LlamaAttention`), so a prefill chunk attends to its own tokens and to
 everything cached before.
+
+The cache is a `pagedkv.kv_cache.KVCache`: its `op_args` (kv_cache_dtype and
+the k/v scales of a quantized format; nothing for "auto") go to every op that
+reads or writes it, so an unquantized layer calls the kernels exactly as
+before, and a CUDA graph captures the scale tensors by address.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedkv import ops
+from pagedkv.kv_cache import KVCache
 
 
 @dataclass(slots=True)
@@ -44,6 +50,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor
     prefill_max_query_len: int
     prefill_max_seq_len: int
+    # fp8 caches: this step sets each layer's k/v scales from its keys and values before writing them (the
+    # first step with prefill tokens, when calculate_kv_scales asks for it; never a capture or profile forward).
+    calibrate_kv_scales: bool = False
 
 
 class PagedAttention(nn.Module):
@@ -61,8 +70,7 @@ class PagedAttention(nn.Module):
         self.extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
                       if v}
 
-    def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, num_heads, head_size] (a strided view is fine) -> [T, num_heads * head_size]."""
         key_cache, value_cache = kv_cache
         nd = meta.num_decode_tokens
@@ -70,13 +78,14 @@ class PagedAttention(nn.Module):
         if nd:
             parts.append(torch.ops.pagedkv.paged_attention(
                 q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                meta.decode_max_seq_len, None, **self.extra))
+                meta.decode_max_seq_len, None, **self.extra, **kv_cache.op_args))
         if meta.num_prefills:
             qp = q[nd:]
             out = torch.empty(qp.shape, dtype=q.dtype, device=q.device)
             ops.paged_prefill_attention(out, qp, key_cache, value_cache, meta.prefill_block_tables,
                                         meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale,
-                                        meta.prefill_max_query_len, meta.prefill_max_seq_len, **self.extra)
+                                        meta.prefill_max_query_len, meta.prefill_max_seq_len, **self.extra,
+                                        **kv_cache.op_args)
             parts.append(out)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(out.shape[0], self.num_heads * self.head_size)

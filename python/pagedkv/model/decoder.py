@@ -23,6 +23,7 @@ from torch import nn
 
 from pagedkv import ops
 from pagedkv.model.attention import AttentionMetadata, PagedAttention
+from pagedkv.model.kv_scales import checkpoint_scale_value, kv_scale_target
 from pagedkv.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -114,6 +115,10 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, d, self.num_kv_heads, cfg.attention_scale,
                                    sliding_window=cfg.layer_window(layer),
                                    logits_soft_cap=cfg.attn_logit_softcapping or 0.0)
+        # The checkpoint's fp8 KV-cache scales of this layer, if it has them (plain floats, not parameters: a
+        # checkpoint without them is complete); the runner copies them into the layer's KVCache.
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
 
     def forward(self, hidden: torch.Tensor, pos: StepPositions, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -128,7 +133,7 @@ class DecoderAttention(nn.Module):
             q, k = self._full_norm(self.q_norm, q), self._full_norm(self.k_norm, k)
         v = qkv[:, qs + ks:].view(t, self.num_kv_heads, d)
         q = self.rotary_emb.apply(pos, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v, kv_cache,
-                                  meta.slot_mapping)
+                                  meta.slot_mapping, calibrate=meta.calibrate_kv_scales)
         return self.o_proj(self.attn(q, kv_cache, meta))
 
     @staticmethod
@@ -220,11 +225,35 @@ class DecoderForCausalLM(nn.Module):
                 return name.replace(f".{part}.", f".{fused}."), shard
         return name, None
 
+    def checkpoint_kv_scales(self) -> list[tuple[float | None, float | None]]:
+        """Per layer, the checkpoint's (k_scale, v_scale) for an fp8 KV cache (None where it has none)."""
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.layers]
+
+    def load_kv_scale(self, name: str, tensor) -> bool:
+        """Keeps `name`'s value if it is a KV-cache scale (pagedkv.model.kv_scales); False for other tensors."""
+        target = kv_scale_target(name)
+        if target is None:
+            return False
+        layer, which = target
+        if which and layer < len(self.layers):  # "": an attention scale the KV cache does not use
+            value = checkpoint_scale_value(tensor)
+            attn = self.layers[layer].self_attn
+            if "k" in which:
+                attn.k_scale = value
+            if "v" in which:
+                attn.v_scale = value
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors (HF names) into the parameters; returns the names of those loaded."""
+        """Copies checkpoint tensors (HF names) into the parameters; returns the names of those loaded.
+
+        KV-cache scales are kept on their layer's attention (`checkpoint_kv_scales`), not loaded as parameters.
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            if self.load_kv_scale(name, tensor):
+                continue
             for target, shard, part in self.split_checkpoint_tensor(name.removeprefix("model."), tensor):
                 self._load_one(params, target, shard, part, name)
                 loaded.add(target)

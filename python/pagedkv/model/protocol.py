@@ -2,10 +2,12 @@
 
 A model runs one flat batch per step (no padding): `forward` takes the step's
 token ids and positions [num_tokens] and this rank's paged KV caches, one
-(key_cache, value_cache) pair per layer, and returns hidden states
-[num_tokens, hidden_size]; `compute_logits` turns the rows to sample into
-float32 logits (rank 0 only under tensor parallelism). `load_weights` takes
-checkpoint tensors by their HF names.
+`KVCache` per layer (pagedkv.kv_cache: key and value tensors, which it
+unpacks to, plus the format and scales the ops take), and returns hidden
+states [num_tokens, hidden_size]; `compute_logits` turns the rows to sample
+into float32 logits (rank 0 only under tensor parallelism). `load_weights`
+takes checkpoint tensors by their HF names; `checkpoint_kv_scales` gives the
+fp8 KV-cache scales the checkpoint had, per layer.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from pagedkv.config import ModelConfig
+from pagedkv.kv_cache import KVCache
 from pagedkv.model.attention import AttentionMetadata
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+__all__ = ["CausalLM", "KVCache"]
 
 
 @runtime_checkable
@@ -36,3 +39,7 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def checkpoint_kv_scales(self) -> list[tuple[float | None, float | None]]:
+        """Per layer, the (k_scale, v_scale) the checkpoint gave an fp8 KV cache (None where it gave none)."""
+        ...

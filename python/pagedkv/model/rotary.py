@@ -9,7 +9,8 @@ Where the fused kernel serves the dtype and device, `rotate_and_cache` rotates
 q and k in place and writes k and v to the paged cache in one op
 (`pagedkv.ops.rotary_embedding_and_cache`); elsewhere the model looks cos/sin
 up once per step (`lookup`), rotates with `forward`, then calls
-`reshape_and_cache`.
+`reshape_and_cache`. Both pass the layer cache's `op_args` (its kv_cache_dtype
+and scales; none for "auto"), so the kernels quantize what they write.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from pagedkv import ops
+from pagedkv.kv_cache import KVCache
+from pagedkv.model.kv_scales import calibrate_fp8_scales
 
 logger = logging.getLogger(__name__)
 
@@ -130,19 +133,27 @@ class RotaryEmbedding(nn.Module):
         return out
 
     def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+                         kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
         """The fused path: q [T, heads, head_dim] and k rotated in place, k and v written to their slots."""
-        ops.rotary_embedding_and_cache(positions, q, k, v, kv_cache[0], kv_cache[1], slot_mapping, self.cos_sin,
-                                       True)
+        ops.rotary_embedding_and_cache(positions, q, k, v, kv_cache.key, kv_cache.value, slot_mapping, self.cos_sin,
+                                       True, **kv_cache.op_args)
 
-    def apply(self, pos: StepPositions, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Rotates q [T, heads, D] and k, writes k and v to the cache; returns the rotated q (q itself when fused)."""
-        if pos.fused:
+    def apply(self, pos: StepPositions, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+              slot_mapping: torch.Tensor, calibrate: bool = False) -> torch.Tensor:
+        """Rotates q [T, heads, D] and k, writes k and v to the cache; returns the rotated q (q itself when fused).
+
+        calibrate: an fp8 cache's k/v scales are first set from the rotated k and v (pagedkv.model.kv_scales),
+        on the unfused path (the scales must be known before the write, which the fused op does in the same
+        pass); one step per engine, so its cost does not matter.
+        """
+        if pos.fused and not calibrate:
             self.rotate_and_cache(pos.positions, q, k, v, kv_cache, slot_mapping)
             return q
         cos, sin = pos.cos_sin(self)
-        ops.reshape_and_cache(self(k, cos, sin), v, kv_cache[0], kv_cache[1], slot_mapping)
+        k = self(k, cos, sin)
+        if calibrate and kv_cache.format.is_fp8:
+            calibrate_fp8_scales(kv_cache, k, v)
+        ops.reshape_and_cache(k, v, kv_cache.key, kv_cache.value, slot_mapping, **kv_cache.op_args)
         return self(q, cos, sin)
 
 

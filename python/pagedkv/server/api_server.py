@@ -331,7 +331,8 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
         options = dataclasses.replace(options, api_keys=options.api_keys + parse_api_keys(api_key))
     engine = engine or make_engine(args, loaded, default_core="process")
     model_names = list(served_model_names or [str(args.model) if args.model else engine.model_name])
-    metrics = ServerMetrics(model_names[0], engine.scheduler_config.max_model_len, log_interval_s)
+    metrics = ServerMetrics(model_names[0], engine.scheduler_config.max_model_len, log_interval_s,
+                            cache_info=engine.cache_config.metrics_info())
     async_engine = AsyncEngine(engine, metrics)
 
     @asynccontextmanager

@@ -11,7 +11,10 @@ Existing vLLM dashboards query `vllm:*` series labelled `model_name` (and
   outputs leave the engine (`request_output`): time to first token, the
   interval between consecutive outputs (inter-token latency), time per output
   token, end-to-end latency, queue / prefill / decode / inference time, prompt
-  and generation lengths.
+  and generation lengths;
+- the engine's cache settings, once: `vllm:cache_config_info`, a gauge of 1
+  whose labels are the CacheConfig fields (`cache_dtype`, `block_size`,
+  `num_gpu_blocks`, ...) and `engine`, as vLLM's.
 
 Everything is registered in a per-server registry, so several servers (tests)
 can live in one process.
@@ -24,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -96,13 +99,20 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """The server's Prometheus registry; the `record_*` / `request_*` methods run on the engine thread."""
 
-    def __init__(self, model_name: str, max_model_len: int, log_interval_s: float = 10.0) -> None:
+    def __init__(self, model_name: str, max_model_len: int, log_interval_s: float = 10.0,
+                 cache_info: dict[str, str] | None = None) -> None:
+        """cache_info: `CacheConfig.metrics_info()`, the labels of vllm:cache_config_info (None: no such gauge)."""
         self.labels = {"model_name": model_name, "engine": "0"}
         self.stats: EngineStats | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(self))
         names = list(self.labels)
         reg = self.registry
+        if cache_info is not None:
+            # vLLM's info gauge: the settings ride in the labels (engine, not model_name, as vLLM labels it).
+            info = {**cache_info, "engine": self.labels["engine"]}
+            Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+                  registry=reg).labels(**info).set(1)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, names, buckets=buckets, registry=reg).labels(**self.labels)
