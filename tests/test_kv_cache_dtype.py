@@ -109,15 +109,6 @@ def test_cli_refuses_an_unknown_kv_cache_dtype(capsys):
     assert "--kv-cache-dtype" in err and "int4_per_token_head" in err  # argparse lists the valid ones
 
 
-def test_quantized_cache_is_refused_on_the_default_cpu_kernels(loaded_model, monkeypatch):
-    from pagedkv import ops
-
-    monkeypatch.setattr(ops, "cpu_capability", lambda: "default")
-    with pytest.raises(ValueError, match="kv_cache_dtype=int8_per_token_head needs the AVX2 or AVX-512 CPU kernels"):
-        make_llm(loaded_model, kv_cache_dtype="int8_per_token_head")
-    check_kv_cache_dtype("auto", 64, 16, CPU)  # the unquantized cache runs on any CPU kernels
-
-
 def test_head_and_block_sizes_a_format_cannot_store_are_refused():
     for name in QUANTIZED:
         for head_size in (64, 80, 96, 112, 128, 256):  # every supported head size is even: int4 packs them all

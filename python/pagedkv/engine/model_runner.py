@@ -83,17 +83,13 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
 def check_kv_cache_dtype(kv_cache_dtype: str, head_size: int, block_size: int, device: torch.device) -> None:
     """Refuses at start a cache dtype this model or this machine cannot run, naming the setting.
 
-    The format's head and block size rule is `pagedkv.supported.kv_cache_format_refusal`; on the CPU the
-    quantized kernels exist in the AVX2 and AVX-512 variants only, not in the "default" one.
+    The format's head and block size rule is `pagedkv.supported.kv_cache_format_refusal` (every CPU
+    kernel variant, "default" included, reads and writes every format).
     """
     fmt = kv_cache_format(kv_cache_dtype)
     problem = kv_cache_format_refusal(fmt, head_size, block_size)
     if problem:
         raise ValueError(f"{problem}; use kv_cache_dtype='auto'")
-    if fmt.quantized and device.type == "cpu" and ops.cpu_capability() == "default":
-        raise ValueError(f"kv_cache_dtype={fmt.name} needs the AVX2 or AVX-512 CPU kernels, and this process runs "
-                         "the 'default' ones (a CPU without AVX2, or PAGEDKV_CPU_CAPABILITY=default); use "
-                         "kv_cache_dtype='auto'")
 
 
 def fp8_scale_source(calculate: bool | None, found: list[tuple[float | None, float | None]]) -> str:
