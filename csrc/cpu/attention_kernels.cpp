@@ -481,12 +481,22 @@ template <typename T, int D>
 inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits,
                      BlockPrefetcher& next) {
   int64_t g = 0;
-  if (G % 2 == 1 && G >= 3) {
+  if constexpr (kCodeRow<T>) {
+    // Codes cost a widening per chunk (more than the FMAs of two heads), so groups of four heads
+    // take four heads x two tokens, and each chunk is widened once for the four.
+    for (; g + 4 <= G; g += 4) {
+      for (int t = 0; t < n; t += 2) {
+        qk_tile<T, D, 4, 2>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
+        next.step();
+      }
+    }
+  }
+  if ((G - g) % 2 == 1 && G - g >= 3) {
     for (int t = 0; t < n; t += 4) {
-      qk_tile<T, D, 3, 4>(q, k + t * k_stride, k_stride, logits + t);
+      qk_tile<T, D, 3, 4>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
       next.step();
     }
-    g = 3;
+    g += 3;
   }
   for (; g + 2 <= G; g += 2) {
     for (int t = 0; t < n; t += 4) {
