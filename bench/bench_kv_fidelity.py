@@ -325,8 +325,8 @@ def pagedkv_kwargs(v: Variant) -> dict:
     kwargs = {}
     if v.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = v.kv_cache_dtype
-    if v.scales == SCALE_CALIBRATED:
-        kwargs["calculate_kv_scales"] = True
+    if v.scales:  # fp8; the engine calibrates by default when the checkpoint has no scales: 1.0 must be asked for
+        kwargs["calculate_kv_scales"] = v.scales == SCALE_CALIBRATED
     missing = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)})
     if missing:
         raise RuntimeError(f"this pagedkv's EngineArgs has no {', '.join(missing)} yet (the engine side of "
