@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
 
-#include "attention/attention_launch.h"  // DType
+#include "attention/attention_launch.h"  // DType, PagedKV
 #include "cache/cache_launch.h"          // KVQuantArgs
 #include "common/validation.h"
 
@@ -46,10 +46,14 @@ inline KVQuantArgs quant_args(const KVCacheArgs& kv) {
   return q;
 }
 
-// The cache formats the CUDA attention kernels read.
-inline void check_cuda_kv_format(const char* op, const KVCacheArgs& kv) {
-  TORCH_CHECK(kv.dims.format == KVCacheDType::kAuto, op,
-              ": reading a quantized kv_cache_dtype has no CUDA kernel in this build (CPU only)");
+// The same for a cache read: fills the format fields of kv.
+inline void set_kv_format(PagedKV& kv, const KVCacheArgs& args) {
+  const KVQuantArgs q = quant_args(args);
+  kv.format = q.format;
+  kv.k_scale = q.k_scale;
+  kv.v_scale = q.v_scale;
+  kv.k_plane = q.k_plane;
+  kv.v_plane = q.v_plane;
 }
 
 inline void check_launch(const char* op, cudaError_t err) {

@@ -178,7 +178,7 @@ class Checker:
 
     @contextlib.contextmanager
     def kv_format(self, op_args):
-        """The launches inside run with the cache format of op_args ({}: auto)."""
+        """The launches inside run with the cache format of op_args (quantize_cache's; {}: auto)."""
         if not op_args:
             yield
             return
@@ -191,6 +191,22 @@ class Checker:
             yield
         finally:
             self.lib.emu_set_kv_format(0, None, None, None, None)
+
+    def quantize_cache(self, kc, vc, kv_cache_dtype, fp8_scales=(0.02, 0.5)):
+        """(key codes, value codes, op_args) of float caches in a quantized format (auto: as they are, {}).
+        fp8_scales: the per-tensor k/v scales (None: no scale tensors, read as 1.0)."""
+        if kv_cache_dtype == "auto":
+            return kc, vc, {}
+        fp8 = kv_cache_dtype.startswith("fp8")
+        if fp8:
+            ks, vs = ((torch.tensor([fp8_scales[0]]), torch.tensor([fp8_scales[1]])) if fp8_scales is not None
+                      else (None, None))
+            kq, _ = self.ref.quantize_kv(kc, kv_cache_dtype, ks)
+            vq, _ = self.ref.quantize_kv(vc, kv_cache_dtype, vs)
+        else:
+            kq, ks = self.ref.quantize_kv(kc, kv_cache_dtype)
+            vq, vs = self.ref.quantize_kv(vc, kv_cache_dtype)
+        return kq.contiguous(), vq.contiguous(), {"kv_cache_dtype": kv_cache_dtype, "k_scale": ks, "v_scale": vs}
 
     def close(self, actual, expected, dtype, what):
         torch.testing.assert_close(
@@ -219,6 +235,8 @@ class Checker:
         max_seq_len=None,
         window=0,
         soft_cap=0.0,
+        kv_cache_dtype="auto",
+        fp8_scales=(0.02, 0.5),
     ):
         """max_seq_len: what the launcher is told (default: the true maximum); a smaller
         value is the lie that skipped index checks let through: v2 must still attend
@@ -230,6 +248,7 @@ class Checker:
             torch.randn(shape, generator=gen).to(dtype),
             torch.randn(shape, generator=gen).to(dtype),
         )
+        kc, vc, op_args = self.quantize_cache(kc, vc, kv_cache_dtype, fp8_scales)
         n = len(seq_lens)
         if strided:  # query as a slice of a bigger projection
             query = torch.randn(n, 2, num_heads, head_size, generator=gen).to(dtype)[
@@ -254,7 +273,8 @@ class Checker:
         exp_sums = torch.full((n, num_heads, parts), float("nan"))
         max_logits = exp_sums.clone()
         tmp_out = torch.full((n, num_heads, parts, head_size), float("nan")).to(dtype)
-        rc = self.lib.emu_decode(
+        with self.kv_format(op_args):
+            rc = self.lib.emu_decode(
             version,
             DTYPE_CODE[dtype],
             ptr(out),
@@ -284,13 +304,14 @@ class Checker:
             soft_cap,
         )
         assert rc == 0, f"launcher returned {rc}"
-        expected = self.ref.paged_attention(query, kc, vc, tables, lens, scale, slopes, window, soft_cap)
+        expected = self.ref.paged_attention(query, kc, vc, tables, lens, scale, slopes, window, soft_cap, **op_args)
         self.close(
             out,
             expected,
             dtype,
             f"decode v{version} {dtype} d={head_size} bs={block_size} "
-            f"heads={num_heads}/{num_kv_heads} max_seq_len={max_len} window={window} cap={soft_cap}",
+            f"heads={num_heads}/{num_kv_heads} max_seq_len={max_len} window={window} cap={soft_cap} "
+            f"kv_cache_dtype={kv_cache_dtype}",
         )
 
     def decode_bad_block(self):
@@ -403,6 +424,7 @@ class Checker:
         odd_stride=False,
         window=0,
         soft_cap=0.0,
+        kv_cache_dtype="auto",
     ):
         """max_query_len: what the launcher is told (default: the true maximum); a smaller
         value (index checks off) must still produce every row (fp16/bf16: the tensor-core
@@ -415,6 +437,7 @@ class Checker:
             torch.randn(shape, generator=gen).to(dtype),
             torch.randn(shape, generator=gen).to(dtype),
         )
+        kc, vc, op_args = self.quantize_cache(kc, vc, kv_cache_dtype)
         num_tokens = sum(q_lens)
         query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
         qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -428,7 +451,8 @@ class Checker:
             query = query_view
             out = torch.full((num_tokens * row + 1,), 7.0).to(dtype).as_strided(out.shape, (row, head_size, 1), 1)
         scale = head_size**-0.5
-        rc = self.lib.emu_prefill(
+        with self.kv_format(op_args):
+            rc = self.lib.emu_prefill(
             DTYPE_CODE[dtype],
             ptr(out),
             ptr(query),
@@ -454,14 +478,14 @@ class Checker:
         )
         assert rc == 0, f"launcher returned {rc}"
         expected = self.ref.paged_prefill_attention(
-            query, kc, vc, tables, qsl, lens, scale, window, soft_cap
+            query, kc, vc, tables, qsl, lens, scale, window, soft_cap, **op_args
         )
         self.close(
             out,
             expected,
             dtype,
             f"prefill {dtype} d={head_size} bs={block_size} "
-            f"heads={num_heads}/{num_kv_heads} window={window} cap={soft_cap}",
+            f"heads={num_heads}/{num_kv_heads} window={window} cap={soft_cap} kv_cache_dtype={kv_cache_dtype}",
         )
 
     def cache_ops(self, dtype, head_size, strided):
@@ -774,7 +798,8 @@ def run(checker: Checker, quick: bool, dtypes=None, head_sizes=None) -> None:
 
 def run_quant(checker: Checker, quick: bool) -> None:
     """Quantized KV caches (kv_cache_dtype): the writers bit for bit against reference.quantize_kv, block copies
-    of codes and planes."""
+    of codes and planes, and decode v1/v2 / prefill against the reference reading the same codes."""
+    dtypes = [torch.float16] if quick else list(DTYPE_CODE)
     for fmt in QUANT_FORMATS:
         for dtype, head_size in itertools.product(DTYPE_CODE, (64, 80, 256)):
             checker.quant_cache_write(dtype, head_size, fmt, strided=head_size == 80)
@@ -784,6 +809,28 @@ def run_quant(checker: Checker, quick: bool) -> None:
         checker.copy_quant_blocks(fmt, 64, 1, 8)
         checker.copy_quant_blocks(fmt, 80, 3, 16)
     print("  quantized cache writes / copies: ok", flush=True)
+    head_sizes = [64, 80, 256] if quick else [64, 80, 96, 112, 128, 256]
+    groups = [(2, 2), (8, 1)] if quick else [(2, 2), (6, 3), (3, 1), (8, 1), (12, 1)]
+    for fmt, dtype in itertools.product(QUANT_FORMATS, dtypes):
+        for n, (head_size, (num_heads, num_kv_heads)) in enumerate(itertools.product(head_sizes, groups)):
+            block_size = [8, 16, 32][(head_size // 16 + n) % 3]
+            for version in (1, 2):
+                checker.decode(version, [0, 1, 37, 300], num_heads, num_kv_heads, head_size, block_size, dtype,
+                               alibi=num_heads % 3 == 0, strided=head_size == 96, seed=head_size + num_heads,
+                               kv_cache_dtype=fmt)
+            checker.prefill([37, 70, 1, 0], [0, 45, 100, 9], num_heads, num_kv_heads, head_size, block_size, dtype,
+                            seed=head_size + n, kv_cache_dtype=fmt)
+        # Window and soft cap (kExtras) and, for fp8, no scale tensors (1.0).
+        checker.decode(2, [1, 600, 77], 8, 2, 128, 16, dtype, partition_size=256, window=100, soft_cap=3.0,
+                       kv_cache_dtype=fmt, fp8_scales=None, seed=11)
+        checker.prefill([40, 3], [30, 90], 6, 2, 128, 16, dtype, window=50, soft_cap=2.0, kv_cache_dtype=fmt,
+                        seed=12)
+        print(f"  {fmt} {dtype}: ok", flush=True)
+    for fmt in QUANT_FORMATS:  # the SIMT (fp32) and tensor-core (bf16) prefill kernels in quick runs too
+        checker.prefill([33, 2], [40, 31], 6, 2, 64, 16, torch.float32, seed=13, kv_cache_dtype=fmt)
+        checker.prefill([33, 2], [40, 31], 6, 2, 256, 16, torch.bfloat16, seed=14, kv_cache_dtype=fmt)
+        checker.decode(1, [5, 77, 300], 10, 2, 96, 8, torch.float32, seed=15, kv_cache_dtype=fmt)
+    print("  quantized attention: ok", flush=True)
 
 
 def run_window(checker: Checker, quick: bool) -> None:

@@ -23,6 +23,8 @@ static PagedKV kv_of(const void* kc, const void* vc, const int* bt, const int* l
   PagedKV kv{};
   kv.key_cache = kc; kv.value_cache = vc; kv.block_tables = bt; kv.seq_lens = lens;
   kv.num_blocks = nb; kv.block_size = bs; kv.num_kv_heads = nkv; kv.head_size = hs; kv.max_blocks_per_seq = mbps;
+  kv.format = g_format.format; kv.k_scale = g_format.k_scale; kv.v_scale = g_format.v_scale;
+  kv.k_plane = g_format.k_plane; kv.v_plane = g_format.v_plane;
   return kv;
 }
 
