@@ -68,6 +68,7 @@
 // checked with the script (the per-lane query and accumulator slices alone are
 // 2 x heads x dims-per-lane floats: 128 registers at 8 heads, fp16, head_size 128).
 #include <algorithm>
+#include <type_traits>
 
 #include "attention/attention_launch.h"
 #include "attention/attention_utils.cuh"
@@ -265,8 +266,18 @@ __device__ __forceinline__ void attend_step(
   }
 }
 
+// Minimum CTAs per SM of the decode kernel's launch bounds: 0 (ptxas's default register
+// target) everywhere but fp32 queries on an e4m3 cache, head_size 256, 2 heads per CTA, where
+// that target spills 16 bytes at 72 registers; 1 lifts the target (96 registers, no spill;
+// csrc/attention/resource_usage_sm90.md).
+template <typename T, int D, int GC, KVCacheDType F>
+constexpr int decode_min_blocks() {
+  return std::is_same_v<T, float> && D == 256 && GC == 2 && F == KVCacheDType::kFp8E4M3 ? 1 : 0;
+}
+
 template <typename T, int D, int GC, bool kExtras, KVCacheDType F>
-__global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks<T, D, GC, F>())
+    paged_decode_kernel(const DecodeParams p) {
   using Shape = DecodeShape<T, D, GC>;
   constexpr int VEC = Shape::kVec;
   constexpr int VPR = Shape::kVecsPerRow;
@@ -391,7 +402,12 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       attend_step<T, D, GC, kExtras, F>(k_cur, v_cur, q, slope, m, l, acc, pos0, start, end, block_ok, seq_len,
                                         p.soft_cap, lane_in_group, group);
       if (!has_next) break;
-      k_cur = k_next;
+#pragma unroll
+      for (int pp = 0; pp < Shape::kPasses; ++pp) {
+#pragma unroll
+        for (int k = 0; k < NV; ++k) k_cur.raw[pp][k] = k_next.raw[pp][k];
+      }
+      k_cur.pairs = k_next.pairs;  // (an empty struct for auto / fp8)
       blk = n_blk;
       sub = n_sub;
       block_id = n_id;

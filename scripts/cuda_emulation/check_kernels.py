@@ -809,10 +809,15 @@ def run_quant(checker: Checker, quick: bool) -> None:
         checker.copy_quant_blocks(fmt, 64, 1, 8)
         checker.copy_quant_blocks(fmt, 80, 3, 16)
     print("  quantized cache writes / copies: ok", flush=True)
-    head_sizes = [64, 80, 256] if quick else [64, 80, 96, 112, 128, 256]
-    groups = [(2, 2), (8, 1)] if quick else [(2, 2), (6, 3), (3, 1), (8, 1), (12, 1)]
+    # Quick: 3 head sizes x 2 groups; full: every head size, each with a different group, cycling through
+    # G = 1, 2, 3 (rounded up to 4), 8 (two chunks of 4) and 12 (three chunks), all dtypes.
+    if quick:
+        shapes = list(itertools.product([64, 80, 256], [(2, 2), (8, 1)]))
+    else:
+        groups = [(2, 2), (6, 3), (3, 1), (8, 1), (12, 1)]
+        shapes = [(d, groups[i % len(groups)]) for i, d in enumerate([64, 80, 96, 112, 128, 256] * 2)]
     for fmt, dtype in itertools.product(QUANT_FORMATS, dtypes):
-        for n, (head_size, (num_heads, num_kv_heads)) in enumerate(itertools.product(head_sizes, groups)):
+        for n, (head_size, (num_heads, num_kv_heads)) in enumerate(shapes):
             block_size = [8, 16, 32][(head_size // 16 + n) % 3]
             for version in (1, 2):
                 checker.decode(version, [0, 1, 37, 300], num_heads, num_kv_heads, head_size, block_size, dtype,
