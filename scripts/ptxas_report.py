@@ -87,16 +87,32 @@ def parse(log: str) -> list[dict]:
     return rows
 
 
+# KVCacheDType values (csrc/common/kv_cache_dtype.h), as the cache-format template argument.
+KV_FORMATS = {"0": "auto", "1": "fp8_e4m3", "2": "fp8_e5m2", "3": "int8", "4": "int4",
+              "kAuto": "auto", "kFp8E4M3": "fp8_e4m3", "kFp8E5M2": "fp8_e5m2", "kInt8PerTokenHead": "int8",
+              "kInt4PerTokenHead": "int4"}
+
+
+def kv_format(params: list[str]) -> str:
+    """The cache format of a kernel's template arguments ("auto" when it has none)."""
+    for p in params:
+        if "KVCacheDType" in p:
+            return KV_FORMATS.get(re.split(r"[):]+", p)[-1].strip(), p)
+    return "auto"
+
+
 def describe(row: dict, arch: str) -> str:
     m = re.search(r"(paged_\w+_kernel)<([^>]*)>", row["name"])
     kernel, params = (m.group(1), [p.strip() for p in m.group(2).split(",")]) if m else (row["name"], [])
+    fmt = kv_format(params)
+    params = [p for p in params if "KVCacheDType" not in p]
     dtype = {"float": "fp32", "__half": "fp16", "__nv_bfloat16": "bf16"}.get(params[0], params[0]) if params else "-"
     head_size = int(params[1]) if len(params) > 1 else 0
     heads = params[2] if len(params) > 2 else "-"
     dyn = dynamic_smem(kernel, dtype, head_size)
     ctas, warps = occupancy(row.get("regs", 0), row.get("smem", 0) + dyn, THREADS.get(kernel, 128), arch)
     spills = row.get("spill_st", 0) + row.get("spill_ld", 0)
-    return (f"| {kernel} | {dtype} | {head_size or '-'} | {heads} | {row.get('regs', '?')} | {spills} | "
+    return (f"| {kernel} | {dtype} | {head_size or '-'} | {heads} | {fmt} | {row.get('regs', '?')} | {spills} | "
             f"{row.get('smem', 0)} | {dyn} | {ctas} | {warps} |")
 
 
@@ -117,9 +133,9 @@ def main() -> int:
                 return 2
             rows += [r for r in parse(result.stdout + result.stderr) if r["mangled"].count("kernel")]
     print(f"ptxas resource usage, {args.arch}, 128 threads per CTA (CTAs/warps: resident per SM)\n")
-    print("| kernel | dtype | head_size | heads/CTA | registers | spill bytes | static smem | dynamic smem | "
-          "CTAs/SM | warps/SM |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| kernel | dtype | head_size | heads/CTA | kv cache | registers | spill bytes | static smem | "
+          "dynamic smem | CTAs/SM | warps/SM |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in sorted(rows, key=lambda r: r["name"]):
         print(describe(row, args.arch))
     spilled = [r["name"] for r in rows if r.get("spill_st", 0) + r.get("spill_ld", 0) > 0]

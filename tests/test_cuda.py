@@ -18,6 +18,7 @@ import pagedkv
 import pytest
 import torch
 from pagedkv import ops, reference
+from pagedkv.kv_cache import allocate_layer_cache, kv_cache_format
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and pagedkv.built_with_cuda),
@@ -913,3 +914,223 @@ def test_window_never_reads_freed_blocks(dtype):
                                sliding_window=window, logits_soft_cap=2.0)
         assert torch.isfinite(out).all()
         assert_close(out, expected, dtype)
+
+
+# ---- quantized KV caches (kv_cache_dtype) ------------------------------------------
+# The CUDA writers must store reference.quantize_kv's codes and (scale, zero) planes bit
+# for bit; the attention kernels read them as reference.dequantize_kv does (the tensor-core
+# prefill rounds the dequantized K/V to the query dtype, within the dtype's tolerance).
+
+QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int4_per_token_head"]
+
+
+def quant_cache(fmt, num_blocks, block_size, num_kv_heads, head_size, dtype, gen, fp8_scales=(0.05, 0.5)):
+    """A CUDA KVCache in fmt holding the codes of random K/V (fp8: per-tensor scales fp8_scales)."""
+    f = kv_cache_format(fmt)
+    cache = allocate_layer_cache(f, num_blocks, block_size, num_kv_heads, head_size, dtype,
+                                 lambda shape, dt: torch.zeros(shape, dtype=dt, device=DEVICE))
+    if f.is_fp8:
+        cache.k_scale.fill_(fp8_scales[0])
+        cache.v_scale.fill_(fp8_scales[1])
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    for codes, scale in ((cache.key, cache.k_scale), (cache.value, cache.v_scale)):
+        x = torch.randn(shape, generator=gen) * 2
+        q, plane = reference.quantize_kv(x, fmt, scale.cpu() if f.is_fp8 else None)
+        codes.copy_(q.to(DEVICE))
+        if plane is not None:
+            scale.copy_(plane.to(DEVICE))
+    return cache
+
+
+def cpu_args(cache):
+    """The cache's op_args with its tensors on the CPU (for the reference)."""
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in cache.op_args.items()}
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,strided", [(64, False), (80, True), (112, False), (256, True)])
+def test_reshape_and_cache_quantized_is_bit_exact(fmt, dtype, head_size, strided):
+    gen = _seeded(head_size + QUANTIZED.index(fmt))
+    num_tokens, num_kv_heads, block_size, num_blocks = 37, 3, 16, 6
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_size, generator=gen) * 3
+    fused[0] = 0.75  # constant rows: scale 0
+    fused[1] *= 5000.0  # saturates e4m3 after the scale
+    fused = fused.to(dtype).to(DEVICE)
+    key, value = (fused[:, 1], fused[:, 2]) if strided else (fused[:, 1].clone(), fused[:, 2].clone())
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::7] = -1
+    cache = quant_cache(fmt, num_blocks, block_size, num_kv_heads, head_size, dtype, gen, fp8_scales=(0.37, 2.5))
+    expected = [t.cpu().clone() for t in cache.block_tensors()]
+    args = cpu_args(cache)
+    if cache.format.per_token_scale:
+        args["k_scale"], args["v_scale"] = expected[2], expected[3]
+    reference.reshape_and_cache(key.cpu(), value.cpu(), expected[0], expected[1], slots, **args)
+    ops.reshape_and_cache(key, value, cache.key, cache.value, slots.to(DEVICE), **cache.op_args)
+    for actual, want in zip(cache.block_tensors(), expected, strict=True):
+        assert torch.equal(actual.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_and_cache_quantizes_the_rotated_key(fmt, dtype):
+    gen = _seeded(7 + QUANTIZED.index(fmt))
+    num_tokens, nh, nkv, head_size, block_size, num_blocks, max_pos = 19, 6, 2, 64, 16, 4, 128
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_size, 2).float() / head_size))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+    qkv = torch.randn(num_tokens, nh + 2 * nkv, head_size, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    cache = quant_cache(fmt, num_blocks, block_size, nkv, head_size, dtype, gen)
+    expected = [t.cpu().clone() for t in cache.block_tensors()]
+    ek = reference.rotary_embedding(positions.cpu(), k.cpu(), cos_sin.cpu())
+    ops.rotary_embedding_and_cache(positions, q, k, v, cache.key, cache.value, slots.to(DEVICE), cos_sin, True,
+                                   **cache.op_args)
+    assert_close(k, ek, dtype)
+    # The codes are those of the key as the kernel rotated it (rounding of the rotation aside).
+    args = cpu_args(cache)
+    if cache.format.per_token_scale:
+        args["k_scale"], args["v_scale"] = expected[2], expected[3]
+    reference.reshape_and_cache(k.cpu(), v.cpu(), expected[0], expected[1], slots, **args)
+    for actual, want in zip(cache.block_tensors(), expected, strict=True):
+        assert torch.equal(actual.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1), (12, 1)])
+def test_decode_quantized_matches_reference(fmt, dtype, head_size, num_heads, num_kv_heads):
+    gen = _seeded(head_size + num_heads)
+    seq_lens = [1, 37, 300, 0, 700]
+    block_size = 16
+    block_tables, num_blocks = make_tables(seq_lens, block_size, gen)
+    cache = quant_cache(fmt, num_blocks, block_size, num_kv_heads, head_size, dtype, gen)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_size**-0.5
+    expected = reference.paged_attention(query.cpu(), cache.key.cpu(), cache.value.cpu(), block_tables.cpu(),
+                                         lens.cpu(), scale, **cpu_args(cache))
+    out = torch.empty_like(query)
+    ops.paged_attention_v1(out, query, cache.key, cache.value, block_tables, lens, scale, max(seq_lens),
+                           **cache.op_args)
+    assert_close(out, expected, dtype)
+    parts = (max(seq_lens) + 255) // 256
+    n, h, d = query.shape
+    exp_sums = torch.empty(n, h, parts, device=DEVICE)
+    max_logits = torch.empty(n, h, parts, device=DEVICE)
+    tmp_out = torch.empty(n, h, parts, d, device=DEVICE, dtype=dtype)
+    out2 = torch.empty_like(query)
+    ops.paged_attention_v2(out2, exp_sums, max_logits, tmp_out, query, cache.key, cache.value, block_tables, lens,
+                           scale, max(seq_lens), None, 256, **cache.op_args)
+    assert_close(out2, expected, dtype)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_decode_quantized_with_window_soft_cap_and_alibi(fmt):
+    gen = _seeded(3)
+    dtype, head_size, num_heads, num_kv_heads, block_size = torch.bfloat16, 128, 8, 2, 16
+    seq_lens = [5, 600, 1100]
+    block_tables, num_blocks = make_tables(seq_lens, block_size, gen)
+    cache = quant_cache(fmt, num_blocks, block_size, num_kv_heads, head_size, dtype, gen)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(num_heads)], device=DEVICE)
+    expected = reference.paged_attention(query.cpu(), cache.key.cpu(), cache.value.cpu(), block_tables.cpu(),
+                                         lens.cpu(), 0.1, slopes.cpu(), 300, 4.0, **cpu_args(cache))
+    out = torch.empty_like(query)
+    ops.paged_attention_v1(out, query, cache.key, cache.value, block_tables, lens, 0.1, max(seq_lens), slopes,
+                           300, 4.0, **cache.op_args)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 9, 3), (80, 4, 4), (128, 8, 1), (256, 6, 2)])
+def test_prefill_quantized_matches_reference(fmt, dtype, head_size, num_heads, num_kv_heads):
+    gen = _seeded(head_size + num_heads)
+    q_lens, ctx_lens, block_size = [37, 70, 1, 0], [0, 45, 100, 9], 16
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
+    block_tables, num_blocks = make_tables(seq_lens, block_size, gen)
+    cache = quant_cache(fmt, num_blocks, block_size, num_kv_heads, head_size, dtype, gen)
+    query = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype).to(DEVICE)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_size**-0.5
+    for window, cap in ((0, 0.0), (40, 2.0)):
+        expected = reference.paged_prefill_attention(query.cpu(), cache.key.cpu(), cache.value.cpu(),
+                                                     block_tables.cpu(), qsl.cpu(), lens.cpu(), scale, window, cap,
+                                                     **cpu_args(cache))
+        out = torch.empty_like(query)
+        ops.paged_prefill_attention(out, query, cache.key, cache.value, block_tables, qsl, lens, scale,
+                                    max(q_lens), max(seq_lens), window, cap, **cache.op_args)
+        assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_copy_blocks_quantized_moves_codes_and_planes(fmt):
+    gen = _seeded(4)
+    layers = [quant_cache(fmt, 9, 8, 1, 80, torch.float16, gen) for _ in range(2)]
+    mapping = torch.tensor([[0, 5], [1, 6], [8, 2]], dtype=torch.int64)
+    expected = [[t.cpu().clone() for t in c.block_tensors()] for c in layers]
+    planes = layers[0].format.per_token_scale
+    reference.copy_blocks([e[0] for e in expected], [e[1] for e in expected], mapping,
+                          [e[2] for e in expected] if planes else None, [e[3] for e in expected] if planes else None)
+    ops.copy_blocks([c.key for c in layers], [c.value for c in layers], mapping,
+                    [c.k_scale for c in layers] if planes else None, [c.v_scale for c in layers] if planes else None)
+    for c, want in zip(layers, expected, strict=True):
+        for a, b in zip(c.block_tensors(), want, strict=True):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_swap_blocks_moves_quantized_block_tensors(fmt):
+    gen = _seeded(5)
+    gpu = quant_cache(fmt, 6, 16, 2, 64, torch.bfloat16, gen)
+    mapping = torch.tensor([[0, 2], [1, 3], [5, 0]], dtype=torch.int64)
+    for t in gpu.block_tensors():
+        host = torch.zeros_like(t, device="cpu").pin_memory()
+        expected = host.clone()
+        reference.swap_blocks(t.cpu(), expected, mapping)
+        ops.swap_blocks(t, host, mapping)
+        torch.cuda.synchronize()
+        assert torch.equal(host.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8_per_token_head"])
+def test_quantized_step_is_graph_capturable_and_reads_scales_on_device(checks_off, fmt):
+    """Write + decode captured in a CUDA graph: no host sync; fp8 scales changed after capture apply at replay."""
+    gen = _seeded(8)
+    dtype, nh, nkv, d, bs = torch.float16, 8, 2, 128, 16
+    seq_lens = [40, 17]
+    block_tables, num_blocks = make_tables(seq_lens, bs, gen)
+    cache = quant_cache(fmt, num_blocks, bs, nkv, d, dtype, gen)
+    key = torch.randn(2, nkv, d, generator=gen).to(dtype).to(DEVICE)
+    value = torch.randn(2, nkv, d, generator=gen).to(dtype).to(DEVICE)
+    query = torch.randn(2, nh, d, generator=gen).to(dtype).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    slots = torch.stack([block_tables[s, (n - 1) // bs].long() * bs + (n - 1) % bs
+                         for s, n in enumerate(seq_lens)])
+    out = torch.empty_like(query)
+
+    def step():
+        ops.reshape_and_cache(key, value, cache.key, cache.value, slots, **cache.op_args)
+        ops.paged_attention_v1(out, query, cache.key, cache.value, block_tables, lens, 0.1, 64, **cache.op_args)
+
+    step()  # warm-up (lazy initialization outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    if cache.format.is_fp8:
+        cache.k_scale.fill_(0.11)
+        cache.v_scale.fill_(0.7)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected_cache = [t.cpu() for t in cache.block_tensors()]
+    expected = reference.paged_attention(query.cpu(), expected_cache[0], expected_cache[1], block_tables.cpu(),
+                                         lens.cpu(), 0.1, **cpu_args(cache))
+    assert_close(out, expected, dtype)

@@ -6,9 +6,12 @@
 // launch (cudaSuccess when there was nothing to launch).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "common/kv_cache_dtype.h"
 
 namespace pagedkv::cuda {
 
@@ -16,15 +19,25 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // The paged KV cache of one layer and the block tables that index it.
 struct PagedKV {
-  const void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_size], contiguous, 16-byte aligned
+  // [num_blocks, block_size, num_kv_heads, X], contiguous, 16-byte aligned; X = head_size, or
+  // head_size / 2 for int4 (common/kv_cache_dtype.h has the formats).
+  const void* key_cache;
   const void* value_cache;  // same shape
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
   const int32_t* seq_lens;      // [num_seqs]
   int num_blocks;
   int block_size;
   int num_kv_heads;
-  int head_size;
+  int head_size;  // logical (values per row), whatever the format
   int max_blocks_per_seq;
+  // How the cache stores K/V. fp8: k_scale / v_scale are device floats [1] (nullptr: 1.0),
+  // read by the kernels, so a launch needs no host sync and can be captured in a graph.
+  // Per-token-head: k_plane / v_plane [num_blocks, block_size, num_kv_heads, 2] (scale, zero).
+  KVCacheDType format = KVCacheDType::kAuto;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  const __half* k_plane = nullptr;
+  const __half* v_plane = nullptr;
 };
 
 // Decode (one query token per sequence). out/query rows: token t, head h starts at

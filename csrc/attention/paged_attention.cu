@@ -2,9 +2,11 @@
 // over partitions of the context, then a reduce kernel).
 //
 // Instantiated set (the one of csrc/common/supported.h):
-//   dtype {float, half, bfloat16} x head_size {64, 80, 96, 112, 128, 256}
-//   x query heads per CTA {1, 2, 4, 8} x {plain, window/soft-cap}
-//                                                = 144 decode kernels + 3 reduce kernels.
+//   auto cache: dtype {float, half, bfloat16} x head_size {64, 80, 96, 112, 128, 256}
+//     x query heads per CTA {1, 2, 4, 8} x {plain, window/soft-cap}   = 144 decode kernels
+//   quantized caches: the same x format {fp8 e4m3, fp8 e5m2, int8, int4 per token head},
+//     query heads per CTA {1, 2, 4} only                             = 432 decode kernels
+//   + 3 reduce kernels (the reduce reads tmp_out in the query dtype, whatever the cache).
 // Why: head_size is a template parameter because it fixes the per-lane register
 // arrays (query and accumulator slices) and the 16-byte-vector lane mapping; the
 // query-heads-per-CTA count fixes the size of those arrays (G = num_heads /
@@ -14,8 +16,18 @@
 // set for no measurable gain. The window/soft-cap variant (kExtras) is a template flag so
 // that the plain kernel (no window, no cap: the common case) keeps exactly its old code,
 // registers and speed; the variant adds a per-token lower bound (the window's first key)
-// and, when the cap is on, one tanh per score. The prefill kernels (prefill_attention.cu) are
-// templated on dtype x head_size only (18 kernels: 12 tensor-core fp16/bf16, 6 SIMT fp32).
+// and, when the cap is on, one tanh per score.
+// The cache format (common/kv_cache_dtype.h) is a template parameter too, for the same
+// reason: the auto instantiation is the unquantized kernel unchanged. A quantized variant
+// keeps the lane mapping (one load = Vec16<T>::kElems values: 8 or 4 bytes of fp8 / int8
+// codes, 4 or 2 bytes of int4, attention/kv_cache_vec.cuh), dequantizes in registers as the
+// auto kernel unpacks, and adds per step one (scale, zero) word per token for the
+// per-token-head formats. fp8's per-tensor scales are read from device memory at the start
+// (no host sync, capturable) and folded into the query (K) and the output (V). Groups of
+// more than 4 query heads per kv head run in chunks of <= 4 heads with a quantized cache:
+// the 8-head variant is at the register cap, and it would double the quantized set.
+// The prefill kernels (prefill_attention.cu) are
+// templated on dtype x head_size x {plain, window/soft-cap} x format (180 kernels).
 //
 // Decode kernel layout. One CTA = (kv head, chunk of <= 8 query heads sharing
 // it, sequence, partition); 4 warps. Every K/V row a CTA reads is used by all
@@ -56,9 +68,11 @@
 // checked with the script (the per-lane query and accumulator slices alone are
 // 2 x heads x dims-per-lane floats: 128 registers at 8 heads, fp16, head_size 128).
 #include <algorithm>
+#include <type_traits>
 
 #include "attention/attention_launch.h"
 #include "attention/attention_utils.cuh"
+#include "attention/kv_cache_vec.cuh"
 #include "common/window.h"
 
 namespace pagedkv::cuda {
@@ -67,6 +81,9 @@ namespace {
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr int kMaxHeadsPerCta = 8;
+// Quantized caches: the per-token (scale, zero) words and the dequantization temporaries
+// would push the 8-head variant (at the register cap) into spills; 4 heads per CTA at most.
+constexpr int kMaxHeadsPerCtaQuant = 4;
 constexpr int kReduceChunk = 256;  // partitions whose weights are staged in shared memory at once
 constexpr int kMinBlockSize = 8;   // smallest supported block size (csrc/common/supported.h); all are powers of two
 
@@ -116,19 +133,32 @@ struct DecodeShape {
   static_assert(kStep <= kMinBlockSize && kMinBlockSize % kStep == 0, "a step must lie inside one block");
 };
 
-// Loads one step's rows (K or V) of this lane: token pos0 + pp * TP + group, 16-byte
-// slices lane_in_group + k * kGroup. Tokens at or past `end`, before `start` (kExtras:
-// the window's first key), and every token of a block id outside the cache, load zeros
-// (their logits are masked in attend_step).
-template <typename T, int D, int GC, bool kExtras>
-__device__ __forceinline__ void load_kv_step(uint4 (&raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
-                                             const T* base, int block_id, int pos0, int start, int end,
+// The registers of one step's K (or V) rows of a lane: the loaded vectors, and for the
+// per-token-head formats each token's (scale, zero) word (nothing for auto / fp8).
+template <typename T, int D, int GC, KVCacheDType F>
+struct StepRows {
+  using Shape = DecodeShape<T, D, GC>;
+  typename KVVec<T, F>::Raw raw[Shape::kPasses][Shape::kVecsPerLane];
+  RowPairs<F, Shape::kPasses> pairs;
+};
+
+// Loads one step's rows (K or V) of this lane: token pos0 + pp * TP + group, slices
+// lane_in_group + k * kGroup (16 bytes each for auto; the same values in fewer bytes for a
+// quantized F, kv_cache_vec.cuh). Tokens at or past `end`, before `start` (kExtras: the
+// window's first key), and every token of a block id outside the cache, load zeros (their
+// logits are masked in attend_step). base: the kv head's first row; plane: the kv head's
+// first (scale, zero) pair (per-token-head F only). token_stride in cache elements.
+template <typename T, int D, int GC, bool kExtras, KVCacheDType F>
+__device__ __forceinline__ void load_kv_step(StepRows<T, D, GC, F>& rows, const typename KVVec<T, F>::Elem* base,
+                                             const __half* plane, int block_id, int pos0, int start, int end,
                                              const PagedKV& kv, int64_t token_stride, int lane_in_group, int group) {
   using Shape = DecodeShape<T, D, GC>;
+  using Raw = typename KVVec<T, F>::Raw;
   const bool block_ok = block_id >= 0 && block_id < kv.num_blocks;
   // pos0 is the first token of a step inside block `block_id`; its offset in the block:
   const int in_block = pos0 & (kv.block_size - 1);
-  const T* row0 = base + (int64_t(block_id) * kv.block_size + in_block) * token_stride;
+  const int64_t slot0 = int64_t(block_id) * kv.block_size + in_block;
+  const auto* row0 = base + slot0 * token_stride;
 #pragma unroll
   for (int pp = 0; pp < Shape::kPasses; ++pp) {
     const int t = pp * Shape::kTokensPerPass + group;
@@ -136,19 +166,33 @@ __device__ __forceinline__ void load_kv_step(uint4 (&raw)[DecodeShape<T, D, GC>:
 #pragma unroll
     for (int k = 0; k < Shape::kVecsPerLane; ++k) {
       const int c = lane_in_group + k * Shape::kGroup;
-      raw[pp][k] = (ok && c < Shape::kVecsPerRow) ? load16(row0 + t * token_stride + c * Shape::kVec)
-                                                 : make_uint4(0, 0, 0, 0);
+      rows.raw[pp][k] = (ok && c < Shape::kVecsPerRow)
+                            ? load_raw<Raw>(row0 + t * token_stride + c * KVVec<T, F>::kStored)
+                            : Raw{};
     }
+    if constexpr (is_per_token_head(F)) {
+      rows.pairs.bits[pp] = ok ? load_pair_bits(plane, (slot0 + t) * kv.num_kv_heads) : 0u;
+    }
+  }
+}
+
+// The (mul, zero) that dequantize pass pp of a step: the token's pair (per-token-head);
+// fp8 and auto use (1, 0), fp8's tensor scales being folded into the query and the output.
+template <typename T, int D, int GC, KVCacheDType F>
+__device__ __forceinline__ float2 step_scale(const StepRows<T, D, GC, F>& rows, int pp) {
+  if constexpr (is_per_token_head(F)) {
+    return pair_of_bits(rows.pairs.bits[pp]);
+  } else {
+    return make_float2(1.f, 0.f);
   }
 }
 
 // One step of the online softmax: logits of the step's tokens for the GC heads (kExtras:
 // soft-capped when soft_cap > 0, tokens before `start` masked), the running max / sum
 // update, and acc += p * V.
-template <typename T, int D, int GC, bool kExtras>
+template <typename T, int D, int GC, bool kExtras, KVCacheDType F>
 __device__ __forceinline__ void attend_step(
-    const uint4 (&k_raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
-    const uint4 (&v_raw)[DecodeShape<T, D, GC>::kPasses][DecodeShape<T, D, GC>::kVecsPerLane],
+    const StepRows<T, D, GC, F>& k_rows, const StepRows<T, D, GC, F>& v_rows,
     const float (&q)[GC][DecodeShape<T, D, GC>::kDimsPerLane], const float (&slope)[GC], float (&m)[GC],
     float (&l)[GC], float (&acc)[GC][DecodeShape<T, D, GC>::kDimsPerLane], int pos0, int start, int end,
     bool block_ok, int seq_len, float soft_cap, int lane_in_group, int group) {
@@ -165,8 +209,9 @@ __device__ __forceinline__ void attend_step(
     const int pos = pos0 + pp * Shape::kTokensPerPass + group;
     const bool valid = block_ok && pos < end && (!kExtras || pos >= start);
     float kf[NV][VEC];
+    const float2 ks = step_scale(k_rows, pp);
 #pragma unroll
-    for (int k = 0; k < NV; ++k) unpack(k_raw[pp][k], kf[k], T{});
+    for (int k = 0; k < NV; ++k) dequant_vec<T, F>(k_rows.raw[pp][k], kf[k], ks.x, ks.y);
 #pragma unroll
     for (int g = 0; g < GC; ++g) {
       float dot = 0.f;
@@ -207,8 +252,9 @@ __device__ __forceinline__ void attend_step(
 #pragma unroll
   for (int pp = 0; pp < PP; ++pp) {
     float vf[NV][VEC];
+    const float2 vs = step_scale(v_rows, pp);
 #pragma unroll
-    for (int k = 0; k < NV; ++k) unpack(v_raw[pp][k], vf[k], T{});
+    for (int k = 0; k < NV; ++k) dequant_vec<T, F>(v_rows.raw[pp][k], vf[k], vs.x, vs.y);
 #pragma unroll
     for (int g = 0; g < GC; ++g) {
 #pragma unroll
@@ -220,15 +266,24 @@ __device__ __forceinline__ void attend_step(
   }
 }
 
-template <typename T, int D, int GC, bool kExtras>
-__global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
+// Minimum CTAs per SM of the decode kernel's launch bounds: 0 (ptxas's default register
+// target) everywhere but fp32 queries on an e4m3 cache, head_size 256, 2 heads per CTA, where
+// that target spills 16 bytes at 72 registers; 1 lifts the target (96 registers, no spill;
+// csrc/attention/resource_usage_sm90.md).
+template <typename T, int D, int GC, KVCacheDType F>
+constexpr int decode_min_blocks() {
+  return std::is_same_v<T, float> && D == 256 && GC == 2 && F == KVCacheDType::kFp8E4M3 ? 1 : 0;
+}
+
+template <typename T, int D, int GC, bool kExtras, KVCacheDType F>
+__global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks<T, D, GC, F>())
+    paged_decode_kernel(const DecodeParams p) {
   using Shape = DecodeShape<T, D, GC>;
   constexpr int VEC = Shape::kVec;
   constexpr int VPR = Shape::kVecsPerRow;
   constexpr int LG = Shape::kGroup;
   constexpr int NV = Shape::kVecsPerLane;
   constexpr int NDIM = Shape::kDimsPerLane;
-  constexpr int PP = Shape::kPasses;
 
   __shared__ float s_acc[kDecodeWarps][GC][D];
   __shared__ float s_max[kDecodeWarps][GC];
@@ -262,6 +317,15 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
     if (start >= end) return;
   }
 
+  // fp8: the tensor scales, read from device memory here (no host sync), are folded into
+  // the query (K) and the output (V) instead of being applied per element.
+  float q_scale = p.scale;
+  float v_mul = 1.f;
+  if constexpr (is_fp8(F)) {
+    q_scale *= fp8_mul(F, p.kv.k_scale);
+    v_mul = fp8_mul(F, p.kv.v_scale);
+  }
+
   // This lane's slices of the (pre-scaled) query rows, in fp32.
   float q[GC][NDIM];
   float slope[GC];
@@ -274,7 +338,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       const int c = lane_in_group + k * LG;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        q[g][k * VEC + e] = (active && c < VPR) ? to_float(q_row[c * VEC + e]) * p.scale : 0.f;
+        q[g][k * VEC + e] = (active && c < VPR) ? to_float(q_row[c * VEC + e]) * q_scale : 0.f;
       }
     }
     slope[g] = (active && p.alibi_slopes != nullptr) ? p.alibi_slopes[head0 + g] : 0.f;
@@ -292,9 +356,13 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   }
 
   const int32_t* table = p.kv.block_tables + int64_t(seq) * p.kv.max_blocks_per_seq;
-  const int64_t token_stride = int64_t(p.kv.num_kv_heads) * D;
-  const T* k_base = static_cast<const T*>(p.kv.key_cache) + int64_t(kv_head) * D;
-  const T* v_base = static_cast<const T*>(p.kv.value_cache) + int64_t(kv_head) * D;
+  using Elem = typename KVVec<T, F>::Elem;
+  constexpr int kRowElems = D / values_per_element(F);  // cache elements of one kv head's row
+  const int64_t token_stride = int64_t(p.kv.num_kv_heads) * kRowElems;
+  const Elem* k_base = static_cast<const Elem*>(p.kv.key_cache) + int64_t(kv_head) * kRowElems;
+  const Elem* v_base = static_cast<const Elem*>(p.kv.value_cache) + int64_t(kv_head) * kRowElems;
+  const __half* k_plane = p.kv.k_plane + (is_per_token_head(F) ? 2 * kv_head : 0);
+  const __half* v_plane = p.kv.v_plane + (is_per_token_head(F) ? 2 * kv_head : 0);
 
   // Warps take interleaved blocks (block_size is a power of two >= kStep, and partition
   // starts are block-aligned, so every step lies inside one block). A block id is read
@@ -309,15 +377,13 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
     int block_id = table[blk];
     int next_id = blk + kDecodeWarps < end_blk ? table[blk + kDecodeWarps] : -1;
     int sub = 0;  // step within the block
-    uint4 k_cur[PP][NV];
-    uint4 k_next[PP][NV];
-    uint4 v_cur[PP][NV];
-    load_kv_step<T, D, GC, kExtras>(k_cur, k_base, block_id, blk * bs, start, end, p.kv, token_stride,
-                                    lane_in_group, group);
+    StepRows<T, D, GC, F> k_cur, k_next, v_cur;
+    load_kv_step<T, D, GC, kExtras, F>(k_cur, k_base, k_plane, block_id, blk * bs, start, end, p.kv, token_stride,
+                                       lane_in_group, group);
     while (true) {
       const int pos0 = blk * bs + sub * Shape::kStep;  // first token of this step
-      load_kv_step<T, D, GC, kExtras>(v_cur, v_base, block_id, pos0, start, end, p.kv, token_stride, lane_in_group,
-                                      group);
+      load_kv_step<T, D, GC, kExtras, F>(v_cur, v_base, v_plane, block_id, pos0, start, end, p.kv, token_stride,
+                                         lane_in_group, group);
       // The next step of this warp: the next sub-step, or the first of its next block.
       int n_blk = blk, n_sub = sub + 1, n_id = block_id;
       if (n_sub == steps_per_block) {
@@ -329,18 +395,19 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       const int n_pos0 = n_blk * bs + n_sub * Shape::kStep;
       const bool has_next = n_blk < end_blk && n_pos0 < end;
       if (has_next) {
-        load_kv_step<T, D, GC, kExtras>(k_next, k_base, n_id, n_pos0, start, end, p.kv, token_stride,
-                                        lane_in_group, group);
+        load_kv_step<T, D, GC, kExtras, F>(k_next, k_base, k_plane, n_id, n_pos0, start, end, p.kv, token_stride,
+                                           lane_in_group, group);
       }
       const bool block_ok = block_id >= 0 && block_id < p.kv.num_blocks;
-      attend_step<T, D, GC, kExtras>(k_cur, v_cur, q, slope, m, l, acc, pos0, start, end, block_ok, seq_len,
-                                     p.soft_cap, lane_in_group, group);
+      attend_step<T, D, GC, kExtras, F>(k_cur, v_cur, q, slope, m, l, acc, pos0, start, end, block_ok, seq_len,
+                                        p.soft_cap, lane_in_group, group);
       if (!has_next) break;
 #pragma unroll
-      for (int pp = 0; pp < PP; ++pp) {
+      for (int pp = 0; pp < Shape::kPasses; ++pp) {
 #pragma unroll
-        for (int k = 0; k < NV; ++k) k_cur[pp][k] = k_next[pp][k];
+        for (int k = 0; k < NV; ++k) k_cur.raw[pp][k] = k_next.raw[pp][k];
       }
+      k_cur.pairs = k_next.pairs;  // (an empty struct for auto / fp8)
       blk = n_blk;
       sub = n_sub;
       block_id = n_id;
@@ -391,7 +458,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       o += s_acc[w][g][d] * f;
     }
     // sum == 0: empty context (or every block id masked): the output is zeros.
-    const float result = sum > 0.f ? o / sum : 0.f;
+    float result = sum > 0.f ? o / sum : 0.f;
+    if constexpr (is_fp8(F)) result *= v_mul;
     const int head = head0 + g;
     if (p.partition_size == 0) {
       static_cast<T*>(p.out)[seq * p.out_stride + int64_t(head) * D + d] = from_float<T>(result);
@@ -501,39 +569,42 @@ DecodeParams make_params(const DecodeArgs& a) {
   p.num_heads = a.num_heads;
   p.group_size = a.num_heads / a.kv.num_kv_heads;
   // Split large groups evenly into chunks of at most kMaxHeadsPerCta heads.
-  p.num_chunks = (p.group_size + kMaxHeadsPerCta - 1) / kMaxHeadsPerCta;
+  const int max_heads = a.kv.format == KVCacheDType::kAuto ? kMaxHeadsPerCta : kMaxHeadsPerCtaQuant;
+  p.num_chunks = (p.group_size + max_heads - 1) / max_heads;
   p.heads_per_chunk = (p.group_size + p.num_chunks - 1) / p.num_chunks;
   // block_size is a power of two (csrc/common/supported.h): the kernel shifts instead of dividing.
   while ((1 << p.log2_block_size) < a.kv.block_size) ++p.log2_block_size;
   return p;
 }
 
-template <typename T, int D, bool kExtras>
+template <typename T, int D, bool kExtras, KVCacheDType F>
 void launch_decode_heads(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   const int hc = p.heads_per_chunk;
   if (hc == 1) {
-    paged_decode_kernel<T, D, 1, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
+    paged_decode_kernel<T, D, 1, kExtras, F><<<grid, kDecodeThreads, 0, stream>>>(p);
   } else if (hc == 2) {
-    paged_decode_kernel<T, D, 2, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
-  } else if (hc <= 4) {
-    paged_decode_kernel<T, D, 4, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
+    paged_decode_kernel<T, D, 2, kExtras, F><<<grid, kDecodeThreads, 0, stream>>>(p);
+  } else if (F != KVCacheDType::kAuto || hc <= 4) {  // quantized: hc <= kMaxHeadsPerCtaQuant
+    paged_decode_kernel<T, D, 4, kExtras, F><<<grid, kDecodeThreads, 0, stream>>>(p);
   } else {
-    paged_decode_kernel<T, D, 8, kExtras><<<grid, kDecodeThreads, 0, stream>>>(p);
+    if constexpr (F == KVCacheDType::kAuto) paged_decode_kernel<T, D, 8, kExtras, F><<<grid, kDecodeThreads, 0, stream>>>(p);
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, KVCacheDType F>
 void launch_decode(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
-  if (p.sliding_window > 0 || p.soft_cap > 0.f) return launch_decode_heads<T, D, true>(p, grid, stream);
-  launch_decode_heads<T, D, false>(p, grid, stream);
+  if (p.sliding_window > 0 || p.soft_cap > 0.f) return launch_decode_heads<T, D, true, F>(p, grid, stream);
+  launch_decode_heads<T, D, false, F>(p, grid, stream);
 }
 
 cudaError_t launch_decode_any(const DecodeParams& p, DType dtype, dim3 grid, cudaStream_t stream) {
   return dispatch_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     return dispatch_head_size(p.kv.head_size, [&](auto hs) {
-      launch_decode<T, decltype(hs)::value>(p, grid, stream);
-      return cudaGetLastError();
+      return dispatch_format(p.kv.format, [&](auto fmt) {
+        launch_decode<T, decltype(hs)::value, decltype(fmt)::value>(p, grid, stream);
+        return cudaGetLastError();
+      });
     });
   });
 }

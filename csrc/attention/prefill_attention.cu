@@ -17,14 +17,23 @@
 // are converted to fp32 in shared memory; S = Q K^T, an online softmax per row
 // (running max / sum in shared memory) and O += P V follow, with the causal
 // mask key_pos <= query_pos. Instantiated for dtype x head_size x {plain, window/soft-cap}
-// (36 kernels, see paged_attention.cu for the set and why the flag is a template
-// parameter); block_size is a runtime value.
+// x cache format {auto, fp8 e4m3, fp8 e5m2, int8, int4 per token head} (180 kernels: 120
+// tensor-core fp16/bf16, 60 SIMT fp32; see paged_attention.cu for the set and why the flag
+// and the format are template parameters); block_size is a runtime value.
+//
+// Quantized caches (attention/kv_cache_vec.cuh): the SIMT kernel dequantizes K/V into its
+// fp32 tiles as it stages them (same lane mapping: 4 codes per 4-value load); the
+// tensor-core kernel cannot cp.async codes into its fp16/bf16 tiles, so it loads the codes
+// of each 16-byte chunk (8 or 4 bytes), dequantizes them in fp32 and stores them rounded
+// to the query dtype (one rounding, within the dtype's tolerance). Those loads are
+// synchronous, so a quantized tile's loads overlap other warps' MMAs only.
 //
 // Sliding window (both kernels): a query tile's keys start at the window's first key of
 // its first row (common/window.h), so blocks before it are never read (nor their table
 // entries); later rows of the tile mask the keys before their own window per score.
 #include "attention/attention_launch.h"
 #include "attention/attention_utils.cuh"
+#include "attention/kv_cache_vec.cuh"
 #include "attention/mma.cuh"
 #include "common/window.h"
 
@@ -125,7 +134,7 @@ struct PrefillShape {
 
 // min blocks 1: without it ptxas caps this kernel at 128 registers and spills at
 // head_size 256 (shared memory, not registers, bounds its occupancy anyway).
-template <typename T, int D, bool kExtras>
+template <typename T, int D, bool kExtras, KVCacheDType F>
 __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const PrefillParams p) {
   using Shape = PrefillShape<D>;
   constexpr int kRows = Shape::kRows;
@@ -183,9 +192,14 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
     __syncthreads();
 
     const int32_t* table = p.kv.block_tables + int64_t(seq) * p.kv.max_blocks_per_seq;
-    const int64_t token_stride = int64_t(p.kv.num_kv_heads) * D;
-    const T* k_base = static_cast<const T*>(p.kv.key_cache) + int64_t(kv_head) * D;
-    const T* v_base = static_cast<const T*>(p.kv.value_cache) + int64_t(kv_head) * D;
+    using KV = KVVec<T, F>;
+    using Elem = typename KV::Elem;
+    constexpr int kRowElems = D / values_per_element(F);  // cache elements of one kv head's row
+    const int64_t token_stride = int64_t(p.kv.num_kv_heads) * kRowElems;
+    const Elem* k_base = static_cast<const Elem*>(p.kv.key_cache) + int64_t(kv_head) * kRowElems;
+    const Elem* v_base = static_cast<const Elem*>(p.kv.value_cache) + int64_t(kv_head) * kRowElems;
+    const float k_mul = is_fp8(F) ? fp8_mul(F, p.kv.k_scale) : 1.f;
+    const float v_mul = is_fp8(F) ? fp8_mul(F, p.kv.v_scale) : 1.f;
 
     // O += P V ownership: rows rg + i * kRG (i < 4), float4 columns dg + j * kDimThreads.
     const int rg = tid / Shape::kDimThreads;
@@ -204,18 +218,23 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) paged_prefill_kernel(const
         const int c = i % VPR;
         const int pos = kv0 + t;
         bool ok = pos < kv_end;
-        int64_t offset = 0;
+        int64_t slot = 0;
         if (ok) {
           const int block = table[pos / p.kv.block_size];
           ok = block >= 0 && block < p.kv.num_blocks;
-          offset = (int64_t(block) * p.kv.block_size + pos % p.kv.block_size) * token_stride + c * VEC;
+          slot = int64_t(block) * p.kv.block_size + pos % p.kv.block_size;
         }
-        const uint4 k_raw = ok ? load16(k_base + offset) : make_uint4(0, 0, 0, 0);
-        const uint4 v_raw = ok ? load16(v_base + offset) : make_uint4(0, 0, 0, 0);
+        const int64_t offset = slot * token_stride + c * KV::kStored;
+        using Raw = typename KV::Raw;
+        const Raw k_raw = ok ? load_raw<Raw>(k_base + offset) : Raw{};
+        const Raw v_raw = ok ? load_raw<Raw>(v_base + offset) : Raw{};
+        const int64_t row = slot * p.kv.num_kv_heads + kv_head;  // (scale, zero) pair of the row
+        const float2 ks = row_scale<F>(p.kv.k_plane, row, k_mul, ok);
+        const float2 vs = row_scale<F>(p.kv.v_plane, row, v_mul, ok);
         float kf[VEC];
         float vf[VEC];
-        unpack(k_raw, kf, T{});
-        unpack(v_raw, vf, T{});
+        dequant_vec<T, F>(k_raw, kf, ks.x, ks.y);
+        dequant_vec<T, F>(v_raw, vf, vs.x, vs.y);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           s_k[t * kLd + c * VEC + e] = kf[e];
@@ -412,7 +431,68 @@ __device__ __forceinline__ void stage_kv_tile(const PrefillParams& p, const int3
   }
 }
 
-template <typename T, int D, bool kExtras>
+// Where a quantized tile is read from: the kv head's codes and (scale, zero) pairs, or
+// fp8's tensor multipliers (kv_cache_vec.cuh).
+struct QuantTileSrc {
+  const uint8_t* k;  // the kv head's first row
+  const uint8_t* v;
+  const __half* k_plane;
+  const __half* v_plane;
+  float k_mul, v_mul;
+  int kv_head;
+};
+
+// stage_kv_tile for a quantized cache: the codes cannot be copied as they are, so each
+// thread loads the 8 codes of a 16-byte chunk (8 or 4 bytes), dequantizes them in fp32
+// and stores them rounded to T. Synchronous loads: the next tile's loads still overlap
+// the current tile's MMAs of the other warps, but not those of the loading thread.
+template <typename T, int D, KVCacheDType F>
+__device__ __forceinline__ void stage_kv_tile_quant(const PrefillParams& p, const int32_t* table,
+                                                    const QuantTileSrc& src, int64_t token_stride, int kv0,
+                                                    int kv_end, T* s_k, T* s_v, int* s_ok) {
+  using Shape = MmaPrefillShape<T, D>;
+  using KV = KVVec<T, F>;
+  using Raw = typename KV::Raw;
+  static_assert(KV::kElems == 8, "one 16-byte chunk of T per load");
+  for (int i = threadIdx.x; i < kMmaKvTile * Shape::kChunksPerRow; i += kMmaWarps * 32) {
+    const int t = i / Shape::kChunksPerRow;
+    const int c = i % Shape::kChunksPerRow;
+    const int pos = kv0 + t;
+    bool ok = pos < kv_end;
+    int64_t slot = 0;
+    if (ok) {
+      const int block = table[pos >> p.log2_block_size];
+      ok = block >= 0 && block < p.kv.num_blocks;
+      slot = int64_t(block) * p.kv.block_size + (pos & (p.kv.block_size - 1));
+    }
+    const int64_t offset = slot * token_stride + c * KV::kStored;
+    const int64_t row = slot * p.kv.num_kv_heads + src.kv_head;
+    const float2 ks = row_scale<F>(src.k_plane, row, src.k_mul, ok);
+    const float2 vs = row_scale<F>(src.v_plane, row, src.v_mul, ok);
+    float kf[8], vf[8];
+    dequant_vec<T, F>(ok ? load_raw<Raw>(src.k + offset) : Raw{}, kf, ks.x, ks.y);
+    dequant_vec<T, F>(ok ? load_raw<Raw>(src.v + offset) : Raw{}, vf, vs.x, vs.y);
+    *reinterpret_cast<uint4*>(s_k + t * Shape::kLd + c * 8) =
+        make_uint4(pack2<T>(kf[0], kf[1]), pack2<T>(kf[2], kf[3]), pack2<T>(kf[4], kf[5]), pack2<T>(kf[6], kf[7]));
+    *reinterpret_cast<uint4*>(s_v + t * Shape::kLd + c * 8) =
+        make_uint4(pack2<T>(vf[0], vf[1]), pack2<T>(vf[2], vf[3]), pack2<T>(vf[4], vf[5]), pack2<T>(vf[6], vf[7]));
+    if (c == 0) s_ok[t] = ok;
+  }
+}
+
+// One K/V tile into a stage: cp.async for auto, dequantizing loads otherwise.
+template <typename T, int D, KVCacheDType F>
+__device__ __forceinline__ void stage_tile(const PrefillParams& p, const int32_t* table, const T* k_base,
+                                           const T* v_base, const QuantTileSrc& quant, int64_t token_stride, int kv0,
+                                           int kv_end, T* s_k, T* s_v, int* s_ok) {
+  if constexpr (F == KVCacheDType::kAuto) {
+    stage_kv_tile<T, D>(p, table, k_base, v_base, token_stride, kv0, kv_end, s_k, s_v, s_ok);
+  } else {
+    stage_kv_tile_quant<T, D, F>(p, table, quant, token_stride, kv0, kv_end, s_k, s_v, s_ok);
+  }
+}
+
+template <typename T, int D, bool kExtras, KVCacheDType F>
 __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const PrefillParams p) {
   using Shape = MmaPrefillShape<T, D>;
   constexpr int kLd = Shape::kLd;
@@ -441,9 +521,20 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
   const int num_q_heads = min(hc, p.group_size - chunk * hc);
 
   const int32_t* table = p.kv.block_tables + int64_t(seq) * p.kv.max_blocks_per_seq;
-  const int64_t token_stride = int64_t(p.kv.num_kv_heads) * D;
+  constexpr int kRowElems = D / values_per_element(F);  // cache elements of one kv head's row
+  const int64_t token_stride = int64_t(p.kv.num_kv_heads) * kRowElems;
   const T* k_base = static_cast<const T*>(p.kv.key_cache) + int64_t(kv_head) * D;
   const T* v_base = static_cast<const T*>(p.kv.value_cache) + int64_t(kv_head) * D;
+  QuantTileSrc quant{};
+  if constexpr (F != KVCacheDType::kAuto) {
+    quant.k = static_cast<const uint8_t*>(p.kv.key_cache) + int64_t(kv_head) * kRowElems;
+    quant.v = static_cast<const uint8_t*>(p.kv.value_cache) + int64_t(kv_head) * kRowElems;
+    quant.k_plane = p.kv.k_plane;
+    quant.v_plane = p.kv.v_plane;
+    quant.k_mul = is_fp8(F) ? fp8_mul(F, p.kv.k_scale) : 1.f;
+    quant.v_mul = is_fp8(F) ? fp8_mul(F, p.kv.v_scale) : 1.f;
+    quant.kv_head = kv_head;
+  }
 
   // Query tiles are strided over the grid: a q_len above the max_query_len the grid was
   // sized for (index checks off) costs time, never unwritten rows.
@@ -453,7 +544,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
 
     __syncthreads();  // the previous query tile is done with s_q / s_k / s_v
     if (kv_end > kv_begin) {
-      stage_kv_tile<T, D>(p, table, k_base, v_base, token_stride, kv_begin, kv_end, s_k, s_v, s_ok);
+      stage_tile<T, D, F>(p, table, k_base, v_base, quant, token_stride, kv_begin, kv_end, s_k, s_v, s_ok);
     }
     cp_async_commit();
     for (int i = threadIdx.x; i < kMmaRows * Shape::kChunksPerRow; i += kMmaWarps * 32) {
@@ -482,7 +573,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_prefill_mma_kernel(const
       const int kv0 = kv_begin + it * kMmaKvTile;
       if (it + 1 < num_kv_tiles) {
         const int nxt = stage ^ 1;
-        stage_kv_tile<T, D>(p, table, k_base, v_base, token_stride, kv0 + kMmaKvTile, kv_end,
+        stage_tile<T, D, F>(p, table, k_base, v_base, quant, token_stride, kv0 + kMmaKvTile, kv_end,
                             s_k + nxt * kMmaKvTile * kLd, s_v + nxt * kMmaKvTile * kLd, s_ok + nxt * kMmaKvTile);
         cp_async_commit();
         cp_async_wait<1>();  // this tile's group has landed; the next one may still fly
@@ -628,22 +719,22 @@ dim3 prefill_grid(PrefillParams& p, int rows, int num_kv_heads, int num_seqs, in
   return dim3(num_tiles, num_kv_heads * p.num_chunks, num_seqs);
 }
 
-template <typename T, int D, bool kExtras>
+template <typename T, int D, bool kExtras, KVCacheDType F>
 cudaError_t launch_prefill(PrefillParams p, int num_kv_heads, int num_seqs, int max_query_len, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
     using Shape = PrefillShape<D>;
     const dim3 grid = prefill_grid(p, Shape::kRows, num_kv_heads, num_seqs, max_query_len);
     if (grid.x == 0) return cudaSuccess;
-    auto kernel = paged_prefill_kernel<T, D, kExtras>;
-    const cudaError_t err = ensure_smem_limit<paged_prefill_kernel<T, D, kExtras>>(Shape::kSmemBytes);
+    auto kernel = paged_prefill_kernel<T, D, kExtras, F>;
+    const cudaError_t err = ensure_smem_limit<paged_prefill_kernel<T, D, kExtras, F>>(Shape::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kPrefillThreads, Shape::kSmemBytes, stream>>>(p);
   } else {
     using Shape = MmaPrefillShape<T, D>;
     const dim3 grid = prefill_grid(p, kMmaRows, num_kv_heads, num_seqs, max_query_len);
     if (grid.x == 0) return cudaSuccess;
-    auto kernel = paged_prefill_mma_kernel<T, D, kExtras>;
-    const cudaError_t err = ensure_smem_limit<paged_prefill_mma_kernel<T, D, kExtras>>(Shape::kSmemBytes);
+    auto kernel = paged_prefill_mma_kernel<T, D, kExtras, F>;
+    const cudaError_t err = ensure_smem_limit<paged_prefill_mma_kernel<T, D, kExtras, F>>(Shape::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kMmaWarps * 32, Shape::kSmemBytes, stream>>>(p);
   }
@@ -673,10 +764,13 @@ cudaError_t launch_paged_prefill_attention(const PrefillArgs& a, cudaStream_t st
     using T = decltype(t);
     return dispatch_head_size(a.kv.head_size, [&](auto hs) {
       constexpr int D = decltype(hs)::value;
-      if (p.sliding_window > 0 || p.soft_cap > 0.f) {
-        return launch_prefill<T, D, true>(p, a.kv.num_kv_heads, a.num_seqs, a.max_query_len, stream);
-      }
-      return launch_prefill<T, D, false>(p, a.kv.num_kv_heads, a.num_seqs, a.max_query_len, stream);
+      return dispatch_format(a.kv.format, [&](auto fmt) {
+        constexpr KVCacheDType F = decltype(fmt)::value;
+        if (p.sliding_window > 0 || p.soft_cap > 0.f) {
+          return launch_prefill<T, D, true, F>(p, a.kv.num_kv_heads, a.num_seqs, a.max_query_len, stream);
+        }
+        return launch_prefill<T, D, false, F>(p, a.kv.num_kv_heads, a.num_seqs, a.max_query_len, stream);
+      });
     });
   });
 }

@@ -31,8 +31,9 @@ void check_fits_int(const char* op, const char* what, int64_t value) {
 void check_cuda_inputs(const char* op, const at::Tensor& query, const at::Tensor& key_cache) {
   TORCH_CHECK(query.is_cuda() && key_cache.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got query on ",
               query.device(), " and key_cache on ", key_cache.device());
-  // 16-byte loads of K/V rows: head_size * element_size is a multiple of 16 for every
-  // supported shape, so only the base pointers can break the alignment.
+  // 16-byte loads of K/V rows (a quantized cache: 8-, 4- or 2-byte loads of codes, and
+  // 4-byte (scale, zero) pairs): every row and slice offset is a multiple of the load size
+  // for every supported shape, so only the base pointers can break the alignment.
   TORCH_CHECK(reinterpret_cast<uintptr_t>(key_cache.data_ptr()) % 16 == 0, op,
               ": key_cache must be 16-byte aligned (a view starting mid-row?)");
 }
@@ -112,13 +113,14 @@ void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at:
   constexpr const char* op = "paged_attention_v1";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
-  cuda::check_cuda_kv_format(op, kv);
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
+                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap,
+                                              kv.dims.format);
   check_cuda_inputs(op, query, key_cache);
   const c10::cuda::CUDAGuard guard(query.device());
-  const cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                              alibi_slopes, sliding_window, logits_soft_cap);
+  cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                        alibi_slopes, sliding_window, logits_soft_cap);
+  cuda::set_kv_format(a.kv, kv);
   cuda::check_launch(op, cuda::launch_paged_attention_v1(a, c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -131,9 +133,9 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
   constexpr const char* op = "paged_attention_v2";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
-  cuda::check_cuda_kv_format(op, kv);
   const AttentionDims d = check_decode_inputs(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap);
+                                              max_seq_len, alibi_slopes, sliding_window, logits_soft_cap,
+                                              kv.dims.format);
   check_v2_scratch(op, d, query, exp_sums, max_logits, tmp_out, max_seq_len, partition_size);
   check_cuda_inputs(op, query, key_cache);
   check_fits_int(op, "max_seq_len", max_seq_len);
@@ -141,8 +143,9 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
   TORCH_CHECK(num_partitions <= cuda::kMaxGridYZ, op, ": max_seq_len ", max_seq_len, " needs ", num_partitions,
               " partitions of ", partition_size, "; at most ", cuda::kMaxGridYZ, " are supported");
   const c10::cuda::CUDAGuard guard(query.device());
-  const cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                              alibi_slopes, sliding_window, logits_soft_cap);
+  cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                        alibi_slopes, sliding_window, logits_soft_cap);
+  cuda::set_kv_format(a.kv, kv);
   cuda::DecodeScratch s{};
   s.exp_sums = exp_sums.data_ptr<float>();
   s.max_logits = max_logits.data_ptr<float>();
@@ -162,15 +165,16 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, cons
   constexpr const char* op = "paged_prefill_attention";
   TORCH_CHECK(out.defined(), op, ": out is required");
   const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
-  cuda::check_cuda_kv_format(op, kv);
   const PrefillDims pd = check_prefill_inputs(op, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                              seq_lens, max_query_len, max_seq_len, sliding_window, logits_soft_cap);
+                                              seq_lens, max_query_len, max_seq_len, sliding_window, logits_soft_cap,
+                                              kv.dims.format);
   check_cuda_inputs(op, query, key_cache);
   check_fits_int(op, "num_tokens", pd.num_tokens);
   check_fits_int(op, "max_query_len", max_query_len);
   const c10::cuda::CUDAGuard guard(query.device());
   cuda::PrefillArgs a{};
   a.kv = make_paged_kv(op, pd.attn, key_cache, value_cache, block_tables, seq_lens);
+  cuda::set_kv_format(a.kv, kv);
   a.out = out.data_ptr();
   a.query = query.data_ptr();
   a.out_stride = out.stride(0);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cache/cache_launch.h"
+#include "common/supported.h"
 #include "common/validation.h"
 #include "cuda/launch_checks.h"
 #include "ops.h"
@@ -60,17 +61,60 @@ void copy_block_runs(const char* op, const char* src, char* dst, const int64_t* 
   }
 }
 
+// A 4-D [num_blocks, ...] cache of copy_blocks: K and V alike, contiguous. What the
+// elements hold (any dtype, quantized codes included) does not matter: bytes move.
+void check_block_cache_shape(const char* op, const at::Tensor& key, const at::Tensor& value) {
+  TORCH_CHECK(key.defined() && value.defined() && key.dim() == 4, op,
+              ": caches must be 4-D [num_blocks, block_size, num_kv_heads, X]");
+  TORCH_CHECK(value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type(), op,
+              ": value_cache shape/dtype ", value.sizes(), " ", value.scalar_type(), " differs from key_cache ",
+              key.sizes(), " ", key.scalar_type());
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), op, ": caches must be contiguous");
+  TORCH_CHECK(is_one_of(key.size(1), kSupportedBlockSizes), op, ": block_size ", key.size(1), " is not supported");
+}
+
+// The copy kernel reads whole blocks in units of up to 16 bytes from each base pointer.
+void check_aligned(const char* op, int64_t layer, const char* what, const at::Tensor& t) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": layer ", layer, " ", what,
+              " must be 16-byte aligned");
+}
+
+// One launch copying the mapped blocks of every layer's key and value tensor (caches or
+// scale planes: the tensors of one list pair share shape and dtype).
+void copy_layer_blocks(const char* op, at::TensorList keys, at::TensorList values, const at::Tensor& mapping_dev,
+                       int64_t num_blocks) {
+  const int64_t num_layers = static_cast<int64_t>(keys.size());
+  // Base pointers of every layer (keys, then values), so one launch covers all layers.
+  // Pinned, so the host->device copy is asynchronous; the pinned-memory allocator keeps
+  // the buffer alive until the copy has run, the device allocator keeps both device
+  // tables alive (stream-ordered reuse) until the kernel has read them.
+  at::Tensor ptrs = at::empty({2 * num_layers}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* p = ptrs.data_ptr<int64_t>();
+  for (int64_t l = 0; l < num_layers; ++l) {
+    p[l] = reinterpret_cast<int64_t>(keys[l].data_ptr());
+    p[num_layers + l] = reinterpret_cast<int64_t>(values[l].data_ptr());
+  }
+  const at::Tensor ptrs_dev = ptrs.to(mapping_dev.device(), /*non_blocking=*/true);
+  const int64_t block_bytes = keys[0].stride(0) * keys[0].element_size();
+  check_cuda_call(op, "kernel launch",
+                  cuda::launch_copy_blocks(ptrs_dev.data_ptr<int64_t>(), static_cast<int>(num_layers),
+                                           mapping_dev.data_ptr<int64_t>(), mapping_dev.size(0), block_bytes,
+                                           num_blocks, c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping, c10::string_view kv_cache_dtype,
                             std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
   constexpr const char* op = "reshape_and_cache";
-  cuda::check_cuda_kv_format(op, check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache));
-  const CacheDims c = check_kv_cache(key_cache, value_cache, op);
-  check_kv_tokens("reshape_and_cache", "key", key, c, key_cache);
-  check_kv_tokens("reshape_and_cache", "value", value, c, key_cache);
+  const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
+  const CacheDims& c = kv.dims;
+  check_kv_tokens(op, "key", key, c, key_cache);
+  check_kv_tokens(op, "value", value, c, key_cache);
   TORCH_CHECK(value.size(0) == key.size(0), op, ": key has ", key.size(0), " tokens, value has ", value.size(0));
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value dtype ", value.scalar_type(),
+              " differs from key dtype ", key.scalar_type());
   TORCH_CHECK(key_cache.is_cuda(), op, ": the CUDA kernel needs CUDA caches, got ", key_cache.device());
   TORCH_CHECK(slot_mapping.defined() && slot_mapping.device() == key_cache.device(), op,
               ": slot_mapping must be on the cache device ", key_cache.device(), ", got ",
@@ -92,6 +136,8 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   a.num_kv_heads = static_cast<int>(c.num_kv_heads);
   a.head_size = static_cast<int>(c.head_size);
   a.element_size = static_cast<int>(key_cache.element_size());
+  a.dtype = cuda::to_kernel_dtype(key.scalar_type());
+  a.quant = cuda::quant_args(kv);
   check_cuda_call(op, "kernel launch", cuda::launch_reshape_and_cache(a, c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -99,53 +145,44 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
                       const std::optional<at::TensorList>& key_scales,
                       const std::optional<at::TensorList>& value_scales) {
   constexpr const char* op = "copy_blocks";
-  TORCH_CHECK(!key_scales.has_value() && !value_scales.has_value(), op,
-              ": a quantized kv_cache_dtype has no CUDA kernel in this build (CPU only)");
   TORCH_CHECK(key_caches.size() == value_caches.size(), op, ": got ", key_caches.size(), " key caches but ",
               value_caches.size(), " value caches");
   if (key_caches.empty()) return;
-  const CacheDims c0 = check_kv_cache(key_caches[0], value_caches[0], op);
+  check_block_cache_shape(op, key_caches[0], value_caches[0]);
+  const int64_t num_blocks = key_caches[0].size(0);
   const at::Device device = key_caches[0].device();
   TORCH_CHECK(device.is_cuda(), op, ": the CUDA kernel needs CUDA caches, got ", device);
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(num_layers <= 65535, op, ": at most 65535 layers per call, got ", num_layers);
   for (int64_t l = 0; l < num_layers; ++l) {
-    check_kv_cache(key_caches[l], value_caches[l], op);
+    check_block_cache_shape(op, key_caches[l], value_caches[l]);
     TORCH_CHECK(key_caches[l].sizes() == key_caches[0].sizes() &&
                     key_caches[l].scalar_type() == key_caches[0].scalar_type(),
                 op, ": layer ", l, " cache shape/dtype ", key_caches[l].sizes(), " ", key_caches[l].scalar_type(),
                 " differs from layer 0 ", key_caches[0].sizes(), " ", key_caches[0].scalar_type());
     TORCH_CHECK(key_caches[l].device() == device, op, ": layer ", l, " cache is on ", key_caches[l].device(),
                 ", layer 0 on ", device);
-    for (const at::Tensor* t : {&key_caches[l], &value_caches[l]}) {
-      TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": layer ", l,
-                  " cache must be 16-byte aligned");
+    check_aligned(op, l, "cache", key_caches[l]);
+    check_aligned(op, l, "cache", value_caches[l]);
+  }
+  check_scale_planes(op, key_scales, value_scales, key_caches.size(), key_caches[0]);
+  if (key_scales.has_value()) {
+    for (int64_t l = 0; l < num_layers; ++l) {
+      check_aligned(op, l, "key scale plane", (*key_scales)[l]);
+      check_aligned(op, l, "value scale plane", (*value_scales)[l]);
     }
   }
-  check_block_mapping(op, block_mapping, c0.num_blocks, c0.num_blocks, /*disjoint_pairs=*/true);
+  check_block_mapping(op, block_mapping, num_blocks, num_blocks, /*disjoint_pairs=*/true);
   TORCH_CHECK(block_mapping.is_cpu() || block_mapping.device() == device, op, ": block_mapping is on ",
               block_mapping.device(), " but the caches are on ", device);
   const int64_t num_pairs = block_mapping.size(0);
   if (num_pairs == 0) return;
   const c10::cuda::CUDAGuard guard(device);
 
-  // Base pointers of every layer (keys, then values), so one launch covers all layers.
-  // Pinned, so the host->device copy is asynchronous; the pinned-memory allocator keeps
-  // the buffer alive until the copy has run, the device allocator keeps both device
-  // tables alive (stream-ordered reuse) until the kernel has read them.
-  at::Tensor ptrs = at::empty({2 * num_layers}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* p = ptrs.data_ptr<int64_t>();
-  for (int64_t l = 0; l < num_layers; ++l) {
-    p[l] = reinterpret_cast<int64_t>(key_caches[l].data_ptr());
-    p[num_layers + l] = reinterpret_cast<int64_t>(value_caches[l].data_ptr());
-  }
-  const at::Tensor ptrs_dev = ptrs.to(device, /*non_blocking=*/true);
   const at::Tensor mapping_dev = block_mapping.to(device, /*non_blocking=*/true).contiguous();
-  const int64_t block_bytes = key_caches[0].stride(0) * key_caches[0].element_size();
-  check_cuda_call(op, "kernel launch",
-                  cuda::launch_copy_blocks(ptrs_dev.data_ptr<int64_t>(), static_cast<int>(num_layers),
-                                           mapping_dev.data_ptr<int64_t>(), num_pairs, block_bytes, c0.num_blocks,
-                                           c10::cuda::getCurrentCUDAStream()));
+  copy_layer_blocks(op, key_caches, value_caches, mapping_dev, num_blocks);
+  // The per-token-head planes are indexed by block id like the values: same pairs.
+  if (key_scales.has_value()) copy_layer_blocks(op, *key_scales, *value_scales, mapping_dev, num_blocks);
 }
 
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {

@@ -57,14 +57,15 @@ void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& qu
                                      c10::string_view kv_cache_dtype, std::optional<at::Tensor> k_scale,
                                      std::optional<at::Tensor> v_scale) {
   constexpr const char* op = "rotary_embedding_and_cache";
-  cuda::check_cuda_kv_format(op, check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache));
+  const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
   const CacheDims c = check_rotary_cache_inputs(op, positions, query, key, value, key_cache, value_cache,
-                                                slot_mapping, cos_sin_cache);
+                                                slot_mapping, cos_sin_cache, kv.dims.format);
   check_cuda(op, key_cache);
   const c10::cuda::CUDAGuard guard(key_cache.device());
   cuda::RotaryCacheArgs a = rotary_cache_params<cuda::RotaryCacheArgs>(
       positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox, c);
-  a.dtype = cuda::to_kernel_dtype(key_cache.scalar_type());
+  a.dtype = cuda::to_kernel_dtype(key.scalar_type());
+  a.quant = cuda::quant_args(kv);
   cuda::check_launch(op, cuda::launch_rotary_embedding_and_cache(a, c10::cuda::getCurrentCUDAStream()));
 }
 

@@ -2,12 +2,15 @@
 // RoPE with the KV-cache write. One CTA per token, fp32 arithmetic, one rounding to
 // the storage dtype per stored value (the rounding points of csrc/cpu/fused_kernels.cpp).
 // Element-wise loads, coalesced across the CTA: these kernels move a few KiB per token
-// and sit far below the cost of the GEMMs around them.
+// and sit far below the cost of the GEMMs around them. A quantized cache gets the rotated
+// key and the value through the writer of reshape_and_cache (cache/kv_quant.cuh, one warp
+// per row), so both ops store the same codes for the same rows.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "attention/attention_utils.cuh"
+#include "cache/kv_quant.cuh"
 #include "fused/fused_launch.h"
 
 namespace pagedkv::cuda {
@@ -86,10 +89,15 @@ __global__ void __launch_bounds__(kRotaryThreads) rotary_cache_kernel(const Rota
   __syncthreads();  // the rotated key rows are read back by other threads below
   const int64_t slot = a.slot_mapping[t];
   if (slot < 0 || slot >= a.num_slots) return;  // padding (or an id the host check would have refused)
+  const T* v = static_cast<const T*>(a.value) + t * a.value_stride_token;
+  if (a.quant.format != KVCacheDType::kAuto) {
+    return quantize_token(a.quant, static_cast<const T*>(k), a.key_stride_head, v, a.value_stride_head, a.key_cache,
+                          a.value_cache, slot, a.num_kv_heads, a.head_size, threadIdx.x / 32, kRotaryThreads / 32,
+                          threadIdx.x % 32);
+  }
   const int row = a.num_kv_heads * a.head_size;
   T* key_dst = static_cast<T*>(a.key_cache) + slot * row;
   T* value_dst = static_cast<T*>(a.value_cache) + slot * row;
-  const T* v = static_cast<const T*>(a.value) + t * a.value_stride_token;
   for (int i = threadIdx.x; i < row; i += kRotaryThreads) {
     const int head = i / a.head_size, d = i % a.head_size;
     key_dst[i] = k[head * a.key_stride_head + d];

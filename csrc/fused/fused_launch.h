@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "attention/attention_launch.h"  // DType
+#include "cache/cache_launch.h"      // KVQuantArgs
 
 namespace pagedkv::cuda {
 
@@ -32,7 +33,7 @@ cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
 
 // RoPE on query/key in place, then key and value into their cache slots. Strides in elements.
 struct RotaryCacheArgs {
-  DType dtype;
+  DType dtype;  // of query/key/value
   const int64_t* positions;  // [num_tokens]; out-of-range positions are left unrotated
   void* query;
   int64_t query_stride_token, query_stride_head;
@@ -40,7 +41,7 @@ struct RotaryCacheArgs {
   int64_t key_stride_token, key_stride_head;
   const void* value;
   int64_t value_stride_token, value_stride_head;
-  void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size], contiguous
+  void* key_cache;  // [num_blocks, block_size, num_kv_heads, X], contiguous (X: as in PagedKV)
   void* value_cache;
   const int64_t* slot_mapping;  // [num_tokens], negative = skip
   const float* cos_sin_cache;   // [max_position, rot_dim]: cos of the pairs, then sin
@@ -52,6 +53,7 @@ struct RotaryCacheArgs {
   int head_size;
   int64_t num_slots;  // num_blocks * block_size: slots at or past it are skipped
   bool is_neox;
+  KVQuantArgs quant;  // the rotated key and the value are stored in this format
 };
 
 cudaError_t launch_rotary_embedding_and_cache(const RotaryCacheArgs& args, cudaStream_t stream);

@@ -16,6 +16,7 @@ GPU and no built pagedkv extension.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import itertools
@@ -37,6 +38,9 @@ KERNELS = [
     "fused/fused_kernels.cu",
 ]
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# KVCacheDType of csrc/common/kv_cache_dtype.h.
+FORMAT_CODE = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8_per_token_head": 3, "int4_per_token_head": 4}
+QUANT_FORMATS = [f for f in FORMAT_CODE if f != "auto"]
 ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
@@ -145,7 +149,8 @@ def bind(lib: ctypes.CDLL) -> None:
         i,
         f,
     ]
-    lib.emu_reshape.argtypes = [p, p, ll, ll, ll, ll, p, p, p, ll, ll, i, i, i]
+    lib.emu_reshape.argtypes = [p, p, ll, ll, ll, ll, p, p, p, ll, ll, i, i, i, i]
+    lib.emu_set_kv_format.argtypes = [i, p, p, p, p]
     lib.emu_copy_blocks.argtypes = [p, i, p, ll, ll, ll]
     lib.emu_rms_norm.argtypes = [i, p, ll, p, ll, p, ll, p, ll, i, f]
     lib.emu_rotary_cache.argtypes = [i, p, p, ll, ll, p, ll, ll, p, ll, ll, p, p, p, p, ll, i, ll, i, i, i, ll, i]
@@ -170,6 +175,38 @@ def make_tables(seq_lens, block_size, gen, extra=3):
 class Checker:
     def __init__(self, lib, ref):
         self.lib, self.ref, self.cases = lib, ref, 0
+
+    @contextlib.contextmanager
+    def kv_format(self, op_args):
+        """The launches inside run with the cache format of op_args (quantize_cache's; {}: auto)."""
+        if not op_args:
+            yield
+            return
+        fmt = op_args["kv_cache_dtype"]
+        ks, vs = op_args["k_scale"], op_args["v_scale"]
+        per_token = fmt.endswith("per_token_head")
+        self.lib.emu_set_kv_format(FORMAT_CODE[fmt], None if per_token else ptr(ks), None if per_token else ptr(vs),
+                                   ptr(ks) if per_token else None, ptr(vs) if per_token else None)
+        try:
+            yield
+        finally:
+            self.lib.emu_set_kv_format(0, None, None, None, None)
+
+    def quantize_cache(self, kc, vc, kv_cache_dtype, fp8_scales=(0.02, 0.5)):
+        """(key codes, value codes, op_args) of float caches in a quantized format (auto: as they are, {}).
+        fp8_scales: the per-tensor k/v scales (None: no scale tensors, read as 1.0)."""
+        if kv_cache_dtype == "auto":
+            return kc, vc, {}
+        fp8 = kv_cache_dtype.startswith("fp8")
+        if fp8:
+            ks, vs = ((torch.tensor([fp8_scales[0]]), torch.tensor([fp8_scales[1]])) if fp8_scales is not None
+                      else (None, None))
+            kq, _ = self.ref.quantize_kv(kc, kv_cache_dtype, ks)
+            vq, _ = self.ref.quantize_kv(vc, kv_cache_dtype, vs)
+        else:
+            kq, ks = self.ref.quantize_kv(kc, kv_cache_dtype)
+            vq, vs = self.ref.quantize_kv(vc, kv_cache_dtype)
+        return kq.contiguous(), vq.contiguous(), {"kv_cache_dtype": kv_cache_dtype, "k_scale": ks, "v_scale": vs}
 
     def close(self, actual, expected, dtype, what):
         torch.testing.assert_close(
@@ -198,6 +235,8 @@ class Checker:
         max_seq_len=None,
         window=0,
         soft_cap=0.0,
+        kv_cache_dtype="auto",
+        fp8_scales=(0.02, 0.5),
     ):
         """max_seq_len: what the launcher is told (default: the true maximum); a smaller
         value is the lie that skipped index checks let through: v2 must still attend
@@ -209,6 +248,7 @@ class Checker:
             torch.randn(shape, generator=gen).to(dtype),
             torch.randn(shape, generator=gen).to(dtype),
         )
+        kc, vc, op_args = self.quantize_cache(kc, vc, kv_cache_dtype, fp8_scales)
         n = len(seq_lens)
         if strided:  # query as a slice of a bigger projection
             query = torch.randn(n, 2, num_heads, head_size, generator=gen).to(dtype)[
@@ -233,7 +273,8 @@ class Checker:
         exp_sums = torch.full((n, num_heads, parts), float("nan"))
         max_logits = exp_sums.clone()
         tmp_out = torch.full((n, num_heads, parts, head_size), float("nan")).to(dtype)
-        rc = self.lib.emu_decode(
+        with self.kv_format(op_args):
+            rc = self.lib.emu_decode(
             version,
             DTYPE_CODE[dtype],
             ptr(out),
@@ -263,13 +304,14 @@ class Checker:
             soft_cap,
         )
         assert rc == 0, f"launcher returned {rc}"
-        expected = self.ref.paged_attention(query, kc, vc, tables, lens, scale, slopes, window, soft_cap)
+        expected = self.ref.paged_attention(query, kc, vc, tables, lens, scale, slopes, window, soft_cap, **op_args)
         self.close(
             out,
             expected,
             dtype,
             f"decode v{version} {dtype} d={head_size} bs={block_size} "
-            f"heads={num_heads}/{num_kv_heads} max_seq_len={max_len} window={window} cap={soft_cap}",
+            f"heads={num_heads}/{num_kv_heads} max_seq_len={max_len} window={window} cap={soft_cap} "
+            f"kv_cache_dtype={kv_cache_dtype}",
         )
 
     def decode_bad_block(self):
@@ -382,6 +424,7 @@ class Checker:
         odd_stride=False,
         window=0,
         soft_cap=0.0,
+        kv_cache_dtype="auto",
     ):
         """max_query_len: what the launcher is told (default: the true maximum); a smaller
         value (index checks off) must still produce every row (fp16/bf16: the tensor-core
@@ -394,6 +437,7 @@ class Checker:
             torch.randn(shape, generator=gen).to(dtype),
             torch.randn(shape, generator=gen).to(dtype),
         )
+        kc, vc, op_args = self.quantize_cache(kc, vc, kv_cache_dtype)
         num_tokens = sum(q_lens)
         query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
         qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -407,7 +451,8 @@ class Checker:
             query = query_view
             out = torch.full((num_tokens * row + 1,), 7.0).to(dtype).as_strided(out.shape, (row, head_size, 1), 1)
         scale = head_size**-0.5
-        rc = self.lib.emu_prefill(
+        with self.kv_format(op_args):
+            rc = self.lib.emu_prefill(
             DTYPE_CODE[dtype],
             ptr(out),
             ptr(query),
@@ -433,14 +478,14 @@ class Checker:
         )
         assert rc == 0, f"launcher returned {rc}"
         expected = self.ref.paged_prefill_attention(
-            query, kc, vc, tables, qsl, lens, scale, window, soft_cap
+            query, kc, vc, tables, qsl, lens, scale, window, soft_cap, **op_args
         )
         self.close(
             out,
             expected,
             dtype,
             f"prefill {dtype} d={head_size} bs={block_size} "
-            f"heads={num_heads}/{num_kv_heads} window={window} cap={soft_cap}",
+            f"heads={num_heads}/{num_kv_heads} window={window} cap={soft_cap} kv_cache_dtype={kv_cache_dtype}",
         )
 
     def cache_ops(self, dtype, head_size, strided):
@@ -482,6 +527,7 @@ class Checker:
             num_kv_heads,
             head_size,
             kc.element_size(),
+            DTYPE_CODE[dtype],
         )
         assert rc == 0 and torch.equal(kc, ek) and torch.equal(vc, ev), (
             "reshape_and_cache"
@@ -507,6 +553,97 @@ class Checker:
             assert torch.equal(k, k_exp) and torch.equal(v, v_exp), "copy_blocks"
         self.cases += 2
 
+
+    @staticmethod
+    def quant_rows(gen, shape, dtype):
+        """K/V rows with the values a quantizer must get right: random rows, constant rows (scale 0),
+        rows past the fp8 and fp16 ranges (saturation, clamped pairs), tiny ones (subnormal codes)."""
+        x = torch.randn(shape, generator=gen) * 3
+        x[0] = 1.25                     # every row of token 0 constant
+        x[1] *= 4000.0                  # past e4m3's 448 after the scale, not past 57344
+        x[2, 0] = torch.linspace(-7e4, 9e4, shape[-1])  # past fp16's 65504: clamped (scale, zero)
+        x[3] *= 1e-5                    # subnormal fp8 codes
+        return x.to(dtype)
+
+    def quant_cache_write(self, dtype, head_size, kv_cache_dtype, strided, rotary=False, fp8_scales=(0.37, 2.5)):
+        """reshape_and_cache (or rotary_embedding_and_cache) into a quantized cache: codes and planes bit for
+        bit those of reference.quantize_kv of the rows written, untouched slots unchanged."""
+        gen = torch.Generator().manual_seed(head_size + FORMAT_CODE[kv_cache_dtype])
+        num_tokens, nkv, nh, block_size, num_blocks = 21, 3, 6, 8, 6
+        fmt = self.ref.kv_cache_format(kv_cache_dtype)
+        width = (nh + 2 * nkv) if rotary else 3
+        fused = self.quant_rows(gen, (num_tokens, width, nkv if not rotary else 1, head_size), dtype)
+        if rotary or strided:  # key/value as slices of a fused projection
+            flat = fused.reshape(num_tokens, -1, head_size)
+            q = flat[:, :nh] if rotary else None
+            key = flat[:, nh : nh + nkv] if rotary else fused[:, 1]
+            value = flat[:, nh + nkv :] if rotary else fused[:, 2]
+        else:
+            key, value = fused[:, 1].clone(), fused[:, 2].clone()
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        slots[::5] = -1
+        shape = (num_blocks, block_size, nkv, fmt.last_dim(head_size))
+        kc = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        vc = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        if fmt.per_token_scale:
+            ks = torch.randn(num_blocks, block_size, nkv, 2, generator=gen).half()
+            vs = torch.randn(num_blocks, block_size, nkv, 2, generator=gen).half()
+        elif fp8_scales is not None:
+            ks, vs = torch.tensor([fp8_scales[0]]), torch.tensor([fp8_scales[1]])
+        else:
+            ks = vs = None
+        if fmt.is_fp8:
+            kc, vc = kc.view(fmt.element), vc.view(fmt.element)
+        ek, ev = kc.clone(), vc.clone()
+        eks, evs = (ks.clone(), vs.clone()) if fmt.per_token_scale else (ks, vs)
+        op_args = {"kv_cache_dtype": kv_cache_dtype, "k_scale": ks, "v_scale": vs}
+        with self.kv_format(op_args):
+            if rotary:
+                max_pos, rot_dim = 64, head_size
+                inv = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+                freqs = torch.outer(torch.arange(max_pos).float(), inv)
+                cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+                positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+                rc = self.lib.emu_rotary_cache(DTYPE_CODE[dtype], ptr(positions), ptr(q), q.stride(0), q.stride(1),
+                                               ptr(key), key.stride(0), key.stride(1), ptr(value), value.stride(0),
+                                               value.stride(1), ptr(kc), ptr(vc), ptr(slots), ptr(cos_sin), max_pos,
+                                               rot_dim, num_tokens, nh, nkv, head_size, num_blocks * block_size, 1)
+            else:
+                rc = self.lib.emu_reshape(ptr(key), ptr(value), key.stride(0), key.stride(1), value.stride(0),
+                                          value.stride(1), ptr(kc), ptr(vc), ptr(slots), num_tokens,
+                                          num_blocks * block_size, nkv, head_size, kc.element_size(),
+                                          DTYPE_CODE[dtype])
+        assert rc == 0, f"launcher returned {rc}"
+        # The kernel's own rotated key is the input of the quantizer (rotation is checked by fused_rotary).
+        self.ref.reshape_and_cache(key, value, ek, ev, slots, kv_cache_dtype, eks, evs)
+        op = "rotary_embedding_and_cache" if rotary else "reshape_and_cache"
+        what = f"{op} {kv_cache_dtype} {dtype} d={head_size}"
+        for actual, want in ((kc, ek), (vc, ev)):
+            assert torch.equal(actual.view(torch.uint8), want.view(torch.uint8)), f"{what}: codes differ"
+        if fmt.per_token_scale:
+            for actual, want in ((ks, eks), (vs, evs)):
+                assert torch.equal(actual.view(torch.int16), want.view(torch.int16)), f"{what}: scale planes differ"
+        self.cases += 1
+
+    def copy_quant_blocks(self, kv_cache_dtype, head_size, num_kv_heads, block_size):
+        """copy_blocks of 1-byte caches (int4: half the last dim) and their [.., 2] fp16 planes, which are
+        small blocks whose size is not always a multiple of 16 bytes."""
+        gen = torch.Generator().manual_seed(head_size + num_kv_heads)
+        fmt = self.ref.kv_cache_format(kv_cache_dtype)
+        num_blocks = 7
+        shape = (num_blocks, block_size, num_kv_heads, fmt.last_dim(head_size))
+        values = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(4)]
+        planes = [torch.randn(num_blocks, block_size, num_kv_heads, 2, generator=gen).half() for _ in range(4)]
+        mapping = torch.tensor([[0, 3], [1, 4], [6, 0]])
+        for group in (values, planes):
+            expected = [t.clone() for t in group]
+            self.ref.copy_blocks(expected[:2], expected[2:], mapping)
+            ptrs = torch.tensor([t.data_ptr() for t in group])  # layers 0, 1 keys, then values
+            block_bytes = group[0].stride(0) * group[0].element_size()
+            rc = self.lib.emu_copy_blocks(ptr(ptrs), 2, ptr(mapping), 3, block_bytes, num_blocks)
+            assert rc == 0 and all(torch.equal(a, b) for a, b in zip(group, expected, strict=True)), (
+                f"copy_blocks {kv_cache_dtype} block_bytes={block_bytes}")
+        self.cases += 1
 
     def fused_norm(self, dtype, num_tokens, hidden, with_residual):
         """rms_norm / fused_add_rms_norm (out = input, in place) vs the reference."""
@@ -659,6 +796,48 @@ def run(checker: Checker, quick: bool, dtypes=None, head_sizes=None) -> None:
         checker.cache_ops(dtype, head_size, strided)
 
 
+def run_quant(checker: Checker, quick: bool) -> None:
+    """Quantized KV caches (kv_cache_dtype): the writers bit for bit against reference.quantize_kv, block copies
+    of codes and planes, and decode v1/v2 / prefill against the reference reading the same codes."""
+    dtypes = [torch.float16] if quick else list(DTYPE_CODE)
+    for fmt in QUANT_FORMATS:
+        for dtype, head_size in itertools.product(DTYPE_CODE, (64, 80, 256)):
+            checker.quant_cache_write(dtype, head_size, fmt, strided=head_size == 80)
+        checker.quant_cache_write(torch.bfloat16, 128, fmt, strided=False, fp8_scales=None)
+        checker.quant_cache_write(torch.float16, 64, fmt, strided=True, rotary=True)
+        checker.quant_cache_write(torch.float32, 80, fmt, strided=True, rotary=True)
+        checker.copy_quant_blocks(fmt, 64, 1, 8)
+        checker.copy_quant_blocks(fmt, 80, 3, 16)
+    print("  quantized cache writes / copies: ok", flush=True)
+    # Quick: 3 head sizes x 2 groups; full: every head size, each with a different group, cycling through
+    # G = 1, 2, 3 (rounded up to 4), 8 (two chunks of 4) and 12 (three chunks), all dtypes.
+    if quick:
+        shapes = list(itertools.product([64, 80, 256], [(2, 2), (8, 1)]))
+    else:
+        groups = [(2, 2), (6, 3), (3, 1), (8, 1), (12, 1)]
+        shapes = [(d, groups[i % len(groups)]) for i, d in enumerate([64, 80, 96, 112, 128, 256] * 2)]
+    for fmt, dtype in itertools.product(QUANT_FORMATS, dtypes):
+        for n, (head_size, (num_heads, num_kv_heads)) in enumerate(shapes):
+            block_size = [8, 16, 32][(head_size // 16 + n) % 3]
+            for version in (1, 2):
+                checker.decode(version, [0, 1, 37, 300], num_heads, num_kv_heads, head_size, block_size, dtype,
+                               alibi=num_heads % 3 == 0, strided=head_size == 96, seed=head_size + num_heads,
+                               kv_cache_dtype=fmt)
+            checker.prefill([37, 70, 1, 0], [0, 45, 100, 9], num_heads, num_kv_heads, head_size, block_size, dtype,
+                            seed=head_size + n, kv_cache_dtype=fmt)
+        # Window and soft cap (kExtras) and, for fp8, no scale tensors (1.0).
+        checker.decode(2, [1, 600, 77], 8, 2, 128, 16, dtype, partition_size=256, window=100, soft_cap=3.0,
+                       kv_cache_dtype=fmt, fp8_scales=None, seed=11)
+        checker.prefill([40, 3], [30, 90], 6, 2, 128, 16, dtype, window=50, soft_cap=2.0, kv_cache_dtype=fmt,
+                        seed=12)
+        print(f"  {fmt} {dtype}: ok", flush=True)
+    for fmt in QUANT_FORMATS:  # the SIMT (fp32) and tensor-core (bf16) prefill kernels in quick runs too
+        checker.prefill([33, 2], [40, 31], 6, 2, 64, 16, torch.float32, seed=13, kv_cache_dtype=fmt)
+        checker.prefill([33, 2], [40, 31], 6, 2, 256, 16, torch.bfloat16, seed=14, kv_cache_dtype=fmt)
+        checker.decode(1, [5, 77, 300], 10, 2, 96, 8, torch.float32, seed=15, kv_cache_dtype=fmt)
+    print("  quantized attention: ok", flush=True)
+
+
 def run_window(checker: Checker, quick: bool) -> None:
     """Sliding window and soft cap (the kernels' kExtras variants): decode v1/v2 with windows inside a
     block, across blocks and partitions, longer than the sequence; prefill chunks after context."""
@@ -689,15 +868,20 @@ def main() -> None:
                         help="only these dtypes in the shape sweep (the fixed cases always run)")
     parser.add_argument("--head-sizes", nargs="+", type=int, help="only these head sizes in the shape sweep")
     parser.add_argument("--fused-only", action="store_true", help="only the fused norm / rotary kernels")
+    parser.add_argument("--quant-only", action="store_true", help="only the quantized KV cache checks")
     args = parser.parse_args()
     names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     dtypes = [names[d] for d in args.dtypes] if args.dtypes else None
     lib = build(Path(args.build_dir))
     bind(lib)
     checker = Checker(lib, load_reference())
-    if not args.fused_only:
+    if args.quant_only:
+        run_quant(checker, args.quick)
+    elif not args.fused_only:
         run(checker, args.quick, dtypes, args.head_sizes)
-    run_fused(checker)
+        run_quant(checker, args.quick)
+    if not args.quant_only:
+        run_fused(checker)
     print(f"cuda emulation: {checker.cases} checks passed")
 
 

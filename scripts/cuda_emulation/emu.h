@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <barrier>
@@ -144,6 +145,13 @@ template <typename T>
 inline T __ldg(const T* p) { return *p; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __expf(float x) { return std::exp(x); }
+// IEEE round-to-nearest single-precision ops (the quantizing cache writers); the host's
+// float arithmetic is exactly that with -O2 and no -ffast-math (no FMA contraction on x86-64
+// without -march flags).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.f / a; }
 using std::max;
 using std::min;
 

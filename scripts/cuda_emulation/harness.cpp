@@ -5,11 +5,26 @@
 #include "fused/fused_launch.h"
 using namespace pagedkv::cuda;
 
+// The cache format of the following launches (emu_set_kv_format; auto until set), so the
+// launch entry points keep one signature for every format.
+static KVQuantArgs g_format;
+
+extern "C" void emu_set_kv_format(int format, const float* k_scale, const float* v_scale, void* k_plane,
+                                  void* v_plane) {
+  g_format.format = static_cast<pagedkv::KVCacheDType>(format);
+  g_format.k_scale = k_scale;
+  g_format.v_scale = v_scale;
+  g_format.k_plane = static_cast<__half*>(k_plane);
+  g_format.v_plane = static_cast<__half*>(v_plane);
+}
+
 static PagedKV kv_of(const void* kc, const void* vc, const int* bt, const int* lens, int nb, int bs, int nkv, int hs,
                      int mbps) {
   PagedKV kv{};
   kv.key_cache = kc; kv.value_cache = vc; kv.block_tables = bt; kv.seq_lens = lens;
   kv.num_blocks = nb; kv.block_size = bs; kv.num_kv_heads = nkv; kv.head_size = hs; kv.max_blocks_per_seq = mbps;
+  kv.format = g_format.format; kv.k_scale = g_format.k_scale; kv.v_scale = g_format.v_scale;
+  kv.k_plane = g_format.k_plane; kv.v_plane = g_format.v_plane;
   return kv;
 }
 
@@ -44,9 +59,11 @@ extern "C" int emu_prefill(int dtype, void* out, const void* query, long long ou
 
 extern "C" int emu_reshape(const void* key, const void* value, long long kst, long long ksh, long long vst,
                            long long vsh, void* kc, void* vc, const long long* slots, long long num_tokens,
-                           long long num_slots, int nkv, int hs, int esize) {
+                           long long num_slots, int nkv, int hs, int esize, int dtype) {
   ReshapeAndCacheArgs a{key, value, kst, ksh, vst, vsh, kc, vc, reinterpret_cast<const int64_t*>(slots),
                         num_tokens, num_slots, nkv, hs, esize};
+  a.dtype = static_cast<DType>(dtype);
+  a.quant = g_format;
   return launch_reshape_and_cache(a, nullptr);
 }
 
@@ -79,5 +96,6 @@ extern "C" int emu_rotary_cache(int dtype, const long long* positions, void* q, 
   a.cos_sin_cache = cos_sin; a.max_position = max_position; a.rot_dim = rot_dim; a.num_tokens = num_tokens;
   a.num_heads = num_heads; a.num_kv_heads = num_kv_heads; a.head_size = head_size; a.num_slots = num_slots;
   a.is_neox = is_neox != 0;
+  a.quant = g_format;
   return launch_rotary_embedding_and_cache(a, nullptr);
 }
