@@ -7,7 +7,11 @@ compares with pagedkv.reference. It checks indexing, masking, partition bounds
 and reductions, not speed; the GPU tests (tests/test_cuda.py) remain the
 authority.
 
-    python scripts/cuda_emulation/check_kernels.py [--quick]
+    python scripts/cuda_emulation/check_kernels.py [--quick] [--quant-only]
+
+Every quantized kv_cache_dtype is covered too (run_quant): the cache writers'
+codes and (scale, zero) planes bit for bit against reference.quantize_kv, block
+copies of codes and planes, and decode v1/v2 and prefill reading them.
 
 Needs g++ (C++20) and the CUDA headers (CUDA_HOME, default /usr/local/cuda); no
 GPU and no built pagedkv extension.
