@@ -36,6 +36,9 @@ bench-all: install
 	# kernels_cpu.md carries hand-written notes on its run: the fresh table goes beside it.
 	$(PYTHON) bench/bench_kernels.py --all --json bench/results/kernels_cpu.json --plot bench/results/kernels_cpu.png \
 		> bench/results/kernels_cpu_latest.md
+	# Decode on quantized KV caches: each kv_cache_dtype vs the bf16/fp32 cache and vLLM CPU's fp8 (~4 minutes).
+	$(PYTHON) bench/bench_kernels.py --quantized --json bench/results/kernels_quantized_cpu.json \
+		> bench/results/kernels_quantized_cpu.md
 	$(PYTHON) bench/bench_sampler.py --out bench/results/sampler_cpu.md --json bench/results/sampler_cpu.json
 	$(PYTHON) bench/bench_engine_core.py --out bench/results/engine_core_cpu.md --json bench/results/engine_core_cpu.json
 	$(PYTHON) bench/bench_soak.py --num-requests 4000 --out bench/results/soak_cpu.md --json bench/results/soak_cpu.json

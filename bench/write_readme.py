@@ -129,6 +129,14 @@ unquantized output position by position, and the common prefix), with vLLM CPU's
 unquantized one beside it; and blocks in the same budget against the fp32 and bf16 caches. fp8 runs at scale
 1.0 and at vLLM's calculated scales (amax/200 for K, amax/100 for V). `--vllm-from JSON` reuses an earlier
 run's vLLM rows."""),
+    ("Quantized KV caches: the decode kernel (`bench/bench_kernels.py --quantized`)", "kernels_quantized_cpu.md", [],
+     """\
+`ops.paged_attention` on the CPU with the cache in each `kv_cache_dtype` (fp8 e4m3 / e5m2 at scale 1.0, int8 /
+int4 per token and head) against the same values in the compute-dtype cache, and against vLLM CPU's own kernel on
+its fp8 cache, on the issue-10 target shapes, bf16 and fp32 compute, all contenders interleaved rep by rep with the
+last-level cache flushed. Targets (issue 23, bf16): an 8-bit cache >= 1.3x faster than the bf16 one at batch 32 x
+2048, and vLLM's fp8 time / ours >= 1.0 (geomean over the rows). Every kernel is checked against
+`pagedkv.reference` with the same `kv_cache_dtype`."""),
     ("Sliding-window and soft-capped attention (`bench/bench_window.py`)", "window_cpu.md", [], """\
 The `sliding_window` and `logits_soft_cap` arguments of the attention ops against the plain ops (every key
 read, no cap) and against SDPA over the window's keys laid out contiguously (decode) or with the sliding mask
