@@ -305,7 +305,7 @@ inline Vec widen_codes(const T* p) {
   if constexpr (kFp8Row<T>) {
     constexpr KVCacheDType f =
         std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2 : KVCacheDType::kFp8E4M3;
-    return Vec(_mm512_cvtph_ps(fp8_to_half_bits(f, _mm256_cvtepu8_epi16(raw))));
+    return Vec(_mm512_cvtph_ps(fp8_to_half_bits(f, _mm256_cvtepi8_epi16(raw))));
   } else {
     return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)));
   }
@@ -314,7 +314,7 @@ inline Vec widen_codes(const T* p) {
   if constexpr (kFp8Row<T>) {
     constexpr KVCacheDType f =
         std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2 : KVCacheDType::kFp8E4M3;
-    return Vec(_mm256_cvtph_ps(fp8_to_half_bits(f, _mm_cvtepu8_epi16(raw))));
+    return Vec(_mm256_cvtph_ps(fp8_to_half_bits(f, _mm_cvtepi8_epi16(raw))));
   } else {
     return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
   }
@@ -399,6 +399,7 @@ struct DecodeScratch {
   volatile float sink = 0.f;  // keeps the loads of touch_ranges (never read)
   std::vector<float> stage;   // quantized caches: [block_size, D] dequantized rows of one kv head
   std::vector<float> qsum;    // int8 per token and head: [heads] sum of each pre-scaled query row
+  std::vector<float> plane;   // int8 per token and head: one block's (scale, zero) pairs as floats (plane_floats)
 };
 
 // logits[h * kMaxBlockSize + t] = the lane sum of acc[h * NT + t]: all reduced together.
@@ -642,35 +643,49 @@ struct TaskView {
 // on the codes with p_t * s_t, while sum_t p_t z_t goes to every element of the head's
 // accumulator. `slot0`: the block's first slot; rows [from, n) of the block; logits
 // and acc: the rows of the G heads of task-local kv head h.
-// (No local arrays here: GCC vectorized such loops with aligned 32-byte loads of stack arrays it had
-// not aligned, in the AVX-512 build.)
-template <typename T>
-inline const c10::Half* plane_row(const TaskView<T>& tv, const c10::Half* plane, int64_t h, int64_t slot) {
-  return plane + (slot * tv.num_kv_heads + tv.kv_head0 + h) * 2;
+// The (scale, zero) pairs of one block's rows of every kv head, as floats [bs, num_kv_heads, 2]
+// (n = bs * num_kv_heads * 2 halves, a multiple of 16): converted once per block with vcvtph2ps,
+// then read by the G heads of every kv head (c10::Half's scalar conversion per token, head and
+// use cost about as much as the block's arithmetic).
+inline void plane_floats(const c10::Half* plane, int64_t slot0, int64_t num_kv_heads, int64_t bs, float* dst) {
+  const c10::Half* src = plane + slot0 * num_kv_heads * 2;
+  const int64_t n = bs * num_kv_heads * 2;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (int64_t i = 0; i < n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (int64_t i = 0; i < n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+#endif
 }
 
+// (No local arrays in these two: GCC vectorized such loops with aligned 32-byte loads of stack
+// arrays it had not aligned, in the AVX-512 build.) pf: plane_floats of the block.
 template <typename T>
-inline void affine_logits(const TaskView<T>& tv, int64_t h, int64_t slot0, int from, int n, float* logits) {
+inline void affine_logits(const TaskView<T>& tv, int64_t h, const float* pf, int from, int n, float* logits) {
   for (int t = from; t < n; ++t) {
-    const c10::Half* e = plane_row(tv, tv.k_plane, h, slot0 + t);
-    const float sc = static_cast<float>(e[0]), ze = static_cast<float>(e[1]);
+    const float* e = pf + (t * tv.num_kv_heads + tv.kv_head0 + h) * 2;
     for (int64_t g = 0; g < tv.G; ++g) {
       float& x = logits[g * kMaxBlockSize + t];
-      x = sc * x + ze * tv.qsum[h * tv.G + g];
+      x = e[0] * x + e[1] * tv.qsum[h * tv.G + g];
     }
   }
 }
 
 template <typename T, int D>
-inline void affine_probs(const TaskView<T>& tv, int64_t h, int64_t slot0, int from, int n, float* logits,
+inline void affine_probs(const TaskView<T>& tv, int64_t h, const float* pf, int from, int n, float* logits,
                          float* acc) {
   for (int64_t g = 0; g < tv.G; ++g) {
     float* row = logits + g * kMaxBlockSize;
     float shift = 0.f;
     for (int t = from; t < n; ++t) {
-      const c10::Half* e = plane_row(tv, tv.v_plane, h, slot0 + t);
-      shift += row[t] * static_cast<float>(e[1]);
-      row[t] *= static_cast<float>(e[0]);
+      const float* e = pf + (t * tv.num_kv_heads + tv.kv_head0 + h) * 2;
+      shift += row[t] * e[1];
+      row[t] *= e[0];
     }
     const Vec sv(shift);
     float* a = acc + g * D;
@@ -760,11 +775,12 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
       const int k_from = b == b0 ? skip / 8 * 8 : 0;
+      if constexpr (std::is_same_v<T, uint8_t>) plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
         qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + k_from * row_stride + h * D, row_stride, nb - k_from,
                        logits + h * G * kMaxBlockSize + t0 + k_from, next);
         if constexpr (std::is_same_v<T, uint8_t>) {
-          affine_logits(tv, h, tv.table[b] * bs, k_from, nb, logits + h * G * kMaxBlockSize + t0);
+          affine_logits(tv, h, s.plane.data(), k_from, nb, logits + h * G * kMaxBlockSize + t0);
         }
       }
     }
@@ -772,9 +788,10 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
       const int v_from = b == b0 ? skip : 0;
+      if constexpr (std::is_same_v<T, uint8_t>) plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
         if constexpr (std::is_same_v<T, uint8_t>) {
-          affine_probs<T, D>(tv, h, tv.table[b] * bs, v_from, nb, logits + h * G * kMaxBlockSize + t0,
+          affine_probs<T, D>(tv, h, s.plane.data(), v_from, nb, logits + h * G * kMaxBlockSize + t0,
                              s.acc.data() + h * G * D);
         }
         pv_block<T, D>(logits + h * G * kMaxBlockSize + t0 + v_from, G, values(b) + v_from * row_stride + h * D,
@@ -820,14 +837,16 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
       }
     }
     if constexpr (std::is_same_v<T, uint8_t>) {
+      plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < nkv; ++h) {
-        affine_logits(tv, h, tv.table[b] * bs, first_group, n, logits + h * G * kMaxBlockSize);
+        affine_logits(tv, h, s.plane.data(), first_group, n, logits + h * G * kMaxBlockSize);
       }
     }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
     if constexpr (std::is_same_v<T, uint8_t>) {
+      plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < nkv; ++h) {
-        affine_probs<T, D>(tv, h, tv.table[b] * bs, skip, n, logits + h * G * kMaxBlockSize,
+        affine_probs<T, D>(tv, h, s.plane.data(), skip, n, logits + h * G * kMaxBlockSize,
                            s.acc.data() + h * G * D);
       }
     }
@@ -910,7 +929,10 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
   const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
   const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
   const float q_scale = kFp8Row<R> ? p.scale * fp8_mul(p.kv_format, p.k_scale) : p.scale;
-  if constexpr (std::is_same_v<R, uint8_t>) s.qsum.resize(heads);
+  if constexpr (std::is_same_v<R, uint8_t>) {
+    s.qsum.resize(heads);
+    s.plane.resize(p.block_size * p.num_kv_heads * 2);
+  }
   for (int64_t h = 0; h < heads; ++h) {
     if constexpr (kDotBf16<R>) {
       // The bf16 row as given, in the first half of the head's fp32 row (so the

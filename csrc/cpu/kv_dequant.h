@@ -43,11 +43,11 @@ inline float fp8_mul(KVCacheDType f, float scale) { return f == KVCacheDType::kF
 constexpr int64_t row_bytes(KVCacheDType f, int64_t D) { return D / values_per_element(f); }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// 16 fp8 codes (as 16-bit lanes) -> fp16 bit patterns.
+// 16 fp8 codes, sign-extended to 16-bit lanes (cvtepi8), -> fp16 bit patterns: e5m2 is the top byte;
+// e4m3 shifted left 7 has its sign at bit 15 (from the extension) and a copy at bit 14, cleared.
 inline __m256i fp8_to_half_bits(KVCacheDType f, __m256i x) {
   if (f == KVCacheDType::kFp8E5M2) return _mm256_slli_epi16(x, 8);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
-  return _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
+  return _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
 }
 
 template <int D>
@@ -56,7 +56,7 @@ inline void dequant_row(KVCacheDType f, const uint8_t* src, RowScale s, float* d
   for (int i = 0; i < D; i += 16) {
     __m512 v;
     if (is_fp8(f)) {
-      const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
       v = _mm512_mul_ps(_mm512_cvtph_ps(fp8_to_half_bits(f, x)), mul);
     } else {
       __m128i codes;
@@ -73,11 +73,10 @@ inline void dequant_row(KVCacheDType f, const uint8_t* src, RowScale s, float* d
   }
 }
 #elif defined(CPU_CAPABILITY_AVX2)
-// 8 fp8 codes (as 16-bit lanes) -> fp16 bit patterns.
+// 8 fp8 codes, sign-extended to 16-bit lanes (cvtepi8), -> fp16 bit patterns (as above).
 inline __m128i fp8_to_half_bits(KVCacheDType f, __m128i x) {
   if (f == KVCacheDType::kFp8E5M2) return _mm_slli_epi16(x, 8);
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
-  return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7));
+  return _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
 }
 
 template <int D>
@@ -86,7 +85,7 @@ inline void dequant_row(KVCacheDType f, const uint8_t* src, RowScale s, float* d
   for (int i = 0; i < D; i += 8) {
     __m256 v;
     if (is_fp8(f)) {
-      const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+      const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
       v = _mm256_mul_ps(_mm256_cvtph_ps(fp8_to_half_bits(f, x)), mul);
     } else {
       __m128i codes;
