@@ -353,6 +353,22 @@ def test_scales_are_refused_on_an_unquantized_cache():
                               torch.tensor([0]), k_scale=torch.ones(1))
 
 
+@pytest.mark.parametrize("writer", ["reshape_and_cache", "rotary_embedding_and_cache"])
+def test_writers_refuse_key_and_value_of_different_dtypes(writer):
+    """A quantized cache takes any compute dtype, but key and value must share one (both are read as key's)."""
+    cache, key, slots = _small()
+    value = key.to(torch.bfloat16)
+    before = [t.clone() for t in cache.block_tensors()]
+    with pytest.raises(RuntimeError, match=rf"{writer}: value dtype BFloat16 differs from key dtype Float"):
+        if writer == "reshape_and_cache":
+            ops.reshape_and_cache(key, value, cache.key, cache.value, slots, **cache.op_args)
+        else:
+            cos_sin = torch.zeros(8, 64)
+            ops.rotary_embedding_and_cache(torch.zeros(3, dtype=torch.int64), torch.randn(3, 4, 64), key.clone(),
+                                           value, cache.key, cache.value, slots, cos_sin, True, **cache.op_args)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.block_tensors(), strict=True))
+
+
 def test_fp8_scale_must_be_one_float32():
     cache, key, slots = _small("fp8_e4m3")
     with pytest.raises(RuntimeError, match=r"k_scale of an fp8 cache must be a float32 tensor of one element"):

@@ -412,8 +412,9 @@ void check_query_start_loc_values(const char* op, const PrefillDims& p, const at
   }
 }
 
-void check_kv_tokens(const char* op, const char* name, const at::Tensor& t, const CacheDims& c,
-                     const at::Tensor& key_cache) {
+namespace {
+void check_kv_token_tensor(const char* op, const char* name, const at::Tensor& t, const CacheDims& c,
+                           const at::Tensor& key_cache) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is required");
   TORCH_CHECK(t.dim() == 3 && t.size(1) == c.num_kv_heads && t.size(2) == c.head_size, op, ": ", name,
               " must be [num_tokens, num_kv_heads=", c.num_kv_heads, ", head_size=", c.head_size, "], got shape ",
@@ -422,6 +423,17 @@ void check_kv_tokens(const char* op, const char* name, const at::Tensor& t, cons
   TORCH_CHECK(t.device() == key_cache.device(), op, ": ", name, " is on ", t.device(), " but the cache is on ",
               key_cache.device());
   TORCH_CHECK(t.stride(2) == 1, op, ": ", name, " must have a contiguous last dim, got strides ", t.strides());
+}
+}  // namespace
+
+void check_kv_tokens(const char* op, const at::Tensor& key, const at::Tensor& value, const CacheDims& c,
+                     const at::Tensor& key_cache) {
+  check_kv_token_tensor(op, "key", key, c, key_cache);
+  check_kv_token_tensor(op, "value", value, c, key_cache);
+  TORCH_CHECK(value.size(0) == key.size(0), op, ": key has ", key.size(0), " tokens, value has ", value.size(0));
+  // The cache writers read both in key's dtype (with a quantized cache either may be any compute dtype).
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value dtype ", value.scalar_type(),
+              " differs from key dtype ", key.scalar_type());
 }
 
 void check_slot_mapping(const char* op, const at::Tensor& slot_mapping, int64_t num_tokens, const CacheDims& c) {
@@ -479,10 +491,8 @@ CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                                     const at::Tensor& cos_sin_cache, KVCacheDType format) {
   const CacheDims c = check_kv_cache(key_cache, value_cache, op, format);
-  check_kv_tokens(op, "key", key, c, key_cache);
-  check_kv_tokens(op, "value", value, c, key_cache);
+  check_kv_tokens(op, key, value, c, key_cache);
   const int64_t num_tokens = key.size(0);
-  TORCH_CHECK(value.size(0) == num_tokens, op, ": key has ", num_tokens, " tokens, value has ", value.size(0));
   TORCH_CHECK(query.defined(), op, ": query is required");
   TORCH_CHECK(query.dim() == 3 && query.size(0) == num_tokens && query.size(1) > 0 && query.size(2) == c.head_size,
               op, ": query must be [num_tokens=", num_tokens, ", num_heads, head_size=", c.head_size,

@@ -109,10 +109,10 @@ void check_block_table_values(const char* op, const AttentionDims& dims, const a
 void check_query_start_loc_values(const char* op, const PrefillDims& dims, const at::Tensor& query_start_loc,
                                   const at::Tensor& seq_lens, int64_t max_query_len);
 
-// key/value of new tokens: [num_tokens, num_kv_heads, head_size], the cache's dtype
+// key/value of new tokens: each [num_tokens, num_kv_heads, head_size], the cache's dtype
 // (quantized formats: a supported compute dtype, key's for value) and device, last dim
-// dense (dims 0/1 may be strided, e.g. a fused QKV slice).
-void check_kv_tokens(const char* op, const char* name, const at::Tensor& t, const CacheDims& cache,
+// dense (dims 0/1 may be strided, e.g. a fused QKV slice); the same number of tokens.
+void check_kv_tokens(const char* op, const at::Tensor& key, const at::Tensor& value, const CacheDims& cache,
                      const at::Tensor& key_cache);
 
 // slot_mapping: every slot < num_blocks * block_size (negative = skip).

@@ -55,11 +55,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   const char* op = "reshape_and_cache";
   const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
   const CacheDims& c = kv.dims;
-  check_kv_tokens(op, "key", key, c, key_cache);
-  check_kv_tokens(op, "value", value, c, key_cache);
-  TORCH_CHECK(value.size(0) == key.size(0), op, ": key has ", key.size(0), " tokens, value has ", value.size(0));
-  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value dtype ", value.scalar_type(),
-              " differs from key dtype ", key.scalar_type());
+  check_kv_tokens(op, key, value, c, key_cache);
   const int64_t num_tokens = key.size(0);
   check_slot_mapping(op, slot_mapping, num_tokens, c);
   TORCH_CHECK(key_cache.is_cpu() && slot_mapping.is_cpu(), op, ": the CPU kernel needs CPU tensors");

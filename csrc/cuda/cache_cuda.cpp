@@ -110,11 +110,7 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   constexpr const char* op = "reshape_and_cache";
   const KVCacheArgs kv = check_kv_cache_args(op, kv_cache_dtype, k_scale, v_scale, key_cache, value_cache);
   const CacheDims& c = kv.dims;
-  check_kv_tokens(op, "key", key, c, key_cache);
-  check_kv_tokens(op, "value", value, c, key_cache);
-  TORCH_CHECK(value.size(0) == key.size(0), op, ": key has ", key.size(0), " tokens, value has ", value.size(0));
-  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value dtype ", value.scalar_type(),
-              " differs from key dtype ", key.scalar_type());
+  check_kv_tokens(op, key, value, c, key_cache);
   TORCH_CHECK(key_cache.is_cuda(), op, ": the CUDA kernel needs CUDA caches, got ", key_cache.device());
   TORCH_CHECK(slot_mapping.defined() && slot_mapping.device() == key_cache.device(), op,
               ": slot_mapping must be on the cache device ", key_cache.device(), ", got ",
