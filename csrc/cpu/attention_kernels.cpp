@@ -295,48 +295,16 @@ constexpr bool kFp8Row = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v
 template <typename T>
 constexpr bool kCodeRow = kFp8Row<T> || std::is_same_v<T, uint8_t>;
 
-// kW codes widened to fp32: int8 codes as integers; fp8 through fp16 (cpu/kv_dequant.h), so an
-// e4m3 value comes out 2^-8 times its value (the 2^8 is folded into the query's scale).
+// The format of a row element type read directly.
 template <typename T>
-inline Vec widen_codes(const T* p) {
-  const auto* bytes = reinterpret_cast<const uint8_t*>(p);
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  if constexpr (kFp8Row<T>) {
-    constexpr KVCacheDType f =
-        std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2 : KVCacheDType::kFp8E4M3;
-    return Vec(_mm512_cvtph_ps(fp8_to_half_bits(f, _mm256_cvtepi8_epi16(raw))));
-  } else {
-    return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-  if constexpr (kFp8Row<T>) {
-    constexpr KVCacheDType f =
-        std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2 : KVCacheDType::kFp8E4M3;
-    return Vec(_mm256_cvtph_ps(fp8_to_half_bits(f, _mm_cvtepi8_epi16(raw))));
-  } else {
-    return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
-  }
-#else
-  float lanes[kW];
-  for (int i = 0; i < kW; ++i) {
-    if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
-      lanes[i] = static_cast<float>(c10::Float8_e4m3fn(bytes[i], c10::Float8_e4m3fn::from_bits())) * (1.f / 256.f);
-    } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
-      lanes[i] = static_cast<float>(c10::Float8_e5m2(bytes[i], c10::Float8_e5m2::from_bits()));
-    } else {
-      lanes[i] = static_cast<float>(bytes[i]);
-    }
-  }
-  return Vec::loadu(lanes);
-#endif
-}
+constexpr KVCacheDType kCodeFormat = std::is_same_v<T, c10::Float8_e4m3fn> ? KVCacheDType::kFp8E4M3
+                                     : std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2
+                                                                           : KVCacheDType::kInt8PerTokenHead;
 
 template <typename T>
 inline void load_chunk(const T* p, Vec* out) {
   if constexpr (kCodeRow<T>) {
-    out[0] = widen_codes(p);
+    out[0] = load_codes<kCodeFormat<T>>(reinterpret_cast<const uint8_t*>(p));  // cpu/kv_dequant.h
     return;
   }
 #if defined(CPU_CAPABILITY_AVX2)
@@ -400,6 +368,13 @@ struct DecodeScratch {
   std::vector<float> stage;   // quantized caches: [block_size, D] dequantized rows of one kv head
   std::vector<float> qsum;    // int8 per token and head: [heads] sum of each pre-scaled query row
   std::vector<float> plane;   // int8 per token and head: one block's (scale, zero) pairs as floats (plane_floats)
+
+  // A task's online-softmax state for `heads` query heads: empty accumulators, m = -inf, l = 0.
+  void start(int64_t heads, int64_t D) {
+    std::fill(acc.begin(), acc.begin() + heads * D, 0.f);
+    std::fill(m.begin(), m.begin() + heads, kNegInf);
+    std::fill(l.begin(), l.begin() + heads, 0.f);
+  }
 };
 
 // logits[h * kMaxBlockSize + t] = the lane sum of acc[h * NT + t]: all reduced together.
@@ -948,9 +923,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
       if constexpr (std::is_same_v<R, uint8_t>) s.qsum[h] = sum;
     }
   }
-  std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
-  std::fill(s.l.begin(), s.l.begin() + heads, 0.f);
+  s.start(heads, D);
   TaskView<R> tv{G,
                  heads,
                  p.block_size,
@@ -1002,9 +975,7 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
   for (int64_t h = 0; h < heads; ++h) {  // the fp32 rows of the staging tile: in order, pre-scaled
     for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = to_f32(query[h * D + d]) * p.scale;
   }
-  std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + heads, kNegInf);
-  std::fill(s.l.begin(), s.l.begin() + heads, 0.f);
+  s.start(heads, D);
   const TaskView<float> staged{G, heads, p.block_size, p.num_kv_heads * D, p.seq_lens[w.seq], nullptr, nullptr,
                                p.block_tables + w.seq * p.max_blocks_per_seq,
                                p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr, p.scale,

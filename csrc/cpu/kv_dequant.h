@@ -2,13 +2,16 @@
 // codes) into fp32. Included by attention_kernels.cpp only, so it is compiled once per
 // instruction-set variant (CPU_CAPABILITY), with an AVX-512, an AVX2 and a scalar body.
 //
-// fp8 goes through fp16: an e5m2 byte is exactly the top byte of an fp16, and an e4m3
+// The capability-specific part is two widening primitives (load_codes, load_int4_codes) that
+// the dequantizer here and the decode kernel's direct reads share. fp8 goes through fp16: an e5m2 byte is exactly the top byte of an fp16, and an e4m3
 // byte placed at fp16 bit 7 (sign at bit 15) is the same value times 2^-8 (exponent
 // bias 7 against 15, subnormals included), so vcvtph2ps, which handles fp16
 // subnormals in hardware, does the conversion and the 2^8 joins the tensor scale.
 // (e4m3's NaN codes are never written: writes saturate at +-448.)
 #pragma once
 
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
@@ -42,6 +45,9 @@ inline float fp8_mul(KVCacheDType f, float scale) { return f == KVCacheDType::kF
 // Bytes of one kv head's row in format f (head_size D).
 constexpr int64_t row_bytes(KVCacheDType f, int64_t D) { return D / values_per_element(f); }
 
+using CodeVec = at::vec::Vectorized<float>;
+constexpr int kCodeLanes = CodeVec::size();
+
 #if defined(CPU_CAPABILITY_AVX512)
 // 16 fp8 codes, sign-extended to 16-bit lanes (cvtepi8), -> fp16 bit patterns: e5m2 is the top byte;
 // e4m3 shifted left 7 has its sign at bit 15 (from the extension) and a copy at bit 14, cleared.
@@ -49,82 +55,89 @@ inline __m256i fp8_to_half_bits(KVCacheDType f, __m256i x) {
   if (f == KVCacheDType::kFp8E5M2) return _mm256_slli_epi16(x, 8);
   return _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
 }
-
-template <int D>
-inline void dequant_row(KVCacheDType f, const uint8_t* src, RowScale s, float* dst) {
-  const __m512 mul = _mm512_set1_ps(s.mul), zero = _mm512_set1_ps(s.zero);
-  for (int i = 0; i < D; i += 16) {
-    __m512 v;
-    if (is_fp8(f)) {
-      const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-      v = _mm512_mul_ps(_mm512_cvtph_ps(fp8_to_half_bits(f, x)), mul);
-    } else {
-      __m128i codes;
-      if (f == KVCacheDType::kInt8PerTokenHead) {
-        codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      } else {  // 8 bytes -> 16 codes in order: low nibble first
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        codes = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-      }
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), mul, zero);
-    }
-    _mm512_storeu_ps(dst + i, v);
-  }
-}
 #elif defined(CPU_CAPABILITY_AVX2)
 // 8 fp8 codes, sign-extended to 16-bit lanes (cvtepi8), -> fp16 bit patterns (as above).
 inline __m128i fp8_to_half_bits(KVCacheDType f, __m128i x) {
   if (f == KVCacheDType::kFp8E5M2) return _mm_slli_epi16(x, 8);
   return _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
 }
+#endif
 
-template <int D>
-inline void dequant_row(KVCacheDType f, const uint8_t* src, RowScale s, float* dst) {
-  const __m256 mul = _mm256_set1_ps(s.mul), zero = _mm256_set1_ps(s.zero);
-  for (int i = 0; i < D; i += 8) {
-    __m256 v;
-    if (is_fp8(f)) {
-      const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-      v = _mm256_mul_ps(_mm256_cvtph_ps(fp8_to_half_bits(f, x)), mul);
-    } else {
-      __m128i codes;
-      if (f == KVCacheDType::kInt8PerTokenHead) {
-        codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
-      } else {  // 4 bytes -> 8 codes in order: low nibble first
-        int32_t word;
-        std::memcpy(&word, src + i / 2, sizeof(word));
-        const __m128i b = _mm_cvtsi32_si128(word);
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        codes = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-      }
-      v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), mul, zero);
-    }
-    _mm256_storeu_ps(dst + i, v);
-  }
-}
+// kCodeLanes fp8 or int8 codes from p, widened to fp32: fp8 through fp16 (an e4m3 value comes out
+// 2^-8 times itself, fp8_mul's 2^8 puts it back), int8 codes as the integers they are.
+template <KVCacheDType F>
+inline CodeVec load_codes(const uint8_t* p) {
+  static_assert(is_fp8(F) || F == KVCacheDType::kInt8PerTokenHead, "int4 codes: load_int4_codes");
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (is_fp8(F)) return CodeVec(_mm512_cvtph_ps(fp8_to_half_bits(F, _mm256_cvtepi8_epi16(raw))));
+  return CodeVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (is_fp8(F)) return CodeVec(_mm256_cvtph_ps(fp8_to_half_bits(F, _mm_cvtepi8_epi16(raw))));
+  return CodeVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
 #else
+  float lanes[kCodeLanes];
+  for (int i = 0; i < kCodeLanes; ++i) {
+    if constexpr (F == KVCacheDType::kFp8E4M3) {
+      lanes[i] = static_cast<float>(c10::Float8_e4m3fn(p[i], c10::Float8_e4m3fn::from_bits())) * (1.f / 256.f);
+    } else if constexpr (F == KVCacheDType::kFp8E5M2) {
+      lanes[i] = static_cast<float>(c10::Float8_e5m2(p[i], c10::Float8_e5m2::from_bits()));
+    } else {
+      lanes[i] = static_cast<float>(p[i]);
+    }
+  }
+  return CodeVec::loadu(lanes);
+#endif
+}
+
+// kCodeLanes int4 codes (kCodeLanes / 2 bytes from p, element 2i in the low nibble of byte i) as fp32.
+inline CodeVec load_int4_codes(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  __m128i b;
+#if defined(CPU_CAPABILITY_AVX512)
+  b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#else
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  b = _mm_cvtsi32_si128(word);
+#endif
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+#if defined(CPU_CAPABILITY_AVX512)
+  return CodeVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)));
+#else
+  return CodeVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
+#endif
+#else
+  float lanes[kCodeLanes];
+  for (int i = 0; i < kCodeLanes; ++i) lanes[i] = static_cast<float>((p[i / 2] >> (4 * (i % 2))) & 0x0F);
+  return CodeVec::loadu(lanes);
+#endif
+}
+
+// One row (D codes) of format f dequantized into dst: fp8 code * scale, per-token code * scale + zero.
 template <int D>
 inline void dequant_row(KVCacheDType f, const uint8_t* src, RowScale s, float* dst) {
-  for (int i = 0; i < D; ++i) {
-    float v;
+  const CodeVec mul(s.mul), zero(s.zero);
+  for (int i = 0; i < D; i += kCodeLanes) {
+    CodeVec v;
     switch (f) {
-      case KVCacheDType::kFp8E4M3:  // the exact value; the 2^8 of fp8_mul comes back out
-        v = static_cast<float>(c10::Float8_e4m3fn(src[i], c10::Float8_e4m3fn::from_bits())) * (s.mul / 256.f);
+      case KVCacheDType::kFp8E4M3:
+        v = load_codes<KVCacheDType::kFp8E4M3>(src + i) * mul;
         break;
       case KVCacheDType::kFp8E5M2:
-        v = static_cast<float>(c10::Float8_e5m2(src[i], c10::Float8_e5m2::from_bits())) * s.mul;
+        v = load_codes<KVCacheDType::kFp8E5M2>(src + i) * mul;
         break;
       case KVCacheDType::kInt8PerTokenHead:
-        v = static_cast<float>(src[i]) * s.mul + s.zero;
+        v = at::vec::fmadd(load_codes<KVCacheDType::kInt8PerTokenHead>(src + i), mul, zero);
         break;
       default:
-        v = static_cast<float>((src[i / 2] >> (4 * (i % 2))) & 0x0F) * s.mul + s.zero;
+        v = at::vec::fmadd(load_int4_codes(src + i / 2), mul, zero);
     }
-    dst[i] = v;
+    v.store(dst + i);
   }
 }
-#endif
 
 // How the rows of one layer's quantized K (or V) cache are found and read.
 struct QuantRows {
