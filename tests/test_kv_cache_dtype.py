@@ -112,12 +112,12 @@ def test_cli_refuses_an_unknown_kv_cache_dtype(capsys):
 def test_head_and_block_sizes_a_format_cannot_store_are_refused():
     for name in QUANTIZED:
         for head_size in (64, 80, 96, 112, 128, 256):  # every supported head size is even: int4 packs them all
-            check_kv_cache_dtype(name, head_size, 16, torch.device("cuda"))
+            check_kv_cache_dtype(name, head_size, 16)
     with pytest.raises(ValueError, match="kv_cache_dtype int4_per_token_head packs 2 values a byte, so head_size "
                                          "must be a multiple of 2; this model's is 65.*kv_cache_dtype='auto'"):
-        check_kv_cache_dtype("int4_per_token_head", 65, 16, CPU)
+        check_kv_cache_dtype("int4_per_token_head", 65, 16)
     with pytest.raises(ValueError, match="kv_cache_dtype fp8_e4m3: block_size 12 is not supported"):
-        check_kv_cache_dtype("fp8", 64, 12, CPU)
+        check_kv_cache_dtype("fp8", 64, 12)
 
 
 # --- capacity ------------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
     driver = tp is None or tp.is_driver
     loaded = loaded or LoadedModel.load(args, tp.device if tp else None, with_tokenizer=driver)
     cc, sc = args.cache_config(), args.scheduler_config(loaded.model.config)
-    check_kv_cache_dtype(cc.cache_dtype, loaded.model.config.head_dim, cc.block_size, loaded.device)
+    check_kv_cache_dtype(cc.cache_dtype, loaded.model.config.head_dim, cc.block_size)
     if tp is not None:
         tp.barrier()  # every rank has its shard
     plan = _plan_cache(loaded, cc, sc, args.seed, tp)

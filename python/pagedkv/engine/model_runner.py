@@ -80,8 +80,8 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
             for _ in range(cfg.num_hidden_layers)]
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, head_size: int, block_size: int, device: torch.device) -> None:
-    """Refuses at start a cache dtype this model or this machine cannot run, naming the setting.
+def check_kv_cache_dtype(kv_cache_dtype: str, head_size: int, block_size: int) -> None:
+    """Refuses at start a cache dtype this model cannot store, naming the setting.
 
     The format's head and block size rule is `pagedkv.supported.kv_cache_format_refusal` (every CPU
     kernel variant, "default" included, reads and writes every format).
