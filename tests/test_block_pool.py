@@ -257,3 +257,42 @@ def test_python_invariant_checker_catches_corruption(corruption):
         match = "ref counts"
     with pytest.raises(AssertionError, match=match):
         bm.check_invariants()
+
+
+def test_eviction_journal_records_block_and_key_only_while_on(make_pool):
+    p = make_pool(3)
+    blocks = [p.allocate() for _ in range(3)]
+    for b, key in zip(blocks, (b"k0", b"k1", b"k2"), strict=True):
+        assert p.cache_block(b, key)
+        assert p.key(b) == key
+    for b in blocks:
+        p.decref(b)  # all three free and cached, k0 least recently freed
+    assert p.take_evictions() == []
+    p.allocate()  # evicts k0 while the journal is off: nothing recorded
+    assert p.take_evictions() == []
+    p.set_record_evictions(True)
+    b1 = p.allocate()
+    assert p.key(b1) == b"" and p.take_evictions() == [(blocks[1], b"k1")]
+    assert p.take_evictions() == []  # taking empties the journal
+    p.allocate()
+    p.set_record_evictions(False)  # turning it off drops what was recorded
+    assert p.take_evictions() == []
+    with pytest.raises(ValueError, match="out of range"):
+        p.key(7)
+
+
+def test_manager_journals_evictions_and_step_cached_entries():
+    bm = BlockManager(4, 4, enable_caching=True)
+    bm.core.set_record_evictions(True)
+    prompt = list(range(1, 10))  # two full blocks and one token
+    bm.begin_step()
+    bm.allocate(0, prompt)
+    entries = bm.step_cached_entries()
+    assert [b for b, _ in entries] == bm.get_block_table(0)[:2]
+    assert [k for _, k in entries] == bm.prefix_cache.prompt_hashes(prompt)
+    bm.free(0)
+    bm.begin_step()
+    assert bm.step_cached_entries() == []
+    bm.allocate(1, list(range(100, 116)))  # four blocks: both cached blocks evicted
+    evicted = bm.core.take_evicted()
+    assert sorted(k for _, k in evicted) == sorted(k for _, k in entries)

@@ -65,6 +65,13 @@ std::vector<std::string> keys_of(const std::vector<py::bytes>& keys) {
   return out;
 }
 
+// (block, key) pairs as Python (int, bytes) tuples: keys are digests, not text.
+py::list keyed_blocks(const std::vector<std::pair<BlockId, std::string>>& entries) {
+  py::list out;
+  for (const auto& [block, key] : entries) out.append(py::make_tuple(block, py::bytes(key)));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_block_manager, m) {
@@ -128,6 +135,9 @@ PYBIND11_MODULE(_block_manager, m) {
       .def_property_readonly("num_used", &BlockPool::num_used)
       .def_property_readonly("num_evictable", &BlockPool::num_evictable)
       .def_property_readonly("num_cached", &BlockPool::num_cached)
+      .def("key", [](const BlockPool& p, int32_t b) { return py::bytes(p.key(b)); }, py::arg("block"))
+      .def("set_record_evictions", &BlockPool::set_record_evictions, py::arg("on"))
+      .def("take_evictions", [](BlockPool& p) { return keyed_blocks(p.take_evictions()); })
       .def_property_readonly("num_evictions", &BlockPool::num_evictions)
       .def_property_readonly("name", &BlockPool::name);
 
@@ -162,6 +172,9 @@ PYBIND11_MODULE(_block_manager, m) {
       .def("begin_step", &BlockManager::begin_step)
       .def("uncache_step_blocks", &BlockManager::uncache_step_blocks)
       .def("step_cached_blocks", &BlockManager::step_cached_blocks)
+      .def("step_cached_entries", [](const BlockManager& bm) { return keyed_blocks(bm.step_cached_entries()); })
+      .def("set_record_evictions", &BlockManager::set_record_evictions, py::arg("on"))
+      .def("take_evicted", [](BlockManager& bm) { return keyed_blocks(bm.take_evicted()); })
       .def("fill_metadata", &fill_metadata, py::arg("seq_ids"), py::arg("query_lens"), py::arg("block_tables"),
            py::arg("slot_mapping"), py::arg("seq_lens"), py::arg("pad_value") = 0)
       .def("block_table", [](const BlockManager& bm, int64_t id) { return bm.seq(id).table; }, py::arg("seq_id"))

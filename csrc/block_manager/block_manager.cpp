@@ -370,6 +370,16 @@ void BlockManager::reset_prefix_cache() {
   step_cached_.clear();
 }
 
+std::vector<std::pair<BlockId, std::string>> BlockManager::step_cached_entries() const {
+  std::vector<std::pair<BlockId, std::string>> out;
+  out.reserve(step_cached_.size());
+  for (BlockId b : step_cached_) {
+    const std::string& key = gpu_.key(b);
+    if (!key.empty()) out.emplace_back(b, key);
+  }
+  return out;
+}
+
 int32_t BlockManager::uncache_step_blocks() {
   int32_t dropped = 0;
   for (BlockId b : step_cached_) dropped += gpu_.uncache(b) ? 1 : 0;

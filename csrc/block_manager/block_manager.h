@@ -124,6 +124,16 @@ class BlockManager {
   int32_t uncache_step_blocks();
   // GPU blocks newly cached since the last begin_step(), in caching order.
   const std::vector<BlockId>& step_cached_blocks() const { return step_cached_; }
+  // (block, key) of the journaled blocks that still carry their key: the
+  // blocks whose KV a successful step just wrote (a disk tier's write-through).
+  std::vector<std::pair<BlockId, std::string>> step_cached_entries() const;
+
+  // --- eviction journal (a tier below the GPU pool) -----------------------
+  // While on, every cached GPU block that allocation evicts is recorded with
+  // its key (BlockPool::set_record_evictions), so its bytes can be copied to
+  // a host tier before the step writes over them.
+  void set_record_evictions(bool on) { gpu_.set_record_evictions(on); }
+  std::vector<std::pair<BlockId, std::string>> take_evicted() { return gpu_.take_evictions(); }
 
   // --- batch metadata ---------------------------------------------------
   // For the i-th sequence: block_tables[i, :] = its table padded with

@@ -63,8 +63,27 @@ void BlockPool::unlink(BlockId block) {
 
 void BlockPool::evict(BlockId block) {
   index_.erase(key_[block]);
+  if (record_evictions_) {
+    evicted_.emplace_back(block, std::move(key_[block]));
+  }
   key_[block].clear();
   ++num_evictions_;
+}
+
+const std::string& BlockPool::key(BlockId block) const {
+  check_block(block, "key");
+  return key_[block];
+}
+
+void BlockPool::set_record_evictions(bool on) {
+  record_evictions_ = on;
+  if (!on) evicted_.clear();
+}
+
+std::vector<std::pair<BlockId, std::string>> BlockPool::take_evictions() {
+  std::vector<std::pair<BlockId, std::string>> out;
+  out.swap(evicted_);
+  return out;
 }
 
 BlockId BlockPool::allocate() {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace pagedkv {
@@ -60,6 +61,17 @@ class BlockPool {
   bool is_cached(BlockId block) const;
   // Drops every cache key (free cached blocks become plain free blocks).
   void clear_cache();
+  // The block's cache key ("" if it has none).
+  const std::string& key(BlockId block) const;
+
+  // Eviction journal, for a tier below this pool (pagedkv.core.kv_tiers):
+  // while on, every eviction by allocate() records (block, key) before the
+  // key is dropped, so the caller can copy the block's bytes elsewhere
+  // before anything overwrites them. Off by default (costs nothing then).
+  void set_record_evictions(bool on);
+  bool record_evictions() const { return record_evictions_; }
+  // The evictions recorded since the last call, in eviction order; empties the journal.
+  std::vector<std::pair<BlockId, std::string>> take_evictions();
 
   int32_t ref_count(BlockId block) const;
   bool is_free(BlockId block) const;
@@ -97,6 +109,8 @@ class BlockPool {
   int32_t num_free_ = 0;
   int32_t num_evictable_ = 0;
   int64_t num_evictions_ = 0;
+  bool record_evictions_ = false;
+  std::vector<std::pair<BlockId, std::string>> evicted_;  // the eviction journal
 };
 
 }  // namespace pagedkv

@@ -44,6 +44,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint's or 1.0); default: computed only when the checkpoint has none")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU memory for swapped-out blocks")
+    p.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory for prefix-cache blocks evicted from the pool (vLLM's; needs "
+                        "--enable-prefix-caching)")
+    p.add_argument("--kv-cache-dir", default=None,
+                   help="directory of prefix-cache block files, written through and read back after a restart "
+                        "(one subdirectory per model and cache setting; needs --enable-prefix-caching)")
+    p.add_argument("--kv-cache-dir-size", type=float, default=None,
+                   help="GiB the --kv-cache-dir may hold (least recently used files go first); default: no limit")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true",
@@ -73,7 +81,9 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "tensor_parallel_size": ns.tensor_parallel_size, "enforce_eager": ns.enforce_eager,
             "max_logprobs": ns.max_logprobs, "generation_config": ns.generation_config,
             "engine_core": ns.engine_core, "cpu_threads_bind": ns.cpu_threads_bind,
-            "kv_cache_dtype": ns.kv_cache_dtype, "calculate_kv_scales": ns.calculate_kv_scales}
+            "kv_cache_dtype": ns.kv_cache_dtype, "calculate_kv_scales": ns.calculate_kv_scales,
+            "kv_offloading_size": ns.kv_offloading_size, "kv_cache_dir": ns.kv_cache_dir,
+            "kv_cache_dir_size": ns.kv_cache_dir_size}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -126,6 +136,11 @@ def print_stats(llm, outputs, elapsed: float) -> None:
     print(f"  prefix cache: {'on' if engine.cache_config.enable_prefix_caching else 'off'}, hit rate "
           f"{100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits} of {s.prefix_cache_queries} prompt tokens; "
           f"{cached} served from cache)")
+    if s.tier_queries:
+        print(f"  tiers below the pool: {s.tier_hits_host} prompt tokens from host memory, {s.tier_hits_disk} from "
+              f"disk ({s.kv_offloaded_blocks} blocks offloaded, {s.kv_host_bytes_moved / 2**20:.1f} MiB moved to "
+              f"and from host; disk: {s.kv_disk_files_written} files written, {s.kv_disk_bytes_read / 2**20:.1f} "
+              f"MiB read in {s.kv_disk_load_seconds:.3f} s, {s.kv_disk_files_rejected} rejected)")
     print(f"  prompt tokens computed {s.prompt_tokens}, generated {gen}, preemptions {s.num_preemptions}; "
           f"{gen / elapsed:.1f} output tok/s over {elapsed:.2f} s")
 

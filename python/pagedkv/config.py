@@ -10,6 +10,7 @@ The names are vLLM's, so that a vLLM launch line reads the same here:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _check_tiers(c) -> None:
+    """The tier settings of a CacheConfig or EngineArgs: sizes in GiB, and prefix caching on."""
+    for name in ("kv_offloading_size", "kv_cache_dir_size"):
+        value = getattr(c, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name} must be a positive number of GiB (or None: off), got {value!r}")
+    if c.kv_cache_dir is not None and not isinstance(c.kv_cache_dir, (str, os.PathLike)):
+        raise ValueError(f"kv_cache_dir must be a directory path, got {c.kv_cache_dir!r}")
+    if c.kv_cache_dir_size is not None and c.kv_cache_dir is None:
+        raise ValueError("kv_cache_dir_size needs kv_cache_dir (the directory it caps)")
+    if (c.kv_offloading_size or c.kv_cache_dir) and not c.enable_prefix_caching:
+        raise ValueError("kv_offloading_size / kv_cache_dir keep prefix-cache blocks: they need "
+                         "enable_prefix_caching=True (--enable-prefix-caching)")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """The paged KV cache: block size, storage format, how much memory it gets, prefix caching, swap space.
@@ -107,6 +123,11 @@ class CacheConfig:
     hash_algo: str = "sha256"
     cache_dtype: str = "auto"
     calculate_kv_scales: bool | None = None
+    # Tiers of the prefix cache below the pool (pagedkv.core.kv_tiers): host memory for evicted cached blocks
+    # (GiB, vLLM's kv_offloading_size) and a directory of block files that outlives the process.
+    kv_offloading_size: float | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: float | None = None  # GiB the directory may hold (None: no limit)
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None
 
@@ -121,6 +142,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        _check_tiers(self)
 
     def metrics_info(self) -> dict[str, str]:
         """Every field as a string: the labels of the `vllm:cache_config_info` gauge (vLLM's method)."""
@@ -188,16 +210,26 @@ class EngineArgs:
     # per-layer scales come from (CacheConfig.calculate_kv_scales).
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool | None = None
+    # Prefix-cache tiers below the pool (CacheConfig): host memory in GiB, a block-file directory and its cap.
+    kv_offloading_size: float | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: float | None = None
 
     def __post_init__(self) -> None:
         kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
         _check_calculate_kv_scales(self.calculate_kv_scales)
+        _check_tiers(self)
+        if (self.kv_offloading_size or self.kv_cache_dir) and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size / kv_cache_dir: the prefix-cache tiers run on one device "
+                             f"(tensor_parallel_size=1), got tensor_parallel_size={self.tensor_parallel_size}")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
                            enable_prefix_caching=self.enable_prefix_caching, hash_algo=self.hash_algo,
-                           cache_dtype=self.kv_cache_dtype, calculate_kv_scales=self.calculate_kv_scales)
+                           cache_dtype=self.kv_cache_dtype, calculate_kv_scales=self.calculate_kv_scales,
+                           kv_offloading_size=self.kv_offloading_size, kv_cache_dir=self.kv_cache_dir,
+                           kv_cache_dir_size=self.kv_cache_dir_size)
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
         return SchedulerConfig(

@@ -35,14 +35,16 @@ Not thread-safe: one scheduler thread owns a manager.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from pagedkv import _block_manager as _cpp
 from pagedkv._block_manager import AllocStatus
+from pagedkv.core.kv_tiers import HostTier, KVTiers, TierMatch, TierMoves
 from pagedkv.core.prefix_cache import ExtraKey, HashAlgo, PrefixCache, PrefixCacheStats
-from pagedkv.core.py_block_manager import PyBlockManager
+from pagedkv.core.py_block_manager import PyBlockManager, PyBlockPool
 
 Backend = Literal["cpp", "python"]
 BlockPair = tuple[int, int]
@@ -63,6 +65,23 @@ def _as_numpy(buf: Any, name: str) -> np.ndarray:
 
 def _ids(seq_ids: int | Sequence[int]) -> list[int]:
     return [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """A prompt's prefix-cache lookup: its block hashes, the device blocks that hold its first blocks, and what
+    the tiers below the pool hold of the chain after them."""
+
+    num_tokens: int
+    block_size: int
+    hashes: list[bytes] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    tier: TierMatch = field(default_factory=TierMatch)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens that need no prefill: device hits and tier hits (a multiple of block_size)."""
+        return (len(self.hits) + self.tier.num_blocks) * self.block_size
 
 
 class BlockManager:
@@ -112,39 +131,62 @@ class BlockManager:
         self.backend = backend
         self.core = core
         self.prefix_cache: PrefixCache | None = PrefixCache(block_size, hash_algo) if enable_caching else None
+        self.tiers: KVTiers | None = None
+
+    def attach_tiers(self, num_host_slots: int = 0, disk: Any = None) -> KVTiers:
+        """Adds a host tier of `num_host_slots` block slots and/or a disk tier (a kv_disk_store.DiskKVStore)
+        below the pool (pagedkv.core.kv_tiers). Needs prefix caching; not for sliding-window managers."""
+        if self.prefix_cache is None:
+            raise ValueError("KV offloading (kv_offloading_size / kv_cache_dir) needs enable_prefix_caching=True: "
+                             "the tiers keep cached prefix blocks")
+        if self.sliding_window:
+            raise ValueError("KV offloading (kv_offloading_size / kv_cache_dir) does not support sliding-window "
+                             "models yet (their early blocks leave the pool by design)")
+        host = None
+        if num_host_slots:
+            pool_cls = _cpp.BlockPool if self.backend == "cpp" else PyBlockPool
+            host = HostTier(pool_cls(num_host_slots, "host"))
+        self.tiers = KVTiers(self.block_size, host, disk)
+        self.core.set_record_evictions(host is not None)
+        return self.tiers
 
     # --- admission ----------------------------------------------------------
-    def _prompt(self, prompt: Sequence[int] | int,
-                extra_keys: Sequence[ExtraKey]) -> tuple[int, list[bytes], list[int]]:
-        """(num_tokens, block hashes, cached blocks) of a prompt."""
+    def match_prefix(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> PrefixMatch:
+        """The prompt's hashes and cached blocks: device hits, then the tiers' (nothing is loaded or counted).
+
+        The last prompt token is always left to compute. An int prompt (a token count) is for managers
+        without caching.
+        """
         if isinstance(prompt, int):
             if self.prefix_cache is not None:
                 raise ValueError("BlockManager: with enable_caching=True pass the prompt's token ids, not a count")
-            return prompt, [], []
+            return PrefixMatch(prompt, self.block_size)
         n = len(prompt)
+        m = PrefixMatch(n, self.block_size)
         if self.prefix_cache is None or n == 0:
-            return n, [], []
-        hashes = self.prefix_cache.prompt_hashes(prompt, extra_keys)
-        return n, hashes, self.prefix_cache.match(self.core, n, hashes)
+            return m
+        m.hashes = self.prefix_cache.prompt_hashes(prompt, extra_keys)
+        m.hits = self.prefix_cache.match(self.core, n, m.hashes)
+        if self.tiers is not None:
+            m.tier = self.tiers.match(m.hashes[len(m.hits):(n - 1) // self.block_size])
+        return m
 
     def num_cached_tokens(self, prompt: Sequence[int], extra_keys: Sequence[ExtraKey] = ()) -> int:
-        """Prompt tokens `allocate` would take from the cache now (a multiple of block_size; 0 without caching).
-
-        For a scheduler's token budget; counts nothing in the hit-rate stats.
-        """
-        return len(self._prompt(prompt, extra_keys)[2]) * self.block_size
+        """Prompt tokens `allocate` would take from the cache and its tiers now (a multiple of block_size; 0
+        without caching). For a scheduler's token budget; counts nothing in the hit-rate stats."""
+        return self.match_prefix(prompt, extra_keys).num_cached_tokens
 
     def allocate_status(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> AllocStatus:
         """OK: allocate now; LATER: wait for blocks; NEVER: the prompt can never fit."""
-        n, _, hits = self._prompt(prompt, extra_keys)
-        return self.core.allocate_status(n, hits)
+        m = self.match_prefix(prompt, extra_keys)
+        return self.core.allocate_status(m.num_tokens, m.hits)
 
     def can_allocate(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> bool:
         """Whether `prompt` (token ids, or a token count without caching) fits now, watermark kept."""
         return self.allocate_status(prompt, extra_keys) == AllocStatus.OK
 
     def allocate(self, seq_id: int, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = (),
-                 num_tokens: int | None = None) -> int:
+                 num_tokens: int | None = None, match: PrefixMatch | None = None) -> int:
         """Gives `seq_id` the blocks of its prompt; returns how many prompt tokens are cached.
 
         With caching, the longest chain of cached full blocks is shared (never
@@ -155,19 +197,33 @@ class BlockManager:
         later through `append_slots` with their token ids. Blocks are indexed in
         the prefix cache as they get slots, i.e. in the step that computes them,
         so no other request is handed a block whose KV a later step would write.
+        match: this prompt's `match_prefix`, if the caller has it (saves hashing twice).
+
+        With tiers the chain goes on past the device hits into restored blocks:
+        new blocks whose bytes the step copies in from the host tier or the disk
+        (`take_tier_moves`). A disk file that fails its checks at load ends the
+        chain there, so the result may be below `match.num_cached_tokens`.
         """
-        total, hashes, hits = self._prompt(prompt, extra_keys)
+        m = match if match is not None else self.match_prefix(prompt, extra_keys)
+        total, hits = m.num_tokens, m.hits
         n = total
         if num_tokens is not None:  # a first chunk: the core checks the whole-prompt case itself
-            if not len(hits) * self.block_size < num_tokens <= total:
-                raise ValueError(f"allocate: num_tokens must be in ({len(hits) * self.block_size}, {total}] "
+            if not m.num_cached_tokens < num_tokens <= total:
+                raise ValueError(f"allocate: num_tokens must be in ({m.num_cached_tokens}, {total}] "
                                  f"(after the cached prefix, within the prompt), got {num_tokens}")
             n = num_tokens
         self.core.allocate(seq_id, n, hits)
+        restored = 0
+        if self.tiers is not None:
+            tier, payload = self.tiers.load(m.tier, total)
+            restored = tier.num_blocks
+            if restored:
+                table = self.core.block_table(seq_id)
+                self.tiers.restore_into(tier, table[len(hits):len(hits) + restored], payload)
         if self.prefix_cache is not None:
-            self.prefix_cache.on_allocate(self.core, seq_id, prompt[:n], hashes[:n // self.block_size], len(hits),
+            self.prefix_cache.on_allocate(self.core, seq_id, prompt[:n], m.hashes[:n // self.block_size], len(hits),
                                           extra_keys, num_queried=total)
-        return len(hits) * self.block_size
+        return (len(hits) + restored) * self.block_size
 
     # --- growth -------------------------------------------------------------
     def blocks_to_append(self, seq_id: int, num_new_tokens: int = 1) -> int:
@@ -283,8 +339,23 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (running sequences keep theirs) and zeroes the counters."""
         self.core.reset_prefix_cache()
+        if self.tiers is not None:
+            self.tiers.clear()
         if self.prefix_cache is not None:
             self.prefix_cache.stats.reset()
+
+    def take_tier_moves(self) -> TierMoves | None:
+        """At the end of scheduling a step: hands the pool's evictions to the host tier, returns the step's moves
+        between the pool and its tiers (None without tiers)."""
+        if self.tiers is None:
+            return None
+        self.tiers.offload(self.core.take_evicted())
+        return self.tiers.take_moves()
+
+    def step_cached_entries(self) -> list[tuple[int, bytes]]:
+        """(block, key) of the blocks newly cached since `begin_step` that still carry their key: after a
+        successful step, the blocks whose KV it wrote (the disk tier writes them through)."""
+        return self.core.step_cached_entries()
 
     def begin_step(self) -> None:
         """Starts a new step journal: call it before scheduling each engine step.
@@ -295,6 +366,8 @@ class BlockManager:
         step fails. Does nothing useful without caching (the journal stays empty).
         """
         self.core.begin_step()
+        if self.tiers is not None:  # the last step's copies ran: its pinned host slots may be reused
+            self.tiers.end_of_step()
 
     def uncache_step_blocks(self) -> int:
         """After a failed step: drops every block newly cached since `begin_step` from the index.
@@ -304,6 +377,8 @@ class BlockManager:
         ones among the dropped become plain free blocks, reused first). Returns
         how many blocks were still cached and got dropped (0 without caching).
         """
+        if self.tiers is not None:  # host slots this step stored may never have been filled
+            self.tiers.end_of_step(failed=True)
         return self.core.uncache_step_blocks()
 
     # --- introspection ------------------------------------------------------------

@@ -45,6 +45,8 @@ class PyBlockPool:
         self._key: list[bytes | None] = [None] * num_blocks
         self._index: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.record_evictions = False
+        self._evicted: list[tuple[int, bytes]] = []  # the eviction journal (set_record_evictions)
 
     def _check(self, block: int, op: str) -> None:
         if not 0 <= block < self.num_blocks:
@@ -59,6 +61,8 @@ class PyBlockPool:
             del self._index[key]
             self._key[block] = None
             self.num_evictions += 1
+            if self.record_evictions:
+                self._evicted.append((block, key))
         self.ref_counts[block] = 1
         return block
 
@@ -122,6 +126,22 @@ class PyBlockPool:
     def clear_cache(self) -> None:
         self._key = [None] * self.num_blocks
         self._index.clear()
+
+    def key(self, block: int) -> bytes:
+        """The block's cache key (b"" if it has none)."""
+        self._check(block, "key")
+        return self._key[block] or b""
+
+    def set_record_evictions(self, on: bool) -> None:
+        """While on, allocate() journals each (block, key) it evicts, for a tier below this pool."""
+        self.record_evictions = on
+        if not on:
+            self._evicted.clear()
+
+    def take_evictions(self) -> list[tuple[int, bytes]]:
+        """The evictions journaled since the last call, in order; empties the journal."""
+        out, self._evicted = self._evicted, []
+        return out
 
     def ref_count(self, block: int) -> int:
         self._check(block, "ref_count")
@@ -416,6 +436,16 @@ class PyBlockManager:
 
     def step_cached_blocks(self) -> list[int]:
         return list(self._step_cached)
+
+    def step_cached_entries(self) -> list[tuple[int, bytes]]:
+        return [(b, self.gpu.key(b)) for b in self._step_cached if self.gpu.is_cached(b)]
+
+    # --- eviction journal ---------------------------------------------------
+    def set_record_evictions(self, on: bool) -> None:
+        self.gpu.set_record_evictions(on)
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        return self.gpu.take_evictions()
 
     # --- batch metadata -----------------------------------------------------
     def fill_metadata(self, seq_ids, query_lens, block_tables: np.ndarray, slot_mapping: np.ndarray,

@@ -13,7 +13,10 @@ served, with only their uncached prompt tokens to compute.
 
 The result is one plain `SchedulerOutput`: the decode sequences, the prefill
 sequences with their chunk lengths, and the block copies (swap out, swap in,
-copy-on-write) to apply before the forward pass. All block bookkeeping goes
+copy-on-write, and the moves to and from the prefix cache's host and disk
+tiers, pagedkv.core.kv_tiers) to apply before the forward pass. With tiers, a
+waiting prompt's cached tokens include the blocks the tiers restore; those
+cost new blocks like its uncached ones. All block bookkeeping goes
 through the C++ manager: one `append_slots_batch` for the decodes.
 
 Sliding-window models (the block manager has `sliding_window`): a sequence
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from pagedkv._block_manager import NoFreeBlocksError
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.kv_tiers import TierMoves
 from pagedkv.core.sequence import Request, Sequence, SequenceStatus
 from pagedkv.outputs import SamplerOutput
 
@@ -69,6 +73,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[BlockPair] = field(default_factory=list)
     blocks_to_copy: list[BlockPair] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Moves between the pool and its host/disk tiers (pagedkv.core.kv_tiers): offload runs before the swap
+    # out, restores after it.
+    tier_moves: TierMoves | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -157,6 +164,7 @@ class Scheduler:
             budget, pending = self._schedule_swapped(out, budget, decodes, pending)
             self._schedule_waiting(out, budget, pending)
         self._append_decodes(out, decodes)
+        out.tier_moves = self.bm.take_tier_moves()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence], int]:
@@ -232,14 +240,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             extra = seq.request.extra_keys
-            cached = self.bm.num_cached_tokens(seq.token_ids, extra) if self.caching else 0
+            prompt = seq.token_ids if self.caching else len(seq.token_ids)
+            match = self.bm.match_prefix(prompt, extra)
+            cached = match.num_cached_tokens
             n = self._chunk(len(seq.token_ids) - cached, budget)
-            need = -(-(cached + n) // bs) - cached // bs
+            # Every block past the device hits is new, restored ones from the tiers included.
+            need = -(-(cached + n) // bs) - len(match.hits)
             if self.bm.num_free_gpu_blocks - pending - need < self.bm.core.watermark_blocks:
                 break
             try:
-                prompt = seq.token_ids if self.caching else len(seq.token_ids)
-                cached = self.bm.allocate(seq.seq_id, prompt, extra, num_tokens=cached + n)
+                end = cached + n
+                cached = self.bm.allocate(seq.seq_id, prompt, extra, num_tokens=end, match=match)
+                n = end - cached  # more than planned only when a disk block failed its checks at load
             except NoFreeBlocksError:  # reviving evictable hits took blocks the estimate did not count
                 break
             self.waiting.popleft()

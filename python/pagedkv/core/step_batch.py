@@ -11,17 +11,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedkv.core.kv_tiers import TierMoves
+
 
 @dataclass(slots=True)
 class BlockOps:
-    """Block moves of a step, in the order they run: swap out, swap in, copy-on-write. (src, dst) pairs."""
+    """Block moves of a step, (src, dst) pairs: swap out, swap in, copy-on-write, and the moves between the pool
+    and the prefix cache's tiers (one device only: they never cross the tensor-parallel step channel)."""
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy: list[tuple[int, int]] = field(default_factory=list)
+    tiers: TierMoves | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy)
+        return bool(self.swap_out or self.swap_in or self.copy or self.tiers)
 
 
 @dataclass(slots=True)

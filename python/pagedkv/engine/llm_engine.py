@@ -32,6 +32,7 @@ from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
 from pagedkv.engine.device_setup import build_device_side
+from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.memory_pool import KVCachePlan
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.engine.worker import serve_steps
@@ -63,6 +64,21 @@ class EngineStats:
     generation_tokens: int
     peak_used_gpu_blocks: int = 0
     prefix_divergence_warnings: int = 0  # prompts whose shared prefix a dynamic field breaks early
+    # The prefix cache's tiers below the pool (pagedkv.engine.kv_offload; zeros when off). Tokens: prompt
+    # tokens looked up beyond the pool (vLLM's external_prefix_cache_queries) and restored from each tier.
+    tier_queries: int = 0
+    tier_hits_host: int = 0
+    tier_hits_disk: int = 0
+    kv_offloaded_blocks: int = 0  # pool -> host copies of evicted cached blocks
+    kv_restored_blocks_host: int = 0
+    kv_restored_blocks_disk: int = 0
+    kv_host_bytes_moved: int = 0
+    kv_disk_files_written: int = 0
+    kv_disk_bytes_written: int = 0
+    kv_disk_bytes_read: int = 0
+    kv_disk_load_seconds: float = 0.0
+    kv_disk_files_rejected: int = 0  # corrupt, truncated or foreign files: never used
+    kv_disk_write_errors: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -133,6 +149,8 @@ class LLMEngine:
         self.counters = _Counters()
         self.prefix_diagnostics = (PrefixDivergenceDetector(self.cache_config.block_size)
                                    if self.cache_config.enable_prefix_caching else None)
+        self.kv_offload = KVOffload.build(self.cache_config, self.kv_spec, self.block_manager, self.runner,
+                                          self.model_config, self.dtype, loaded.source_path)
 
     @staticmethod
     def _check_generation_config(args: EngineArgs) -> None:
@@ -170,6 +188,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (a no-op on one device). The engine cannot step afterwards."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
         if self.tp is not None:
             self.tp.shutdown()
 
@@ -275,6 +295,8 @@ class LLMEngine:
             if died is not None:
                 raise died from e
             return self._fail_step(out, e)
+        if self.kv_offload is not None:  # the step wrote its blocks' KV: the disk tier may take them now
+            self.kv_offload.after_step(self.block_manager.step_cached_entries())
         sampled, errors = self._sample(rows, logits)
         self._count(out, rows, t0)
         now = time.time()
@@ -432,4 +454,5 @@ class LLMEngine:
             kv_cache_usage=bm.gpu_usage, prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
             num_preemptions=sched.num_preemptions, prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens, peak_used_gpu_blocks=self.counters.peak_used_blocks,
-            prefix_divergence_warnings=self.prefix_diagnostics.num_warnings if self.prefix_diagnostics else 0)
+            prefix_divergence_warnings=self.prefix_diagnostics.num_warnings if self.prefix_diagnostics else 0,
+            **(self.kv_offload.stats_fields() if self.kv_offload is not None else {}))

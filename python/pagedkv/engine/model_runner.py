@@ -29,12 +29,13 @@ import torch
 from pagedkv import host_memory, ops
 from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.kv_tiers import TierMoves
 from pagedkv.core.scheduler import SchedulerOutput
 from pagedkv.core.sequence import Sequence
 from pagedkv.core.step_batch import BlockOps, StepBatch
 from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.engine.cuda_graphs import DecodeGraphs
-from pagedkv.kv_cache import KVCache, allocate_layer_cache, kv_cache_format
+from pagedkv.kv_cache import KVCache, allocate_layer_cache, gather_block_bytes, kv_cache_format, scatter_block_bytes
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.kv_scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from pagedkv.model.protocol import CausalLM
@@ -131,6 +132,7 @@ class ModelRunner:
                                              torch.device("cpu"), pin=device.type == "cuda",
                                              kv_cache_dtype=self.kv_format.name)
                            if num_cpu_blocks else [])
+        self.host_caches: list[KVCache] = []  # the prefix cache's host tier (allocate_host_tier)
         self.kv_scales_pending = self._init_kv_scales(cache_config.calculate_kv_scales)
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.sliding_window = cfg.kv_sliding_window or 0  # entries before it are dropped blocks
@@ -193,16 +195,38 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     # --- block copies --------------------------------------------------------
+    def allocate_host_tier(self, num_slots: int) -> None:
+        """The prefix cache's host tier: `num_slots` blocks in host memory, in the cache's format (pinned on CUDA,
+        so the copies can run asynchronously)."""
+        cfg = self.model.config
+        self.host_caches = allocate_kv_cache(cfg, self.model.num_kv_heads, num_slots, self.block_size, self.dtype,
+                                             torch.device("cpu"), pin=self.device.type == "cuda",
+                                             kv_cache_dtype=self.kv_format.name)
+
+    @staticmethod
+    def _swap(src: list[KVCache], dst: list[KVCache], pairs: list[tuple[int, int]]) -> None:
+        """swap_blocks of (src block, dst block) pairs for every layer: values, then the per-token scale planes
+        (every tensor a block id indexes)."""
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        for s_kv, d_kv in zip(src, dst, strict=True):
+            for s_t, d_t in zip(s_kv.block_tensors(), d_kv.block_tensors(), strict=True):
+                ops.swap_blocks(s_t, d_t, mapping)
+
     def apply_block_ops(self, block_ops: BlockOps) -> None:
-        """Swap out, swap in, then copy-on-write: the order the scheduler decided them in."""
-        for pairs, gpu_to_cpu in ((block_ops.swap_out, True), (block_ops.swap_in, False)):
-            if not pairs:
-                continue
-            mapping = torch.tensor(pairs, dtype=torch.int64)
-            for gpu, cpu in zip(self.kv_caches, self.cpu_caches, strict=True):
-                # Values, then the per-token scale planes: every tensor a block id indexes.
-                for g, c in zip(gpu.block_tensors(), cpu.block_tensors(), strict=True):
-                    ops.swap_blocks(*((g, c) if gpu_to_cpu else (c, g)), mapping)
+        """The step's block moves, each before anything writes over what it reads: offload to the host tier
+        (this step's newly allocated blocks held evicted prefixes), swap out, restores from the tiers, swap in,
+        then copy-on-write."""
+        tiers: TierMoves | None = block_ops.tiers
+        if tiers is not None:
+            self._swap(self.kv_caches, self.host_caches, tiers.offload)
+        self._swap(self.kv_caches, self.cpu_caches, block_ops.swap_out)
+        if tiers is not None:
+            self._swap(self.host_caches, self.kv_caches, tiers.restore_host)
+            if tiers.restore_disk is not None:
+                scatter_block_bytes(self.kv_caches, tiers.restore_disk.blocks, tiers.restore_disk.payload)
+        self._swap(self.cpu_caches, self.kv_caches, block_ops.swap_in)
         if block_ops.copy:
             mapping = torch.tensor(block_ops.copy, dtype=torch.int64, device=self.device)
             planes = ({"key_scales": [kv.k_scale for kv in self.kv_caches],
@@ -210,6 +234,10 @@ class ModelRunner:
                       if self.kv_format.per_token_scale else {})
             ops.copy_blocks([kv.key for kv in self.kv_caches], [kv.value for kv in self.kv_caches], mapping,
                             **planes)
+
+    def block_bytes(self, blocks: list[int]) -> np.ndarray:
+        """The bytes of device `blocks` (uint8 [n, block bytes], pagedkv.kv_cache.gather_block_bytes)."""
+        return gather_block_bytes(self.kv_caches, blocks)
 
     # --- inputs --------------------------------------------------------------
     def build_batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[Sequence]]:
@@ -355,7 +383,8 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
         """Runs the step's forward; returns the sequences whose next token is due and their float32 logits
         [len(rows), vocab] (a prompt forking n > 1 samples has one row per sample)."""
-        block_ops = BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        block_ops = BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy,
+                             out.tier_moves or None)
         batch, rows = self.build_batch(out)
         self.check_batch(batch)  # before the workers see it: a bad batch stops here, on every rank
         if self.channel is not None:  # the workers start on the step while the driver does too

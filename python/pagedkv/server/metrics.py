@@ -90,10 +90,36 @@ class _EngineStatsCollector(Collector):
                      s.prefix_cache_hits),
                     ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
                     ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)]
+        counters += [
+            ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the prefix cache's host and disk tiers "
+             "(below the pool).", s.tier_queries),
+            ("vllm:external_prefix_cache_hits", "Prompt tokens restored from the host and disk tiers.",
+             s.tier_hits_host + s.tier_hits_disk),
+            ("pagedkv:kv_offload_blocks", "Cached blocks copied from the pool to the host tier on eviction.",
+             s.kv_offloaded_blocks),
+            ("pagedkv:kv_offload_host_bytes", "Bytes moved between the pool and the host tier, both ways.",
+             s.kv_host_bytes_moved),
+            ("vllm:kv_offload_tiering_write_bytes", "Bytes of block files written to the KV cache directory.",
+             s.kv_disk_bytes_written),
+            ("vllm:kv_offload_tiering_read_bytes", "Bytes of block files read back from the KV cache directory.",
+             s.kv_disk_bytes_read),
+            ("vllm:kv_offload_tiering_read_time", "Seconds spent reading and verifying block files.",
+             s.kv_disk_load_seconds),
+            ("pagedkv:kv_disk_files_rejected", "Block files that failed their checks (corrupt, truncated, foreign) "
+             "and were not used.", s.kv_disk_files_rejected),
+            ("pagedkv:kv_disk_write_errors", "Block files the disk tier failed to write (disk full, read-only).",
+             s.kv_disk_write_errors)]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, float(value))
             yield c
+        by_source = CounterMetricFamily("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the "
+                                        "tier that supplied them: device (the pool), host, disk.",
+                                        labels=[*names, "source"])
+        for source, value in (("device", s.prefix_cache_hits), ("host", s.tier_hits_host),
+                              ("disk", s.tier_hits_disk)):
+            by_source.add_metric([*values, source], float(value))
+        yield by_source
 
 
 class ServerMetrics:
@@ -223,13 +249,15 @@ class _StatsLog:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._last_time = time.monotonic()
-        self._last: tuple[int, int, int, int] = (0, 0, 0, 0)  # prompt tokens, generation tokens, queries, hits
+        # prompt tokens, generation tokens, prefix-cache queries, hits, hits from the tiers below the pool
+        self._last: tuple[int, ...] = (0, 0, 0, 0, 0)
 
     def maybe_log(self, s: EngineStats, prompt_tokens: int) -> None:
         now = time.monotonic()
         if self.interval_s <= 0 or now - self._last_time < self.interval_s:
             return
-        current = (prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits)
+        current = (prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
+                   s.tier_hits_host + s.tier_hits_disk)
         last, elapsed = self._last, now - self._last_time
         self._last_time, self._last = now, current
         if current == last and s.num_running == 0 and s.num_waiting == 0:
@@ -240,3 +268,9 @@ class _StatsLog:
                     "reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     (current[0] - last[0]) / elapsed, (current[1] - last[1]) / elapsed, s.num_running,
                     s.num_waiting, 100.0 * s.kv_cache_usage, hit_rate)
+        if s.tier_queries:  # the tiers' share of the interval's lookups, beside the pool's
+            tier_rate = 100.0 * (current[4] - last[4]) / queries if queries else 0.0
+            logger.info("KV offloading: tier hit rate %.1f%% of the interval's prompt tokens (host %d, disk %d "
+                        "tokens since start); %d blocks offloaded, %d disk files written, %d rejected",
+                        tier_rate, s.tier_hits_host, s.tier_hits_disk, s.kv_offloaded_blocks,
+                        s.kv_disk_files_written, s.kv_disk_files_rejected)
