@@ -296,3 +296,41 @@ def test_manager_journals_evictions_and_step_cached_entries():
     bm.allocate(1, list(range(100, 116)))  # four blocks: both cached blocks evicted
     evicted = bm.core.take_evicted()
     assert sorted(k for _, k in evicted) == sorted(k for _, k in entries)
+
+
+def test_snapshot_is_the_same_bulk_view_in_both_cores():
+    """One call gives every block's ref count, cached flag and key prefix and every table; the pure-Python twin
+    answers the same after the same random workload."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(5)
+    managers = [BlockManager(4, 24, 8, enable_caching=True, backend=b) for b in ("cpp", "python")]
+    prefixes = [[rng.randrange(1, 999) for _ in range(12)] for _ in range(3)]
+    live: list[int] = []
+    for seq_id in range(40):
+        prompt = prefixes[rng.randrange(3)][:rng.randrange(4, 13)] + [rng.randrange(1, 999)]
+        if live and (len(live) > 4 or rng.random() < 0.3):
+            victim = live.pop(rng.randrange(len(live)))
+            for bm in managers:
+                bm.free(victim)
+        if all(bm.can_allocate(prompt) for bm in managers):
+            for bm in managers:
+                bm.allocate(seq_id, prompt)
+            live.append(seq_id)
+    if live:
+        for bm in managers:
+            bm.fork(live[0], 1000)
+    cpp, py = (bm.core.snapshot() for bm in managers)
+    assert cpp.keys() == py.keys()
+    for name in cpp:
+        assert cpp[name].dtype == py[name].dtype, name
+        np.testing.assert_array_equal(cpp[name], py[name], err_msg=name)
+    bm = managers[0]
+    for i, seq_id in enumerate(cpp["seq_ids"].tolist()):
+        lo, hi = cpp["table_offsets"][i], cpp["table_offsets"][i + 1]
+        assert cpp["table_blocks"][lo:hi].tolist() == bm.get_block_table(seq_id)
+    held = np.bincount(cpp["table_blocks"], minlength=24)
+    np.testing.assert_array_equal(held, cpp["ref_counts"])
+    assert (cpp["key_prefix"][cpp["cached"] == 0] == 0).all()

@@ -210,3 +210,29 @@ def test_bad_tier_settings_are_refused(kw, match):
 def test_a_host_tier_too_small_for_one_block_is_refused(loaded_model):
     with pytest.raises(ValueError, match="holds no block"):
         make(loaded_model, 12, kv_offloading_size=1e-9)
+
+
+def test_tier_counters_reach_metrics_and_generate_statistics(loaded_model, tmp_path, capsys):
+    from pagedkv.cli import print_stats
+    from pagedkv.server.metrics import ServerMetrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    llm = make(loaded_model, 12, kv_offloading_size=40 * block_bytes(loaded_model) / 2**30, kv_cache_dir=str(tmp_path))
+    try:
+        outs = [llm.generate([{"prompt_token_ids": p + [9, 9]}], params(), use_tqdm=False)[0]
+                for p in conversations() + conversations()]
+        s = llm.get_stats()
+        metrics = ServerMetrics("m", 128)
+        metrics.record_stats(s)
+        families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+        by_source = {x.labels["source"]: x.value for x in families["vllm:prompt_tokens_cached_by_source"].samples}
+        assert by_source == {"device": s.prefix_cache_hits, "host": s.tier_hits_host, "disk": s.tier_hits_disk}
+        assert by_source["host"] == 4 * PREFIX
+        (hits,) = families["vllm:external_prefix_cache_hits"].samples
+        assert hits.value == s.tier_hits_host + s.tier_hits_disk
+        (offload,) = families["pagedkv:kv_offload_blocks"].samples
+        assert offload.value == s.kv_offloaded_blocks > 0
+        print_stats(llm, outs, 1.0)
+        assert f"{s.tier_hits_host} prompt tokens from host memory" in capsys.readouterr().out
+    finally:
+        llm.shutdown()

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <string>
 
 #include "block_manager/block_manager.h"
@@ -70,6 +71,46 @@ py::list keyed_blocks(const std::vector<std::pair<BlockId, std::string>>& entrie
   py::list out;
   for (const auto& [block, key] : entries) out.append(py::make_tuple(block, py::bytes(key)));
   return out;
+}
+
+// The pool view of BlockPool::snapshot plus every sequence's table (CSR:
+// table_offsets[i]..[i+1] index table_blocks) as numpy arrays.
+py::dict manager_snapshot(const BlockManager& bm) {
+  const BlockPool& pool = bm.gpu_pool();
+  const int64_t n = pool.num_blocks();
+  py::array_t<int32_t> ref_counts(n);
+  py::array_t<uint8_t> cached(n);
+  py::array_t<uint64_t> key_prefix(n);
+  pool.snapshot(ref_counts.mutable_data(), cached.mutable_data(), key_prefix.mutable_data());
+  const std::vector<SeqId> ids = bm.seq_ids();
+  int64_t total = 0;
+  for (SeqId id : ids) total += static_cast<int64_t>(bm.seq(id).table.size());
+  py::array_t<int64_t> seq_ids(static_cast<int64_t>(ids.size()));
+  py::array_t<int64_t> num_tokens(static_cast<int64_t>(ids.size()));
+  py::array_t<uint8_t> swapped(static_cast<int64_t>(ids.size()));
+  py::array_t<int64_t> offsets(static_cast<int64_t>(ids.size()) + 1);
+  py::array_t<int32_t> blocks(total);
+  int64_t* off = offsets.mutable_data();
+  int32_t* out = blocks.mutable_data();
+  off[0] = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const SeqState& s = bm.seq(ids[i]);
+    seq_ids.mutable_data()[i] = ids[i];
+    num_tokens.mutable_data()[i] = s.num_tokens;
+    swapped.mutable_data()[i] = s.swapped ? 1 : 0;
+    std::copy(s.table.begin(), s.table.end(), out + off[i]);
+    off[i + 1] = off[i] + static_cast<int64_t>(s.table.size());
+  }
+  py::dict d;
+  d["ref_counts"] = ref_counts;
+  d["cached"] = cached;
+  d["key_prefix"] = key_prefix;
+  d["seq_ids"] = seq_ids;
+  d["num_tokens"] = num_tokens;
+  d["swapped"] = swapped;
+  d["table_offsets"] = offsets;
+  d["table_blocks"] = blocks;
+  return d;
 }
 
 }  // namespace
@@ -190,6 +231,8 @@ PYBIND11_MODULE(_block_manager, m) {
       .def("gpu_is_cached", [](const BlockManager& bm, int32_t b) { return bm.gpu_pool().is_cached(b); })
       .def("gpu_free_list", [](const BlockManager& bm) { return bm.gpu_pool().free_list(); })
       .def("cpu_free_list", [](const BlockManager& bm) { return bm.cpu_pool().free_list(); })
+      .def("snapshot", &manager_snapshot,
+           "Every GPU block's ref count, cached flag and key prefix, and every sequence's table, as numpy arrays")
       .def("check_invariants", &BlockManager::check_invariants)
       .def_property_readonly("block_size", &BlockManager::block_size)
       .def_property_readonly("watermark_blocks", &BlockManager::watermark_blocks)

@@ -80,6 +80,19 @@ void BlockPool::set_record_evictions(bool on) {
   if (!on) evicted_.clear();
 }
 
+void BlockPool::snapshot(int32_t* ref_counts, uint8_t* cached, uint64_t* key_prefix) const {
+  for (BlockId b = 0; b < num_blocks(); ++b) {
+    ref_counts[b] = ref_count_[b];
+    const std::string& key = key_[b];
+    cached[b] = key.empty() ? 0 : 1;
+    uint64_t prefix = 0;
+    for (size_t i = 0; i < key.size() && i < 8; ++i) {
+      prefix |= static_cast<uint64_t>(static_cast<uint8_t>(key[i])) << (8 * i);
+    }
+    key_prefix[b] = prefix;
+  }
+}
+
 std::vector<std::pair<BlockId, std::string>> BlockPool::take_evictions() {
   std::vector<std::pair<BlockId, std::string>> out;
   out.swap(evicted_);

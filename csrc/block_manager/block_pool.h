@@ -86,6 +86,12 @@ class BlockPool {
   std::vector<BlockId> free_list() const;
   const std::string& name() const { return name_; }
 
+  // The state of every block in one pass, into caller arrays of num_blocks()
+  // entries: its reference count, whether it carries a cache key, and the key's
+  // first 8 bytes as a little-endian integer (0 without a key), for a view of
+  // the pool that costs no Python loop (pagedkv.core.kv_snapshot).
+  void snapshot(int32_t* ref_counts, uint8_t* cached, uint64_t* key_prefix) const;
+
   // Walks every structure and throws std::logic_error on any inconsistency.
   // For tests: O(num_blocks).
   void check_invariants() const;

@@ -440,6 +440,25 @@ class PyBlockManager:
     def step_cached_entries(self) -> list[tuple[int, bytes]]:
         return [(b, self.gpu.key(b)) for b in self._step_cached if self.gpu.is_cached(b)]
 
+    # --- snapshot -------------------------------------------------------------
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """The C++ manager's bulk view: per GPU block its ref count, cached flag and key prefix (first 8 key bytes,
+        little-endian), and every sequence's table in CSR form (by sequence id)."""
+        pool = self.gpu
+        keys = pool._key
+        ids = sorted(self._seqs)
+        tables = [self._seqs[i].table for i in ids]
+        return {
+            "ref_counts": np.asarray(pool.ref_counts, dtype=np.int32),
+            "cached": np.asarray([k is not None for k in keys], dtype=np.uint8),
+            "key_prefix": np.asarray([int.from_bytes(k[:8], "little") if k else 0 for k in keys], dtype=np.uint64),
+            "seq_ids": np.asarray(ids, dtype=np.int64),
+            "num_tokens": np.asarray([self._seqs[i].num_tokens for i in ids], dtype=np.int64),
+            "swapped": np.asarray([self._seqs[i].swapped for i in ids], dtype=np.uint8),
+            "table_offsets": np.cumsum([0] + [len(t) for t in tables], dtype=np.int64),
+            "table_blocks": np.asarray([b for t in tables for b in t], dtype=np.int32),
+        }
+
     # --- eviction journal ---------------------------------------------------
     def set_record_evictions(self, on: bool) -> None:
         self.gpu.set_record_evictions(on)
