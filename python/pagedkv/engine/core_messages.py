@@ -68,7 +68,10 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 
 
 class Inspect(msgspec.Struct, tag="inspect", array_like=True):
-    """Asks for `LLMEngine.inspect()` (answered with an Inspection after the core's current step)."""
+    """Asks for `LLMEngine.inspect()` (what="state") or `LLMEngine.kv_snapshot()` (what="kv_snapshot"), answered
+    with an Inspection after the core's current step."""
+
+    what: str = "state"
 
 
 class Inspection(msgspec.Struct, tag="inspection", array_like=True):

@@ -101,7 +101,7 @@ class EngineCore:
         self.decoder = to_core_decoder()
         self.encoder = encoder()
         self._refused: list[RequestDelta] = []
-        self._inspections = 0
+        self._inspections: list[str] = []  # what each Inspect asked for, in order
 
     def apply(self, message: Any) -> bool:
         """Applies one front-end message; False for Shutdown."""
@@ -116,15 +116,16 @@ class EngineCore:
                 except ValueError:  # not forked yet: the front end cannot have seen its text; nothing to stop
                     logger.warning("finish of %s sample %d before its first token: ignored", request_id, index)
         elif isinstance(message, Inspect):
-            self._inspections += 1
+            self._inspections.append(message.what)
         elif isinstance(message, Shutdown):
             return False
         return True
 
     def take_inspections(self) -> list[Inspection]:
         """The answers to the Inspect messages applied since the last call (the engine as it is now)."""
-        n, self._inspections = self._inspections, 0
-        return [Inspection(self.engine.inspect()) for _ in range(n)]
+        asked, self._inspections = self._inspections, []
+        return [Inspection(self.engine.kv_snapshot() if what == "kv_snapshot" else self.engine.inspect())
+                for what in asked]
 
     def _add(self, m: AddRequest) -> None:
         try:

@@ -150,10 +150,11 @@ class FrontendEngine:
                     self.client.send(FinishSamples(stopped))
         return outputs
 
-    def request_inspection(self, answer: Future) -> None:
-        """Asks the core for `LLMEngine.inspect()`; `answer` gets it when a later step reads the reply."""
+    def request_inspection(self, answer: Future, what: str = "state") -> None:
+        """Asks the core for `LLMEngine.inspect()` (or, what="kv_snapshot", `kv_snapshot()`); `answer` gets it
+        when a later step reads the reply."""
         self._inspections.append(answer)
-        self.client.send(Inspect())
+        self.client.send(Inspect(what))
 
     def wake(self) -> None:
         """Ends a `step` that is waiting (any thread may call it)."""

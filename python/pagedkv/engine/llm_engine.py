@@ -33,6 +33,7 @@ from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
 from pagedkv.engine.device_setup import build_device_side
 from pagedkv.engine.kv_offload import KVOffload
+from pagedkv.engine.kv_snapshot import build_snapshot
 from pagedkv.engine.memory_pool import KVCachePlan
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.engine.worker import serve_steps
@@ -442,6 +443,10 @@ class LLMEngine:
                 # Table entries the sliding window released (0 without one): held blocks = tables - these.
                 "dropped_blocks": sum(bm.num_dropped_blocks(s) for s in bm.seq_ids()),
                 "invariants_error": invariants}
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """The KV cache now (block states, tables, queues, stats) as a JSON-able dict: pagedkv.engine.kv_snapshot."""
+        return build_snapshot(self)
 
     # --- stats ---------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -175,7 +175,13 @@ class AsyncEngine:
         """`LLMEngine.inspect()` of the engine (in its core process, if it runs in one), from any thread: what
         it holds between two steps. For tests and debugging."""
         answer: Future = Future()
-        self._submit(("inspect", answer))
+        self._submit(("inspect", answer, "state"))
+        return answer.result(timeout)
+
+    def kv_snapshot(self, timeout: float = 30.0) -> dict[str, Any]:
+        """`LLMEngine.kv_snapshot()` (pagedkv.engine.kv_snapshot), from any thread, taken between two steps."""
+        answer: Future = Future()
+        self._submit(("inspect", answer, "kv_snapshot"))
         return answer.result(timeout)
 
     def _submit(self, *commands: tuple[Any, ...]) -> None:
@@ -285,9 +291,10 @@ class AsyncEngine:
         elif command[0] == "inspect":
             ask = getattr(self.engine, "request_inspection", None)
             if ask is not None:
-                ask(command[1])  # answered when the core's reply is read
+                ask(command[1], command[2])  # answered when the core's reply is read
             else:
-                command[1].set_result(self.engine.inspect())
+                command[1].set_result(self.engine.kv_snapshot() if command[2] == "kv_snapshot"
+                                      else self.engine.inspect())
         else:  # abort_all: the drain ran out of time
             self._fail_all(EngineDraining(command[1]), "abort", deliveries)
 
