@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dir", default=None,
                    help="directory of prefix-cache block files, written through and read back after a restart "
                         "(one subdirectory per model and cache setting; needs --enable-prefix-caching)")
+    p.add_argument("--kv-events-config", default=None,
+                   help="KV cache events for routers, vLLM's JSON: e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' (needs --enable-prefix-caching)")
     p.add_argument("--kv-cache-dir-size", type=float, default=None,
                    help="GiB the --kv-cache-dir may hold (least recently used files go first); default: no limit")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
@@ -83,7 +86,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "engine_core": ns.engine_core, "cpu_threads_bind": ns.cpu_threads_bind,
             "kv_cache_dtype": ns.kv_cache_dtype, "calculate_kv_scales": ns.calculate_kv_scales,
             "kv_offloading_size": ns.kv_offloading_size, "kv_cache_dir": ns.kv_cache_dir,
-            "kv_cache_dir_size": ns.kv_cache_dir_size}
+            "kv_cache_dir_size": ns.kv_cache_dir_size, "kv_events_config": ns.kv_events_config}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

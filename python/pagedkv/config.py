@@ -9,9 +9,10 @@ The names are vLLM's, so that a vLLM launch line reads the same here:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -86,6 +87,52 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
     return dev
+
+
+@dataclass(slots=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig fields (`--kv-events-config` JSON); the publisher is pagedkv.engine.kv_events."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config: {name} must be a positive int, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
+        """From a JSON string (the CLI's), a dict or a config; None stays None. Unknown keys are refused."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config must be a JSON object, got {value!r}: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
 
 
 def _check_tiers(c) -> None:
@@ -214,9 +261,15 @@ class EngineArgs:
     kv_offloading_size: float | None = None
     kv_cache_dir: str | None = None
     kv_cache_dir_size: float | None = None
+    # KV cache events for routers (pagedkv.engine.kv_events): vLLM's KVEventsConfig as a JSON string or dict.
+    kv_events_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
+        events = KVEventsConfig.parse(self.kv_events_config)
+        if events is not None and events.enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config: KV cache events report the prefix cache's blocks; they need "
+                             "enable_prefix_caching=True (--enable-prefix-caching)")
         _check_calculate_kv_scales(self.calculate_kv_scales)
         _check_tiers(self)
         if (self.kv_offloading_size or self.kv_cache_dir) and self.tensor_parallel_size > 1:

@@ -79,6 +79,13 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (vLLM's method; in-process engine core only)."""
+        reset = getattr(self.llm_engine, "reset_prefix_cache", None)
+        if reset is None:
+            raise NotImplementedError("reset_prefix_cache runs on an in-process engine core (engine_core='inproc')")
+        return reset()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:

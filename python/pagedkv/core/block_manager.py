@@ -68,6 +68,15 @@ def _ids(seq_ids: int | Sequence[int]) -> list[int]:
 
 
 @dataclass(slots=True)
+class BlockEventLog:
+    """What changed in the pool's prefix index over a step (KV events): cleared, then removed, then stored."""
+
+    cleared: bool = False
+    removed: list[bytes] = field(default_factory=list)
+    stored: list[tuple[bytes, bytes | None, list[int]]] = field(default_factory=list)  # (key, parent, tokens)
+
+
+@dataclass(slots=True)
 class PrefixMatch:
     """A prompt's prefix-cache lookup: its block hashes, the device blocks that hold its first blocks, and what
     the tiers below the pool hold of the chain after them."""
@@ -132,6 +141,7 @@ class BlockManager:
         self.core = core
         self.prefix_cache: PrefixCache | None = PrefixCache(block_size, hash_algo) if enable_caching else None
         self.tiers: KVTiers | None = None
+        self.kv_events: BlockEventLog | None = None  # enable_kv_events
 
     def attach_tiers(self, num_host_slots: int = 0, disk: Any = None) -> KVTiers:
         """Adds a host tier of `num_host_slots` block slots and/or a disk tier (a kv_disk_store.DiskKVStore)
@@ -147,8 +157,30 @@ class BlockManager:
             pool_cls = _cpp.BlockPool if self.backend == "cpp" else PyBlockPool
             host = HostTier(pool_cls(num_host_slots, "host"))
         self.tiers = KVTiers(self.block_size, host, disk)
-        self.core.set_record_evictions(host is not None)
+        self._record_evictions()
         return self.tiers
+
+    def enable_kv_events(self) -> None:
+        """Starts logging what enters and leaves the prefix index, for KV events (`take_kv_events`)."""
+        if self.prefix_cache is None:
+            raise ValueError("KV cache events need enable_prefix_caching=True: they report the prefix cache's blocks")
+        self.kv_events = BlockEventLog()
+        self.prefix_cache.record_blocks = True
+        self._record_evictions()
+
+    def _record_evictions(self) -> None:
+        """The core journals evictions while someone takes them: a host tier or KV events."""
+        self.core.set_record_evictions(self.kv_events is not None or (self.tiers is not None
+                                                                    and self.tiers.host is not None))
+
+    def take_kv_events(self) -> BlockEventLog:
+        """After a step (done or failed): whether the cache was cleared, the keys evicted from the pool, and the
+        (key, parent key, token ids) of the blocks the step newly cached, in caching order. Empties the log."""
+        log = self.kv_events
+        recorded = self.prefix_cache.take_recorded()
+        log.stored = [(key, *recorded[key]) for _, key in self.core.step_cached_entries() if key in recorded]
+        self.kv_events = BlockEventLog()
+        return log
 
     # --- admission ----------------------------------------------------------
     def match_prefix(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> PrefixMatch:
@@ -341,15 +373,20 @@ class BlockManager:
         self.core.reset_prefix_cache()
         if self.tiers is not None:
             self.tiers.clear()
+        if self.kv_events is not None:  # what was logged before is moot: everything is gone
+            self.kv_events = BlockEventLog(cleared=True)
         if self.prefix_cache is not None:
             self.prefix_cache.stats.reset()
 
     def take_tier_moves(self) -> TierMoves | None:
         """At the end of scheduling a step: hands the pool's evictions to the host tier, returns the step's moves
         between the pool and its tiers (None without tiers)."""
+        evicted = self.core.take_evicted() if (self.tiers is not None or self.kv_events is not None) else []
+        if self.kv_events is not None:
+            self.kv_events.removed.extend(key for _, key in evicted)
         if self.tiers is None:
             return None
-        self.tiers.offload(self.core.take_evicted())
+        self.tiers.offload(evicted)
         return self.tiers.take_moves()
 
     def step_cached_entries(self) -> list[tuple[int, bytes]]:

@@ -159,6 +159,7 @@ class _SeqHashes:
     hashes: list[bytes]  # one per full block
     tail: list[int]  # tokens of the partial last block
     extra_keys: tuple[ExtraKey, ...]
+    tokens: list[int] | None = None  # every token, kept only while recording blocks (KV events)
 
 
 @dataclass(slots=True)
@@ -173,7 +174,11 @@ class PrefixCache:
     block_size: int
     hash_algo: HashAlgo = "sha256"
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # record_blocks: keep, for the blocks offered to the index, their parent hash and tokens (KV events'
+    # BlockStored); `take_recorded` empties it once per step.
+    record_blocks: bool = False
     _seqs: dict[int, _SeqHashes] = field(default_factory=dict)
+    _recorded: dict[bytes, tuple[bytes | None, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -196,13 +201,18 @@ class PrefixCache:
         """
         index.cache_blocks(seq_id, num_hits, hashes[num_hits:])
         tail = list(token_ids[len(hashes) * self.block_size:])
-        self._seqs[seq_id] = _SeqHashes(list(hashes), tail, tuple(extra_keys))
+        self._seqs[seq_id] = _SeqHashes(list(hashes), tail, tuple(extra_keys),
+                                        list(token_ids) if self.record_blocks else None)
+        if self.record_blocks:
+            self._record(self._seqs[seq_id], num_hits)
         self.stats.record(len(token_ids) if num_queried is None else num_queried, num_hits * self.block_size)
 
     def on_append(self, index: PrefixIndex, seq_id: int, token_ids: Sequence[int]) -> None:
         """After append_slots: hash and register every block the new tokens filled."""
         state = self._seqs[seq_id]
         state.tail.extend(token_ids)
+        if state.tokens is not None:
+            state.tokens.extend(token_ids)
         first_new = len(state.hashes)
         while len(state.tail) >= self.block_size:
             parent = state.hashes[-1] if state.hashes else None
@@ -211,14 +221,31 @@ class PrefixCache:
             del state.tail[:self.block_size]
         if len(state.hashes) > first_new:
             index.cache_blocks(seq_id, first_new, state.hashes[first_new:])
+            if state.tokens is not None:
+                self._record(state, first_new)
 
     def on_fork(self, parent_id: int, child_id: int) -> None:
         s = self._seqs[parent_id]
-        self._seqs[child_id] = _SeqHashes(list(s.hashes), list(s.tail), s.extra_keys)
+        self._seqs[child_id] = _SeqHashes(list(s.hashes), list(s.tail), s.extra_keys,
+                                          None if s.tokens is None else list(s.tokens))
 
     def on_swap_in(self, index: PrefixIndex, seq_id: int) -> None:
         """Swapped-in blocks are new GPU blocks: offer them to the index again."""
         index.cache_blocks(seq_id, 0, self._seqs[seq_id].hashes)
+        if self._seqs[seq_id].tokens is not None:
+            self._record(self._seqs[seq_id], 0)
+
+    def _record(self, state: _SeqHashes, first: int) -> None:
+        """Remembers (parent hash, tokens) of the sequence's blocks from `first` on (offered to the index now)."""
+        bs = self.block_size
+        for i in range(first, len(state.hashes)):
+            parent = state.hashes[i - 1] if i else None
+            self._recorded[state.hashes[i]] = (parent, state.tokens[i * bs:(i + 1) * bs])
+
+    def take_recorded(self) -> dict[bytes, tuple[bytes | None, list[int]]]:
+        """hash -> (parent hash, token ids) of the blocks offered to the index since the last call."""
+        out, self._recorded = self._recorded, {}
+        return out
 
     def on_free(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.config import EngineArgs, GiB, ModelConfig
+from pagedkv.config import EngineArgs, GiB, KVEventsConfig, ModelConfig
 from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
 from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
@@ -32,6 +32,7 @@ from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
 from pagedkv.engine.device_setup import build_device_side
+from pagedkv.engine.kv_events import KVEventEmitter
 from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.kv_snapshot import build_snapshot
 from pagedkv.engine.memory_pool import KVCachePlan
@@ -152,6 +153,11 @@ class LLMEngine:
                                    if self.cache_config.enable_prefix_caching else None)
         self.kv_offload = KVOffload.build(self.cache_config, self.kv_spec, self.block_manager, self.runner,
                                           self.model_config, self.dtype, loaded.source_path)
+        events = KVEventsConfig.parse(args.kv_events_config)
+        self.kv_events: KVEventEmitter | None = None
+        if events is not None and events.enabled:
+            self.block_manager.enable_kv_events()
+            self.kv_events = KVEventEmitter(events, self.cache_config.block_size)
 
     @staticmethod
     def _check_generation_config(args: EngineArgs) -> None:
@@ -191,6 +197,8 @@ class LLMEngine:
         """Stops the tensor-parallel workers (a no-op on one device). The engine cannot step afterwards."""
         if self.kv_offload is not None:
             self.kv_offload.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.tp is not None:
             self.tp.shutdown()
 
@@ -295,7 +303,10 @@ class LLMEngine:
             died = self.tp.diagnose(e) if self.tp is not None else None
             if died is not None:
                 raise died from e
-            return self._fail_step(out, e)
+            failed = self._fail_step(out, e)
+            self._publish_kv_events()  # its evictions happened; its new blocks were taken back, not stored
+            return failed
+        self._publish_kv_events()
         if self.kv_offload is not None:  # the step wrote its blocks' KV: the disk tier may take them now
             self.kv_offload.after_step(self.block_manager.step_cached_entries())
         sampled, errors = self._sample(rows, logits)
@@ -443,6 +454,24 @@ class LLMEngine:
                 # Table entries the sliding window released (0 without one): held blocks = tables - these.
                 "dropped_blocks": sum(bm.num_dropped_blocks(s) for s in bm.seq_ids()),
                 "invariants_error": invariants}
+
+    def _publish_kv_events(self) -> None:
+        """The step's changes to the prefix index as one KV event batch (pagedkv.engine.kv_events)."""
+        if self.kv_events is None:
+            return
+        log = self.block_manager.take_kv_events()
+        if log.cleared:
+            self.kv_events.cleared()
+        self.kv_events.removed(log.removed)
+        self.kv_events.stored(log.stored)
+        self.kv_events.flush()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (running requests keep theirs; the host tier empties, disk files stay) and
+        zeroes the hit counters; publishes AllBlocksCleared with KV events on. vLLM's method; True when done."""
+        self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return True
 
     def kv_snapshot(self) -> dict[str, Any]:
         """The KV cache now (block states, tables, queues, stats) as a JSON-able dict: pagedkv.engine.kv_snapshot."""
