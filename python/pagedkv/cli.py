@@ -146,6 +146,10 @@ def print_stats(llm, outputs, elapsed: float) -> None:
               f"MiB read in {s.kv_disk_load_seconds:.3f} s, {s.kv_disk_files_rejected} rejected)")
     print(f"  prompt tokens computed {s.prompt_tokens}, generated {gen}, preemptions {s.num_preemptions}; "
           f"{gen / elapsed:.1f} output tok/s over {elapsed:.2f} s")
+    advisor = getattr(engine, "kv_advisor", None)  # in-process engines only: a core process keeps its own
+    advice = advisor.current() if advisor is not None else []
+    if advice:
+        print("\nTuning advice:\n" + "\n".join(f"  [{a['flag']}] {a['message']}" for a in advice))
 
 
 def cmd_kv_calc(ns: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
 from pagedkv.engine.device_setup import build_device_side
+from pagedkv.engine.kv_advice import KVAdvisor
 from pagedkv.engine.kv_events import KVEventEmitter
 from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.kv_snapshot import build_snapshot
@@ -158,6 +159,7 @@ class LLMEngine:
         if events is not None and events.enabled:
             self.block_manager.enable_kv_events()
             self.kv_events = KVEventEmitter(events, self.cache_config.block_size)
+        self.kv_advisor = KVAdvisor(self.cache_config, self.scheduler_config)
 
     @staticmethod
     def _check_generation_config(args: EngineArgs) -> None:
@@ -313,7 +315,17 @@ class LLMEngine:
         self._count(out, rows, t0)
         now = time.time()
         update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
-        return self._process_outputs(update, now)
+        outputs = self._process_outputs(update, now)
+        self._observe_advice(now)
+        return outputs
+
+    def _observe_advice(self, now: float) -> None:
+        """Feeds the tuning advisor (pagedkv.engine.kv_advice) about once a second: O(running) then, O(1) else."""
+        if self.kv_advisor.due(now):
+            diag = self.prefix_diagnostics
+            lens = [len(s.token_ids) for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]
+            self.kv_advisor.observe(self.get_stats(), now, lens, diag.num_warnings if diag else 0,
+                                    diag.positions if diag else None)
 
     def _count(self, out: SchedulerOutput, rows: list[Sequence], t0: float) -> None:
         c = self.counters

@@ -51,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedkv
 from pagedkv.config import EngineArgs
 from pagedkv.engine.cpu_binding import apply_frontend_binding
+from pagedkv.engine.kv_advice import AdviceLog
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.make_engine import make_engine
 from pagedkv.model.loader import LoadedModel
@@ -333,6 +334,7 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
     model_names = list(served_model_names or [str(args.model) if args.model else engine.model_name])
     metrics = ServerMetrics(model_names[0], engine.scheduler_config.max_model_len, log_interval_s,
                             cache_info=engine.cache_config.metrics_info())
+    metrics.advice_log = AdviceLog.for_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
 
     @asynccontextmanager

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagedkv.engine.kv_advice import AdviceLog
 from pagedkv.engine.llm_engine import EngineStats
 from pagedkv.outputs import RequestOutput
 
@@ -177,11 +178,14 @@ class ServerMetrics:
         self._timings: dict[str, _RequestTiming] = {}
         self._num_prompt_tokens = 0  # for the log line's prompt throughput
         self._log = _StatsLog(log_interval_s)
+        self.advice_log: AdviceLog | None = None  # the engine's tuning advice (set by whoever builds the server)
 
     # --- engine thread --------------------------------------------------------------------------------------------
     def record_stats(self, stats: EngineStats) -> None:
         self.stats = stats
         self._log.maybe_log(stats, self._num_prompt_tokens)
+        for advice in self.advice_log.update(stats, time.time()) if self.advice_log is not None else ():
+            logger.warning("KV cache tuning advice (%s): %s", advice.flag, advice.message)  # once per advice
 
     def request_started(self, request_id: str, cumulative: bool) -> None:
         self._timings[request_id] = _RequestTiming(cumulative)
