@@ -82,6 +82,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"PKVB"
 VERSION = 1
 CHECKSUM_NBYTES = 32
+WRITER_NICE = 10  # the writer thread's nice value (see _lower_priority)
 FILE_SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp."
 FINGERPRINT_FILE = "fingerprint.json"
@@ -158,6 +159,15 @@ def _mkdir_private(path: pathlib.Path) -> None:
     except FileExistsError:
         return
     os.chmod(path, _DIR_MODE)
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux: a thread is a task with its own nice value), so the writer takes the
+    cores only when the engine's compute threads leave them: writing through must not slow decode."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the writer runs at normal priority
+        pass
 
 
 def _unlink_quiet(path: pathlib.Path | str) -> None:
@@ -530,6 +540,7 @@ class DiskKVStore:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
     def _writer_loop(self) -> None:
+        _lower_priority()
         while True:
             with self._lock:
                 self._work.wait_for(lambda: self._queue or self._stop)
