@@ -152,6 +152,7 @@ class LLMEngine:
                                    if self.cache_config.enable_prefix_caching else None)
         self.kv_offload = KVOffload.build(self.cache_config, self.kv_spec, self.block_manager, self.runner,
                                           self.model_config, self.dtype, loaded.source_path)
+        self.kv_trace = None  # a KVTraceRecorder (pagedkv.engine.kv_trace): snapshots after steps, e.g. --kv-trace
 
     @staticmethod
     def _check_generation_config(args: EngineArgs) -> None:
@@ -300,6 +301,8 @@ class LLMEngine:
             self.kv_offload.after_step(self.block_manager.step_cached_entries())
         sampled, errors = self._sample(rows, logits)
         self._count(out, rows, t0)
+        if self.kv_trace is not None:
+            self.kv_trace.maybe_record(self)
         now = time.time()
         update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
         return self._process_outputs(update, now)
