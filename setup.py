@@ -126,6 +126,8 @@ setup(
     "a C++ block manager and a continuous-batching engine.",
     package_dir={"": "python"},
     packages=find_packages("python"),
+    # The dashboard page (pagedkv.server.dashboard) is read from the package at run time: wheels must carry it.
+    package_data={"pagedkv.server": ["static/*.html"]},
     ext_modules=[CMakeExtension("pagedkv._C"), CMakeExtension("pagedkv._block_manager")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",

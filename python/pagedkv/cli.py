@@ -93,11 +93,29 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from pagedkv import LLM
 
     llm = LLM(**engine_kwargs(ns))
+    trace = None
     try:
+        trace = _start_kv_trace(llm, ns.kv_trace)
         _generate(llm, ns)
     finally:
+        if trace is not None:
+            trace.close()
+            print(f"KV trace: {trace.num_records} snapshots in {trace.path} (view: pagedkv kv-view {trace.path})")
         llm.shutdown()
     return 0
+
+
+def _start_kv_trace(llm, path: str | None):
+    """--kv-trace FILE: a KVTraceRecorder on the engine (which must run in this process), or None."""
+    if path is None:
+        return None
+    from pagedkv.engine.kv_trace import KVTraceRecorder
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    if not isinstance(llm.llm_engine, LLMEngine):
+        raise ValueError("--kv-trace records the engine in this process: use --engine-core inproc (the default)")
+    llm.llm_engine.kv_trace = KVTraceRecorder(path)
+    return llm.llm_engine.kv_trace
 
 
 def _generate(llm, ns: argparse.Namespace) -> None:
@@ -212,9 +230,28 @@ def add_serve_parser(sub) -> None:
                         "which prompt prefixes another sent)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the requests in flight get after SIGTERM/SIGINT before they are ended")
+    p.add_argument("--dashboard-interval", type=float, default=0.5,
+                   help="seconds between the KV-cache snapshots /dashboard/stream sends (default 0.5)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
+
+
+def cmd_kv_view(ns: argparse.Namespace) -> int:
+    """`pagedkv kv-view FILE`: the /dashboard page over a --kv-trace file, with a time slider."""
+    from pagedkv.server.api_server import parse_api_keys
+    from pagedkv.server.dashboard import run_kv_view
+
+    return run_kv_view(ns.trace, ns.host, ns.port, parse_api_keys(ns.api_key))
+
+
+def add_kv_view_parser(sub) -> None:
+    p = sub.add_parser("kv-view", help="serve the KV-cache dashboard over a trace recorded with --kv-trace")
+    p.add_argument("trace", help="a file written by `pagedkv generate --kv-trace FILE` (.jsonl or .jsonl.gz)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", nargs="+", default=None, help="require a key, as pagedkv serve's --api-key")
+    p.set_defaults(func=cmd_kv_view)
 
 
 def _is_torchrun_worker() -> bool:
@@ -243,9 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=48)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--kv-trace", default=None, metavar="FILE",
+                     help="record KV-cache snapshots of the run (JSON lines, gzip if FILE ends in .gz), for kv-view")
     gen.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
     add_kv_calc_parser(sub)
+    add_kv_view_parser(sub)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

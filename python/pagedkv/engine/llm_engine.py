@@ -160,6 +160,7 @@ class LLMEngine:
             self.block_manager.enable_kv_events()
             self.kv_events = KVEventEmitter(events, self.cache_config.block_size)
         self.kv_advisor = KVAdvisor(self.cache_config, self.scheduler_config)
+        self.kv_trace = None  # a KVTraceRecorder (pagedkv.engine.kv_trace): snapshots after steps, e.g. --kv-trace
 
     @staticmethod
     def _check_generation_config(args: EngineArgs) -> None:
@@ -313,6 +314,8 @@ class LLMEngine:
             self.kv_offload.after_step(self.block_manager.step_cached_entries())
         sampled, errors = self._sample(rows, logits)
         self._count(out, rows, t0)
+        if self.kv_trace is not None:
+            self.kv_trace.maybe_record(self)
         now = time.time()
         update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
         outputs = self._process_outputs(update, now)

@@ -6,8 +6,9 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (streamed as server-sent events with `stream: true`), GET /health,
-GET /version, GET /metrics (Prometheus, vLLM's metric names), and vLLM's
-POST /tokenize and /detokenize. Every error is an OpenAI error body
+GET /version, GET /metrics (Prometheus, vLLM's metric names), vLLM's
+POST /tokenize and /detokenize, and the KV-cache page GET /dashboard
+(pagedkv.server.dashboard). Every error is an OpenAI error body
 ({"error": {"message", "type", "param", "code"}}), never a 5xx for a bad
 request.
 
@@ -35,6 +36,7 @@ import os
 import re
 import secrets
 import signal
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.make_engine import make_engine
 from pagedkv.model.loader import LoadedModel
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.dashboard import QUERY_KEY_PATHS, mount_dashboard
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     APIError,
@@ -90,8 +93,11 @@ class ServerOptions:
     max_json_nesting_depth: int = 64
     enable_prompt_tokens_details: bool = False
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    dashboard_interval_s: float = 0.5  # /dashboard/stream: seconds between snapshots
 
     def __post_init__(self) -> None:
+        if self.dashboard_interval_s <= 0:
+            raise ValueError(f"dashboard_interval_s must be > 0, got {self.dashboard_interval_s}")
         if self.max_request_body_bytes < 1 or self.max_json_nesting_depth < 1 or self.shutdown_timeout < 0:
             raise ValueError(f"max_request_body_bytes and max_json_nesting_depth must be >= 1 and shutdown_timeout "
                              f">= 0, got {self.max_request_body_bytes}, {self.max_json_nesting_depth}, "
@@ -122,10 +128,13 @@ def json_nesting_depth(body: bytes) -> int:
 
 class APIKeyMiddleware:
     """401 without `Authorization: Bearer <one of the keys>` (scheme case-insensitive, keys compared in constant
-    time), on every route but the open ones; checked before the body is read."""
+    time), on every route but the open ones; checked before the body is read. On `query_key_paths` (pages a
+    browser navigates to, which cannot send a header) `?api_key=<key>` is accepted too."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], open_paths: frozenset[str],
+                 query_key_paths: frozenset[str] = frozenset()) -> None:
         self.app, self.keys, self.open_paths = app, [k.encode() for k in api_keys], open_paths
+        self.query_key_paths = query_key_paths
 
     def _authorized(self, header: bytes) -> bool:
         scheme, _, token = header.strip().partition(b" ")
@@ -135,10 +144,17 @@ class APIKeyMiddleware:
             ok |= secrets.compare_digest(token, key)
         return ok and scheme.lower() == b"bearer"
 
+    def _query_key(self, scope: Scope) -> bytes:
+        """`?api_key=` as an Authorization header, on the paths that take it (else empty)."""
+        if scope["path"] not in self.query_key_paths:
+            return b""
+        keys = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])
+        return b"Bearer " + keys[0].encode()
+
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths and scope["method"] != "OPTIONS":
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not self._authorized(header):
+            if not self._authorized(header) and not self._authorized(self._query_key(scope)):
                 err = APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
                                type="invalid_request_error", code="invalid_api_key")
                 await error_response(err)(scope, receive, send)
@@ -353,10 +369,12 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
     app.state.options = options
     _add_error_handlers(app)
     _add_routes(app, async_engine, metrics, model_names, options)
+    mount_dashboard(app, async_engine, options.dashboard_interval_s)
     app.add_middleware(RequestGuardMiddleware, options=options, is_draining=lambda: async_engine.draining)
     if options.api_keys:  # added last: the outermost, so no body is read for an unauthenticated request
         open_paths = frozenset({"/health"} if options.protect_metrics else {"/health", "/metrics"})
-        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys, open_paths=open_paths)
+        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys, open_paths=open_paths,
+                           query_key_paths=QUERY_KEY_PATHS)
     return app
 
 
@@ -437,7 +455,7 @@ def run_server(args: EngineArgs, ns: argparse.Namespace) -> int:
                             max_request_body_bytes=ns.max_request_body_bytes,
                             max_json_nesting_depth=ns.max_json_nesting_depth,
                             enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
-                            shutdown_timeout=ns.shutdown_timeout)
+                            shutdown_timeout=ns.shutdown_timeout, dashboard_interval_s=ns.dashboard_interval)
     if options.protect_metrics and not keys:
         raise ValueError("--protect-metrics needs --api-key (or $PAGEDKV_API_KEY)")
     app = build_app(args, served_model_names=ns.served_model_name, options=options)
