@@ -47,6 +47,9 @@ bench-all: install
 	# Quantized KV caches: fidelity and capacity per kv_cache_dtype, vLLM CPU's fp8 beside them (~20 minutes,
 	# 8 of them vLLM's three cold starts).
 	$(PYTHON) bench/bench_kv_fidelity.py --out bench/results/kv_fidelity_cpu
+	# The prefix cache's host and disk tiers (~13 minutes with vLLM's run), the KV-cache page's overhead (~4).
+	$(PYTHON) bench/bench_kv_tiers.py --threads 2 --vllm
+	$(PYTHON) bench/bench_dashboard_overhead.py --out bench/results/dashboard_overhead_cpu.md
 	$(PYTHON) bench/family_checkpoints.py mixtral $(FAMILY_DIR)/mixtral
 	$(PYTHON) bench/bench_throughput.py --model $(FAMILY_DIR)/mixtral --systems pagedkv,vllm --vllm-omp-bind all \
 		--json bench/results/throughput_mixtral_cpu.json --out bench/results/throughput_mixtral_cpu.md

@@ -137,6 +137,16 @@ its fp8 cache, on the issue-10 target shapes, bf16 and fp32 compute, all contend
 last-level cache flushed. Targets (issue 23, bf16): an 8-bit cache >= 1.3x faster than the bf16 one at batch 32 x
 2048, and vLLM's fp8 time / ours >= 1.0 (geomean over the rows). Every kernel is checked against
 `pagedkv.reference` with the same `kv_cache_dtype`."""),
+    ("The prefix cache beyond the pool: host and disk tiers (`bench/bench_kv_tiers.py`)", "kv_tiers_cpu.md", [],
+     """\
+Three workloads on the default model (issue 24's targets): a restart with the disk tier (first-request TTFT on a
+2,000-token shared system prompt against a cold start, target <= 0.25x, identical output); multi-turn
+conversations whose working set is 4x the pool, with and without the host tier (hit rate, prompt tokens
+computed, throughput, identical outputs) and vLLM CPU without tiers on the same token ids; and a workload with no
+reuse, tiers off against host and host + disk (target: within 3%)."""),
+    ("KV-cache page overhead (`bench/bench_dashboard_overhead.py`)", "dashboard_overhead_cpu.md", [], """\
+Engine step time with a `/dashboard/stream` client pulling snapshots every 0.5 s against none, in alternating
+windows of one decode-heavy run (target: under 2%)."""),
     ("Sliding-window and soft-capped attention (`bench/bench_window.py`)", "window_cpu.md", [], """\
 The `sliding_window` and `logits_soft_cap` arguments of the attention ops against the plain ops (every key
 read, no cap) and against SDPA over the window's keys laid out contiguously (decode) or with the sliding mask

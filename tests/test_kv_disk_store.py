@@ -639,3 +639,34 @@ def test_stats_snapshot_is_a_copy(make_store):
     snap.files_written += 1
     assert s.stats.rejected_by_reason["checksum"] == 0 and s.stats.files_written == 1
     assert set(s.stats.rejected_by_reason) == {"checksum", "truncated", "header", "key", "fingerprint", "io"}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_writer_runs_in_the_background_until_its_queue_fills(make_store, monkeypatch):
+    """The writer thread starts as SCHED_IDLE (it takes no core the engine wants), goes to normal scheduling
+    when a quarter of its queue is waiting, and back to the background once the queue is empty."""
+    store = make_store(block_nbytes=64, max_queued_blocks=8)
+    deadline = time.monotonic() + 5
+    while store._writer_tid is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tid = store._writer_tid
+    assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+    gate = threading.Event()
+    real_write = store._write_block
+
+    def held_write(key, row):
+        gate.wait(5)
+        real_write(key, row)
+
+    monkeypatch.setattr(store, "_write_block", held_write)
+    rng = np.random.default_rng(0)
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    store.store(keys, rng.integers(0, 256, (4, 64), dtype=np.uint8))
+    assert os.sched_getscheduler(tid) == os.SCHED_OTHER  # 3 waiting of 8: past the quarter
+    gate.set()
+    assert store.flush(5)
+    deadline = time.monotonic() + 5
+    while os.sched_getscheduler(tid) != os.SCHED_IDLE and time.monotonic() < deadline:
+        store.store([bytes([99]) * 16], rng.integers(0, 256, (1, 64), dtype=np.uint8))
+        store.flush(5)
+    assert os.sched_getscheduler(tid) == os.SCHED_IDLE

@@ -82,7 +82,10 @@ logger = logging.getLogger(__name__)
 MAGIC = b"PKVB"
 VERSION = 1
 CHECKSUM_NBYTES = 32
-WRITER_NICE = 10  # the writer thread's nice value (see _lower_priority)
+WRITER_NICE = 10  # the writer thread's nice value when it must catch up (see _set_priority)
+# The writer runs in the background (SCHED_IDLE) until the queue is this full, then at normal priority until
+# it is empty again: idle cores do the writing, and a busy machine still cannot starve it.
+BOOST_FRACTION = 0.25
 FILE_SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp."
 FINGERPRINT_FILE = "fingerprint.json"
@@ -161,13 +164,22 @@ def _mkdir_private(path: pathlib.Path) -> None:
     os.chmod(path, _DIR_MODE)
 
 
-def _lower_priority() -> None:
-    """Nice the calling thread (Linux: a thread is a task with its own nice value), so the writer takes the
-    cores only when the engine's compute threads leave them: writing through must not slow decode."""
+def _set_priority(tid: int | None, background: bool) -> bool:
+    """Linux scheduling of the writer thread `tid` (a thread is a task with its own policy): `background` is
+    SCHED_IDLE, which runs only on a core nothing else wants, so writing through never takes a core from the
+    engine's compute threads; else normal scheduling at nice WRITER_NICE, for when the queue must drain.
+    Returns whether it took effect (not Linux, or not allowed: the writer keeps what it has)."""
+    if tid is None:
+        return False
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the writer runs at normal priority
-        pass
+        if background:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 def _unlink_quiet(path: pathlib.Path | str) -> None:
@@ -206,6 +218,8 @@ class DiskKVStore:
         self.block_nbytes = block_nbytes
         self.max_bytes = max_bytes
         self.max_queued_blocks = max_queued_blocks
+        self._writer_tid: int | None = None  # the writer's native thread id, once it runs
+        self._writer_background = False
         self.root = pathlib.Path(root)
         self.directory = self.root / self.fingerprint_digest[:32]
         self.stats = DiskTierStats()
@@ -519,7 +533,15 @@ class DiskKVStore:
                 queued += 1
             if queued:
                 self._work.notify()
+            boost = self._writer_background and len(self._queue) >= BOOST_FRACTION * self.max_queued_blocks
+        if boost:
+            self._foreground()
         return queued
+
+    def _foreground(self) -> None:
+        """The writer must catch up (a filling queue, a flush): normal priority until its queue is empty."""
+        if _set_priority(self._writer_tid, background=False):
+            self._writer_background = False
 
     def _check_payload(self, payload: object, num_keys: int) -> None:
         if not isinstance(payload, np.ndarray):
@@ -536,17 +558,23 @@ class DiskKVStore:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued block is written (or failed); True if the queue drained."""
+        if self._writer_background:
+            self._foreground()
         with self._lock:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
     def _writer_loop(self) -> None:
-        _lower_priority()
+        self._writer_tid = threading.get_native_id()
+        self._writer_background = _set_priority(self._writer_tid, background=True)
         while True:
             with self._lock:
                 self._work.wait_for(lambda: self._queue or self._stop)
                 if self._stop:
                     return
                 key, row = self._queue.popleft()
+                drained = not self._queue
+            if drained and not self._writer_background:  # caught up: back to the idle cores
+                self._writer_background = _set_priority(self._writer_tid, background=True)
             try:
                 self._write_block(key, row)
             except Exception:  # a bug must not kill the writer: serving goes on without it

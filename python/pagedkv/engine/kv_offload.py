@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 _SAMPLE = 1 << 20  # bytes hashed at each sampled offset of a weight file
 _SAMPLES = 8
+DISK_QUEUE_BYTES = 512 << 20  # blocks waiting for the disk writer at most (beyond that they are dropped, counted)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
@@ -108,7 +109,8 @@ class KVOffload:
         if cc.cache_dtype.startswith("fp8"):
             fp["kv_scales"] = [list(pair) for pair in self.runner.kv_scales()]
         max_bytes = int(cc.kv_cache_dir_size * GiB) if cc.kv_cache_dir_size else None
-        self.disk = DiskKVStore(os.path.expanduser(cc.kv_cache_dir), fp, self.block_nbytes, max_bytes)
+        queued = max(16, DISK_QUEUE_BYTES // self.block_nbytes)
+        self.disk = DiskKVStore(os.path.expanduser(cc.kv_cache_dir), fp, self.block_nbytes, max_bytes, queued)
         self.tiers.disk = self.disk
         self._disk_pending = False
         logger.info("KV cache directory %s: %d blocks on disk for this model and setting (%.2f GiB%s)",
