@@ -34,45 +34,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.engine.engine_stats import EngineStats, IntervalStats
 from pagedkv.engine.kv_advice_rules import LONG_SEQ_TOKENS, RULES, Configs, Observation, Rule, Stretch
 
 if TYPE_CHECKING:
     from pagedkv.config import CacheConfig, SchedulerConfig
-    from pagedkv.engine.llm_engine import EngineStats
 
 HISTORY = 64  # raised advice kept for AdviceLog (a few per hour at most: plenty)
-
-
-@dataclass(frozen=True, slots=True)
-class IntervalStats:
-    """What happened between two EngineStats snapshots `seconds` apart (counters as differences, gauges at the end)."""
-
-    seconds: float
-    prompt_tokens: int
-    generation_tokens: int
-    prompt_tokens_per_s: float
-    generation_tokens_per_s: float
-    prefix_cache_queries: int  # prompt tokens looked up in the interval
-    prefix_cache_hits: int  # of them, served from the pool or from the host / disk tiers below it
-    prefix_cache_hit_rate: float  # hits / queries of the interval (0.0 without queries)
-    num_preemptions: int
-    kv_cache_usage: float
-    num_running: int
-    num_waiting: int
-
-    @classmethod
-    def between(cls, prev: EngineStats, cur: EngineStats, seconds: float) -> IntervalStats:
-        def delta(name: str) -> int:  # a counter that went back (a restarted source) counts from zero
-            now, before = getattr(cur, name), getattr(prev, name)
-            return now - before if now >= before else now
-
-        prompt, gen = delta("prompt_tokens"), delta("generation_tokens")
-        queries = delta("prefix_cache_queries")
-        hits = delta("prefix_cache_hits") + delta("tier_hits_host") + delta("tier_hits_disk")
-        per_s = 1.0 / seconds if seconds > 0 else 0.0
-        return cls(seconds, prompt, gen, prompt * per_s, gen * per_s, queries, hits,
-                   min(1.0, hits / queries) if queries else 0.0, delta("num_preemptions"), cur.kv_cache_usage,
-                   cur.num_running, cur.num_waiting)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedkv.config import CacheConfig, SchedulerConfig
-    from pagedkv.engine.kv_advice import IntervalStats
+    from pagedkv.engine.engine_stats import IntervalStats
 
 # Rule 1: "Under 70% cache usage for long: KV under-used, raise max_num_seqs" (Monitoring).
 UNDERUSED_USAGE = 0.70

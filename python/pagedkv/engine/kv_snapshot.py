@@ -36,12 +36,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from pagedkv.engine.llm_engine import LLMEngine
 
 SNAPSHOT_VERSION = 1
 BLOCK_FREE, BLOCK_USED, BLOCK_SHARED, BLOCK_CACHED = 0, 1, 2, 3
@@ -67,7 +64,7 @@ def decode_blocks(blocks: dict[str, str]) -> dict[str, np.ndarray]:
             "hash": np.frombuffer(base64.b64decode(blocks["hash"]), dtype="<u8")}
 
 
-def _seq_views(engine: LLMEngine, raw: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+def _seq_views(engine: Any, raw: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     by_id = {s.seq_id: s for s in (*engine.scheduler.running, *engine.scheduler.swapped)}
     offsets, blocks = raw["table_offsets"], raw["table_blocks"]
     views = []
@@ -85,8 +82,9 @@ def _seq_views(engine: LLMEngine, raw: dict[str, np.ndarray]) -> list[dict[str, 
     return views
 
 
-def build_snapshot(engine: LLMEngine) -> dict[str, Any]:
-    """The engine's KV cache now, as the schema above (call it between steps)."""
+def build_snapshot(engine: Any) -> dict[str, Any]:
+    """An LLMEngine's KV cache now, as the schema above (call it between steps; the engine is duck-typed, so
+    this module stays below the engine it describes)."""
     bm = engine.block_manager
     raw = bm.core.snapshot()
     states = block_states(raw["ref_counts"], raw["cached"])

@@ -32,6 +32,7 @@ from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
 from pagedkv.engine.device_setup import build_device_side
+from pagedkv.engine.engine_stats import EngineStats
 from pagedkv.engine.kv_advice import KVAdvisor
 from pagedkv.engine.kv_events import KVEventEmitter
 from pagedkv.engine.kv_offload import KVOffload
@@ -48,44 +49,6 @@ logger = logging.getLogger(__name__)
 
 MAX_STEP_TIMES = 1 << 16
 
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot for logs and metrics (vLLM's names where it has them)."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_gpu_blocks: int
-    num_used_gpu_blocks: int
-    kv_cache_usage: float  # fraction of blocks held by sequences
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # of them, served from the cache
-    num_preemptions: int
-    prompt_tokens: int  # computed by the model (cache hits excluded)
-    generation_tokens: int
-    peak_used_gpu_blocks: int = 0
-    prefix_divergence_warnings: int = 0  # prompts whose shared prefix a dynamic field breaks early
-    # The prefix cache's tiers below the pool (pagedkv.engine.kv_offload; zeros when off). Tokens: prompt
-    # tokens looked up beyond the pool (vLLM's external_prefix_cache_queries) and restored from each tier.
-    tier_queries: int = 0
-    tier_hits_host: int = 0
-    tier_hits_disk: int = 0
-    kv_offloaded_blocks: int = 0  # pool -> host copies of evicted cached blocks
-    kv_restored_blocks_host: int = 0
-    kv_restored_blocks_disk: int = 0
-    kv_host_bytes_moved: int = 0
-    kv_disk_files_written: int = 0
-    kv_disk_bytes_written: int = 0
-    kv_disk_bytes_read: int = 0
-    kv_disk_load_seconds: float = 0.0
-    kv_disk_files_rejected: int = 0  # corrupt, truncated or foreign files: never used
-    kv_disk_write_errors: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass(slots=True)

@@ -34,10 +34,8 @@ import dataclasses
 import logging
 import os
 import re
-import secrets
 import signal
-import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +55,7 @@ from pagedkv.engine.kv_advice import AdviceLog
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.make_engine import make_engine
 from pagedkv.model.loader import LoadedModel
+from pagedkv.server.api_key import APIKeyMiddleware, ASGIApp, Scope, error_response
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.dashboard import QUERY_KEY_PATHS, mount_dashboard
 from pagedkv.server.metrics import ServerMetrics
@@ -75,8 +74,6 @@ from pagedkv.server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
                  413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
@@ -113,10 +110,6 @@ def parse_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
     return tuple(k.strip() for v in values or () for k in v.split(",") if k.strip())
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.response_body(), status_code=e.status_code)
-
-
 def json_nesting_depth(body: bytes) -> int:
     """How deep arrays and objects nest in a JSON text (brackets inside strings do not count)."""
     brackets = np.frombuffer(_JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS), dtype=np.uint8)
@@ -124,42 +117,6 @@ def json_nesting_depth(body: bytes) -> int:
         return 0
     steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
     return int(np.cumsum(steps).max())
-
-
-class APIKeyMiddleware:
-    """401 without `Authorization: Bearer <one of the keys>` (scheme case-insensitive, keys compared in constant
-    time), on every route but the open ones; checked before the body is read. On `query_key_paths` (pages a
-    browser navigates to, which cannot send a header) `?api_key=<key>` is accepted too."""
-
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], open_paths: frozenset[str],
-                 query_key_paths: frozenset[str] = frozenset()) -> None:
-        self.app, self.keys, self.open_paths = app, [k.encode() for k in api_keys], open_paths
-        self.query_key_paths = query_key_paths
-
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.strip().partition(b" ")
-        token = token.strip()
-        ok = False
-        for key in self.keys:  # every key is compared: the time says nothing about which one was close
-            ok |= secrets.compare_digest(token, key)
-        return ok and scheme.lower() == b"bearer"
-
-    def _query_key(self, scope: Scope) -> bytes:
-        """`?api_key=` as an Authorization header, on the paths that take it (else empty)."""
-        if scope["path"] not in self.query_key_paths:
-            return b""
-        keys = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])
-        return b"Bearer " + keys[0].encode()
-
-    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths and scope["method"] != "OPTIONS":
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not self._authorized(header) and not self._authorized(self._query_key(scope)):
-                err = APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
-                               type="invalid_request_error", code="invalid_api_key")
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class RequestGuardMiddleware:

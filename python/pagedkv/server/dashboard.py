@@ -30,6 +30,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from pagedkv.server.api_key import APIKeyMiddleware
+
 logger = logging.getLogger(__name__)
 
 PAGE_PATH = "/dashboard"
@@ -145,8 +147,6 @@ def mount_dashboard(app: FastAPI, async_engine: Any, interval_s: float = 0.5, ti
 
 def build_trace_app(snapshots: list[dict[str, Any]], api_keys: tuple[str, ...] = ()) -> FastAPI:
     """`pagedkv kv-view`: the page in trace mode over `snapshots` (read_trace's list)."""
-    from pagedkv.server.api_server import APIKeyMiddleware
-
     app = FastAPI(title="pagedkv kv-view")
     body = json.dumps(snapshots, separators=(",", ":"))  # encoded once: the trace does not change
 
