@@ -43,16 +43,20 @@ def replay(endpoint: str, start: int = 0) -> list[tuple[int, KVEventBatch]]:
     return batches
 
 
-def rebuild(batches: list[tuple[int, KVEventBatch]]) -> set[bytes]:
+def rebuild(batches: list[tuple[int, KVEventBatch]], medium: str = "GPU") -> set[bytes]:
+    """The hashes a consumer believes are cached on `medium` after the batches."""
     cached: set[bytes] = set()
     for _, batch in batches:
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared):
                 cached.clear()
+            elif ev.medium != medium:
+                continue
             elif isinstance(ev, BlockRemoved):
                 cached.difference_update(ev.block_hashes)
             else:
-                assert len(ev.token_ids) == BS * len(ev.block_hashes) and ev.block_size == BS and ev.medium == "GPU"
+                if medium == "GPU":  # the pool's events carry the tokens; the host tier's, hashes only
+                    assert len(ev.token_ids) == BS * len(ev.block_hashes) and ev.block_size == BS
                 cached.update(ev.block_hashes)
     return cached
 
@@ -121,6 +125,29 @@ def test_replayed_events_rebuild_the_engines_cached_blocks(loaded_model, endpoin
         assert rebuild(last) == set() and engine_cached_prefixes(llm) == set()
     finally:
         sub.close()
+        llm.shutdown()
+
+
+def test_host_tier_events_rebuild_both_media(loaded_model, endpoints):
+    """With a host tier, the blocks it takes and drops come as medium "CPU" events: replaying both media gives
+    the pool's cached set and the tier's."""
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(100, 30000) for _ in range(3 * BS)] for _ in range(5)]
+    cfg = loaded_model.model.config
+    per_block = cfg.num_hidden_layers * 2 * loaded_model.model.num_kv_heads * cfg.head_dim * 4 * BS
+    llm = make(loaded_model, endpoints, blocks=8, kv_offloading_size=6 * per_block / 2**30)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for r in range(2):
+            for p in prefixes:
+                llm.generate([{"prompt_token_ids": p + [r + 1]}], params, use_tqdm=False)
+        batches = replay(endpoints[1])
+        assert {int.from_bytes(h[:8], "little") for h in rebuild(batches)} == engine_cached_prefixes(llm)
+        host = llm.llm_engine.block_manager.tiers.host
+        held = {host.pool.key(s) for s in range(host.num_slots)} - {b""}
+        assert rebuild(batches, "CPU") == held and len(held) == 6  # the six-slot tier is full and rotated
+        assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for _, b in batches for e in b.events)
+    finally:
         llm.shutdown()
 
 

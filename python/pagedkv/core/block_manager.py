@@ -74,6 +74,9 @@ class BlockEventLog:
     cleared: bool = False
     removed: list[bytes] = field(default_factory=list)
     stored: list[tuple[bytes, bytes | None, list[int]]] = field(default_factory=list)  # (key, parent, tokens)
+    # The host tier below the pool (kv_offloading_size): keys it took on eviction and keys it dropped (LRU).
+    stored_host: list[bytes] = field(default_factory=list)
+    removed_host: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -157,6 +160,7 @@ class BlockManager:
             pool_cls = _cpp.BlockPool if self.backend == "cpp" else PyBlockPool
             host = HostTier(pool_cls(num_host_slots, "host"))
         self.tiers = KVTiers(self.block_size, host, disk)
+        self.tiers.record_events = self.kv_events is not None
         self._record_evictions()
         return self.tiers
 
@@ -166,6 +170,8 @@ class BlockManager:
             raise ValueError("KV cache events need enable_prefix_caching=True: they report the prefix cache's blocks")
         self.kv_events = BlockEventLog()
         self.prefix_cache.record_blocks = True
+        if self.tiers is not None:
+            self.tiers.record_events = True
         self._record_evictions()
 
     def _record_evictions(self) -> None:
@@ -179,6 +185,8 @@ class BlockManager:
         log = self.kv_events
         recorded = self.prefix_cache.take_recorded()
         log.stored = [(key, *recorded[key]) for _, key in self.core.step_cached_entries() if key in recorded]
+        if self.tiers is not None:
+            log.stored_host, log.removed_host = self.tiers.take_events()
         self.kv_events = BlockEventLog()
         return log
 

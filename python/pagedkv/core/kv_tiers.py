@@ -114,6 +114,7 @@ class HostTier:
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        pool.set_record_evictions(True)  # `store` reports the key a reused slot held (KV events)
         self._pinned: list[int] = []
         self._stored: list[int] = []  # slots stored this step (dropped if the step fails)
 
@@ -141,23 +142,23 @@ class HostTier:
             self.pool.incref(slot)
         self._pinned.extend(slots)
 
-    def store(self, key: bytes) -> tuple[int | None, bool]:
-        """A slot for an evicted block's bytes: (slot, evicted_another) or (None, False) when the key is
-        already held (it is marked recently used) or every slot is pinned."""
+    def store(self, key: bytes) -> tuple[int | None, bytes | None]:
+        """A slot for an evicted block's bytes: (slot, the key the slot held before, if any), or (None, None)
+        when the key is already held (it is marked recently used) or every slot is pinned."""
         slot = self.pool.lookup(key)
         if slot >= 0:
             if self.pool.ref_count(slot) == 0:  # move it to the back of the LRU order
                 self.pool.incref(slot)
                 self.pool.decref(slot)
-            return None, False
+            return None, None
         if self.pool.num_free == 0:
-            return None, False
-        evictions = self.pool.num_evictions
+            return None, None
         slot = self.pool.allocate()
+        replaced = self.pool.take_evictions()
         self.pool.cache_block(slot, key)
         self.pool.decref(slot)
         self._stored.append(slot)
-        return slot, self.pool.num_evictions > evictions
+        return slot, replaced[0][1] if replaced else None
 
     def end_of_step(self) -> None:
         """The step's copies ran: pinned slots become evictable again (most recently used)."""
@@ -166,12 +167,15 @@ class HostTier:
         self._pinned.clear()
         self._stored.clear()
 
-    def fail_step(self) -> None:
-        """The step failed before its copies surely ran: forget the slots it stored (their bytes may be stale)."""
+    def fail_step(self) -> list[bytes]:
+        """The step failed before its copies surely ran: forget the slots it stored (their bytes may be stale).
+        Returns their keys."""
+        keys = [self.pool.key(slot) for slot in self._stored]
         for slot in self._stored:
             self.pool.uncache(slot)
         self._stored.clear()
         self.end_of_step()
+        return keys
 
     def clear(self) -> None:
         self.pool.clear_cache()
@@ -192,6 +196,10 @@ class KVTiers:
         self.disk = disk
         self.stats = TierStats()
         self._moves = TierMoves()
+        # KV events (record_events): keys the host tier took and dropped since the last take_events.
+        self.record_events = False
+        self._stored_keys: list[bytes] = []
+        self._removed_keys: list[bytes] = []
 
     @property
     def enabled(self) -> bool:
@@ -249,7 +257,17 @@ class KVTiers:
                 continue
             self._moves.offload.append((block, slot))
             self.stats.offloaded_blocks += 1
-            self.stats.host_evictions += int(replaced)
+            self.stats.host_evictions += int(replaced is not None)
+            if self.record_events:
+                if replaced is not None:
+                    self._removed_keys.append(replaced)
+                self._stored_keys.append(key)
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(keys the host tier stored, keys it dropped) since the last call, for KV events (medium "CPU")."""
+        out = (self._stored_keys, self._removed_keys)
+        self._stored_keys, self._removed_keys = [], []
+        return out
 
     def take_moves(self) -> TierMoves:
         """The moves recorded since the last call (one step's), for the model runner."""
@@ -260,7 +278,8 @@ class KVTiers:
         """After the step ran (or failed: the host slots it stored are forgotten)."""
         if self.host is not None:
             if failed:
-                self.host.fail_step()
+                forgotten = set(self.host.fail_step())
+                self._stored_keys = [k for k in self._stored_keys if k not in forgotten]
             else:
                 self.host.end_of_step()
         self._moves = TierMoves()

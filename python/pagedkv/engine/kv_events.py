@@ -10,6 +10,10 @@ once per step, a batch of events:
 - `BlockRemoved`: cached blocks evicted from the pool this step;
 - `AllBlocksCleared`: the prefix cache was reset.
 
+With a host tier (`kv_offloading_size`), the blocks it takes on eviction and
+drops (LRU) are reported too, with medium "CPU" (hashes only: an evicted
+block's tokens are not kept).
+
 Wire format (vLLM's, so a consumer written for vLLM reads pagedkv's
 unchanged): a ZeroMQ PUB socket sends three frames per batch, the topic,
 the batch's sequence number (8 bytes, big-endian) and the msgpack encoding
@@ -44,6 +48,7 @@ from pagedkv.config import KVEventsConfig
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # the host tier below the pool (kv_offloading_size)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
 
 
@@ -233,9 +238,17 @@ class KVEventEmitter:
         logger.info("KV events: publishing on %s (topic %r)%s", self.publisher.endpoint, config.topic,
                     f", replay on {config.replay_endpoint}" if config.replay_endpoint else "")
 
-    def removed(self, keys: list[bytes]) -> None:
+    def removed(self, keys: list[bytes], medium: str = MEDIUM_GPU) -> None:
         if keys:
-            self.pending.append(BlockRemoved(block_hashes=list(keys), medium=MEDIUM_GPU))
+            self.pending.append(BlockRemoved(block_hashes=list(keys), medium=medium))
+
+    def stored_host(self, keys: list[bytes]) -> None:
+        """Blocks the host tier took: their hashes only (an evicted block's tokens are not kept), as vLLM's
+        offloading reports blocks it has no metadata for."""
+        if keys:
+            self.pending.append(BlockStored(block_hashes=list(keys), parent_block_hash=None, token_ids=[],
+                                            block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU,
+                                            lora_name=None))
 
     def stored(self, entries: list[tuple[bytes, bytes | None, list[int]]]) -> None:
         self.pending.extend(stored_events(entries, self.block_size))

@@ -34,7 +34,7 @@ from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_
 from pagedkv.engine.device_setup import build_device_side
 from pagedkv.engine.engine_stats import EngineStats
 from pagedkv.engine.kv_advice import KVAdvisor
-from pagedkv.engine.kv_events import KVEventEmitter
+from pagedkv.engine.kv_events import MEDIUM_CPU, KVEventEmitter
 from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.kv_snapshot import build_snapshot
 from pagedkv.engine.memory_pool import KVCachePlan
@@ -441,7 +441,9 @@ class LLMEngine:
         if log.cleared:
             self.kv_events.cleared()
         self.kv_events.removed(log.removed)
+        self.kv_events.removed(log.removed_host, MEDIUM_CPU)
         self.kv_events.stored(log.stored)
+        self.kv_events.stored_host(log.stored_host)
         self.kv_events.flush()
 
     def reset_prefix_cache(self) -> bool:
