@@ -387,8 +387,8 @@ class BlockManager:
             self.prefix_cache.stats.reset()
 
     def take_tier_moves(self) -> TierMoves | None:
-        """At the end of scheduling a step: hands the pool's evictions to the host tier, returns the step's moves
-        between the pool and its tiers (None without tiers)."""
+        """At the end of scheduling a step: hands the pool's evictions to the host tier (and to the KV event log),
+        returns the step's moves between the pool and its tiers (None without tiers)."""
         evicted = self.core.take_evicted() if (self.tiers is not None or self.kv_events is not None) else []
         if self.kv_events is not None:
             self.kv_events.removed.extend(key for _, key in evicted)

@@ -442,15 +442,18 @@ class DiskKVStore:
             self._drop_from_index(key)
             self.stats.files_rejected += 1
             self.stats.rejected_by_reason[reason] = self.stats.rejected_by_reason.get(reason, 0) + 1
-            first = reason not in self._warned
-            self._warned.add(reason)
+        self._warn_once(reason, f"{reason!r} rejections", "disk KV tier: rejected %s (%s: %s)", path, reason, rejected)
+
+    def _warn_once(self, kind: object, later: str, message: str, *args: object) -> None:
+        """Logs `message` as a warning the first time `kind` happens and at debug level after that, so a disk
+        that keeps failing the same way does not flood the log."""
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
         if first:
-            logger.warning(
-                "disk KV tier: rejected %s (%s: %s); later %r rejections are logged at debug level",
-                path, reason, rejected, reason,
-            )
+            logger.warning(message + "; later %s are logged at debug level", *args, later)
         else:
-            logger.debug("disk KV tier: rejected %s (%s: %s)", path, reason, rejected)
+            logger.debug(message, *args)
 
     # --- index (under the lock) ----------------------------------------------
 
@@ -642,16 +645,9 @@ class DiskKVStore:
         code = e.errno
         with self._lock:
             self.stats.write_errors += 1
-            first = ("write", code) not in self._warned
-            self._warned.add(("write", code))
         name = errno.errorcode.get(code, str(code)) if code is not None else "?"
-        if first:
-            logger.warning(
-                "disk KV tier: cannot write %s (%s: %s); serving goes on, later %s errors are logged at debug level",
-                path, name, e, name,
-            )
-        else:
-            logger.debug("disk KV tier: cannot write %s (%s: %s)", path, name, e)
+        self._warn_once(("write", code), f"{name} errors", "disk KV tier: cannot write %s (%s: %s), serving goes on",
+                        path, name, e)
 
     # --- shutdown --------------------------------------------------------------
 

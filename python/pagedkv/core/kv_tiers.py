@@ -34,17 +34,13 @@ writer thread only touches its own state).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedkv.core.kv_disk_store import DiskKVStore
 
-logger = logging.getLogger(__name__)
-
 BlockPair = tuple[int, int]
-TIER_SOURCES: tuple[str, ...] = ("device", "host", "disk")
 
 
 @dataclass(slots=True)
@@ -65,10 +61,6 @@ class TierStats:
     host_evictions: int = 0
     restored_blocks_host: int = 0
     restored_blocks_disk: int = 0
-
-    @property
-    def hits(self) -> int:
-        return self.hits_host + self.hits_disk
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pagedkv.config import CacheConfig
+from pagedkv.config import CacheConfig, GiB
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.kv_tiers import KVTiers
 from pagedkv.engine.memory_pool import KVCacheSpec
@@ -35,7 +35,6 @@ from pagedkv.kv_cache import block_nbytes
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 _SAMPLE = 1 << 20  # bytes hashed at each sampled offset of a weight file
 _SAMPLES = 8
 DISK_QUEUE_BYTES = 512 << 20  # blocks waiting for the disk writer at most (beyond that they are dropped, counted)
@@ -71,7 +70,6 @@ class KVOffload:
         self.tiers, self.runner, self.cache_config = tiers, runner, cache_config
         self.fingerprint, self.block_nbytes = fingerprint, block_nbytes
         self.disk = None
-        self._disk_pending = cache_config.kv_cache_dir is not None
         self._open_disk_when_ready()
 
     @classmethod
@@ -98,6 +96,11 @@ class KVOffload:
         }
         return cls(tiers, runner, cc, fingerprint, block_nbytes(runner.kv_caches))
 
+    @property
+    def _disk_pending(self) -> bool:
+        """A disk tier is asked for but not open yet (an fp8 cache's scales are still to be computed)."""
+        return self.cache_config.kv_cache_dir is not None and self.disk is None
+
     def _open_disk_when_ready(self) -> None:
         """Opens the disk tier once the block bytes are final (an fp8 cache's computed scales exist)."""
         if not self._disk_pending or self.runner.kv_scales_pending:
@@ -112,7 +115,6 @@ class KVOffload:
         queued = max(16, DISK_QUEUE_BYTES // self.block_nbytes)
         self.disk = DiskKVStore(os.path.expanduser(cc.kv_cache_dir), fp, self.block_nbytes, max_bytes, queued)
         self.tiers.disk = self.disk
-        self._disk_pending = False
         logger.info("KV cache directory %s: %d blocks on disk for this model and setting (%.2f GiB%s)",
                     self.disk.directory, self.disk.num_files, self.disk.num_bytes / GiB,
                     f" of {cc.kv_cache_dir_size} GiB" if max_bytes else "")
@@ -136,7 +138,7 @@ class KVOffload:
             "kv_restored_blocks_disk": t.restored_blocks_disk,
             "kv_host_bytes_moved": (t.offloaded_blocks + t.restored_blocks_host) * self.block_nbytes}
         if self.disk is not None:
-            d = self.disk.stats.snapshot()
+            d = self.disk.stats_snapshot()  # every counter from one moment (the writer thread moves them)
             out.update(kv_disk_files_written=d.files_written, kv_disk_bytes_written=d.bytes_written,
                        kv_disk_bytes_read=d.bytes_loaded, kv_disk_load_seconds=d.load_seconds,
                        kv_disk_files_rejected=d.files_rejected, kv_disk_write_errors=d.write_errors)

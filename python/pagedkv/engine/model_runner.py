@@ -128,10 +128,7 @@ class ModelRunner:
         # The swap cache has the same format, so a block swaps as bytes, scale-plane rows included.
         self.kv_caches = allocate_kv_cache(cfg, model.num_kv_heads, num_gpu_blocks, self.block_size, dtype, device,
                                            kv_cache_dtype=self.kv_format.name)
-        self.cpu_caches = (allocate_kv_cache(cfg, model.num_kv_heads, num_cpu_blocks, self.block_size, dtype,
-                                             torch.device("cpu"), pin=device.type == "cuda",
-                                             kv_cache_dtype=self.kv_format.name)
-                           if num_cpu_blocks else [])
+        self.cpu_caches = self._host_cache(num_cpu_blocks) if num_cpu_blocks else []
         self.host_caches: list[KVCache] = []  # the prefix cache's host tier (allocate_host_tier)
         self.kv_scales_pending = self._init_kv_scales(cache_config.calculate_kv_scales)
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
@@ -198,10 +195,14 @@ class ModelRunner:
     def allocate_host_tier(self, num_slots: int) -> None:
         """The prefix cache's host tier: `num_slots` blocks in host memory, in the cache's format (pinned on CUDA,
         so the copies can run asynchronously)."""
-        cfg = self.model.config
-        self.host_caches = allocate_kv_cache(cfg, self.model.num_kv_heads, num_slots, self.block_size, self.dtype,
-                                             torch.device("cpu"), pin=self.device.type == "cuda",
-                                             kv_cache_dtype=self.kv_format.name)
+        self.host_caches = self._host_cache(num_slots)
+
+    def _host_cache(self, num_blocks: int) -> list[KVCache]:
+        """Blocks in host memory in the device cache's format (pinned on CUDA), so a block moves as bytes: the
+        swap space and the host tier."""
+        return allocate_kv_cache(self.model.config, self.model.num_kv_heads, num_blocks, self.block_size, self.dtype,
+                                 torch.device("cpu"), pin=self.device.type == "cuda",
+                                 kv_cache_dtype=self.kv_format.name)
 
     @staticmethod
     def _swap(src: list[KVCache], dst: list[KVCache], pairs: list[tuple[int, int]]) -> None:
