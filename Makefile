@@ -44,6 +44,9 @@ bench-all: install
 	$(PYTHON) bench/bench_soak.py --num-requests 4000 --out bench/results/soak_cpu.md --json bench/results/soak_cpu.json
 	$(PYTHON) bench/bench_moe.py --out bench/results/moe_cpu
 	$(PYTHON) bench/bench_window.py --out bench/results/window_cpu.md
+	$(PYTHON) bench/bench_beam_search.py --out-dir bench/results
+	$(PYTHON) bench/bench_beam_search.py --vllm-block-size 32 --memory-widths 4 --no-plot --out-dir bench/results \
+		--name beam_search_vllm_block32_cpu
 	# Quantized KV caches: fidelity and capacity per kv_cache_dtype, vLLM CPU's fp8 beside them (~20 minutes,
 	# 8 of them vLLM's three cold starts).
 	$(PYTHON) bench/bench_kv_fidelity.py --out bench/results/kv_fidelity_cpu

@@ -147,6 +147,14 @@ reuse, tiers off against host and host + disk (target: within 3%)."""),
     ("KV-cache page overhead (`bench/bench_dashboard_overhead.py`)", "dashboard_overhead_cpu.md", [], """\
 Engine step time with a `/dashboard/stream` client pulling snapshots every 0.5 s against none, in alternating
 windows of one decode-heavy run (target: under 2%)."""),
+    ("Beam search (`bench/bench_beam_search.py`)", "beam_search_cpu.md", ["beam_search_blocks.png"], """\
+`LLM.beam_search` in the engine (beams forked, sharing their blocks) against vLLM CPU's `LLM.beam_search` on
+the same prompts: top beams compared, time side by side (target: >= 2x), and the KV blocks the live beams hold
+with sharing against the same beams each with its own copy."""),
+    ("Beam search, vLLM at block size 32 (`bench/bench_beam_search.py --vllm-block-size 32`)",
+     "beam_search_vllm_block32_cpu.md", [], """\
+The same, with vLLM's KV blocks of 32 tokens (its CPU default is 128): its fastest setting here, since each of
+its beam steps recomputes the tail of every beam past the last cached block."""),
     ("Sliding-window and soft-capped attention (`bench/bench_window.py`)", "window_cpu.md", [], """\
 The `sliding_window` and `logits_soft_cap` arguments of the attention ops against the plain ops (every key
 read, no cap) and against SDPA over the window's keys laid out contiguously (decode) or with the sliding mask

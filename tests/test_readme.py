@@ -68,3 +68,24 @@ def test_readme_llm_example_runs(loaded_model, monkeypatch):
     assert len(outputs) == 2 and all(o.finished and o.outputs[0].token_ids for o in outputs)
     assert "Paris" in outputs[0].outputs[0].text
     assert made and not made[0].llm_engine.has_unfinished_requests()
+
+
+def test_readme_beam_search_example_runs(loaded_model, monkeypatch):
+    """The README's beam search example runs as written; its best hypothesis is the prompt continued, ranked."""
+    import pagedkv
+    from pagedkv.llm import LLM
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    examples = [b for b in blocks if "beam_search(" in b]
+    assert len(examples) == 1, f"README should have one beam search example, found {len(examples)}"
+    monkeypatch.setattr(pagedkv, "LLM", lambda *a, **kw: LLM(*a, loaded_model=loaded_model,
+                                                             kv_cache_memory=64 << 20, max_model_len=512, **kw))
+    namespace: dict = {}
+    exec(compile(examples[0], str(README), "exec"), namespace)
+    seqs = namespace["out"][0].sequences
+    assert len(seqs) == 4 and namespace["best"] is seqs[0]
+    prompt = loaded_model.tokenizer.encode("The capital of France is")
+    assert all(s.tokens[:len(prompt)] == prompt for s in seqs)
+    scores = [s.cum_logprob / (len(s.tokens) - (s.finish_reason == "stop")) for s in seqs]
+    assert scores == sorted(scores, reverse=True)
+    assert "Paris" in namespace["best"].text

@@ -17,11 +17,13 @@ from pagedkv import (  # noqa: F401
 __version__ = "0.1.0"
 built_with_cuda: bool = bool(_C.built_with_cuda)
 
+from pagedkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from pagedkv.config import EngineArgs  # noqa: E402
 from pagedkv.engine import LLMEngine  # noqa: E402
 from pagedkv.llm import LLM  # noqa: E402
 from pagedkv.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedkv.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "ops",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ops",
            "reference", "built_with_cuda", "__version__"]

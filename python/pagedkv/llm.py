@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.llm_engine import EngineStats
@@ -99,6 +100,8 @@ class LLM:
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
+        if isinstance(sampling_params, BeamSearchParams):
+            raise TypeError("generate takes SamplingParams; a BeamSearchParams runs through LLM.beam_search")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -118,6 +121,60 @@ class LLM:
                 results[rid] = _refused(rid, prompt, p, str(e))
         self._run(results, len(order) - len(results), use_tqdm)
         return [results[rid] for rid in order]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: None = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's signature); outputs in prompt order, best hypothesis first.
+
+        Each prompt is one request inside the engine: its beams are sequences
+        that share their blocks, scored each step in one batch with the
+        others. `concurrency_limit`: at most this many prompts run at once.
+        A prompt the engine refuses raises ValueError (nothing runs).
+        """
+        if lora_request is not None:
+            raise ValueError("lora_request: pagedkv serves no LoRA adapters")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        limit = concurrency_limit or max(len(prompts), 1)
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"concurrency_limit must be an int >= 1 (or None), got {concurrency_limit!r}")
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, len(prompts), limit):
+            outputs.extend(self._beam_batch(prompts[start:start + limit], params, use_tqdm))
+        return outputs
+
+    def _beam_batch(self, prompts: list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool) -> list[BeamSearchOutput]:
+        order: list[str] = []
+        try:
+            for prompt in prompts:
+                rid = f"beam-{self._ids}"
+                self._ids += 1
+                self.llm_engine.add_request(rid, prompt, params, output_kind=OutputKind.FINAL_ONLY)
+                order.append(rid)
+        except ValueError:
+            self.llm_engine.abort_request(order)
+            raise
+        results: dict[str, RequestOutput] = {}
+        self._run(results, len(order), use_tqdm)
+        tok = self.llm_engine.tokenizer
+        outputs = []
+        for rid in order:
+            out = results[rid]
+            if out.error is not None:
+                raise RuntimeError(f"beam search of request {rid} failed: {out.error}")
+            prompt_ids = list(out.prompt_token_ids)
+            seqs = []
+            for c in out.outputs:
+                tokens = prompt_ids + list(c.token_ids)
+                text = tok.decode(tokens, skip_special_tokens=params.skip_special_tokens) if tok else None
+                seqs.append(BeamSearchSequence(tokens, list(c.logprobs or []), None, c.cumulative_logprob or 0.0,
+                                               text, c.finish_reason, c.stop_reason))
+            outputs.append(BeamSearchOutput(seqs))
+        return outputs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -35,10 +35,19 @@ from sample 0, each sampled row gets its token, and a sequence that reached
 EOS, a stop token id or its length limit finishes and frees its blocks.
 Text (detokenization, stop strings) is the engine's: the scheduler knows
 token ids only.
+
+Beam search (pagedkv.core.beam_search): a beam request's live beams are
+sequences forked from each other, kept side by side in `running`, and
+scheduled as one: they decode in the same step or not at all, and a
+preempted group is swapped or recomputed whole. A recomputed beam stops one
+token short of its end, so that its group decodes its last token together.
+Its first prompt runs like any other; a beam request takes `beam_width`
+seats of `max_num_seqs` from admission on.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -47,6 +56,7 @@ from dataclasses import dataclass, field
 
 from pagedkv._block_manager import NoFreeBlocksError
 from pagedkv.config import CacheConfig, SchedulerConfig
+from pagedkv.core.beam_search import BeamGroup
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.kv_tiers import TierMoves
 from pagedkv.core.sequence import Request, Sequence, SequenceStatus
@@ -127,11 +137,19 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        self._seq_ids = itertools.count()
+        self.beam_requests: dict[str, Request] = {}  # unfinished beam searches, by request id
+
+    def next_seq_id(self) -> int:
+        """A sequence id no other sequence has (new requests and forked beams alike)."""
+        return next(self._seq_ids)
 
     # --- queues -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if seq.request.beam is not None:
+            self.beam_requests[seq.request.request_id] = seq.request
 
     def finish(self, seq: Sequence, reason: str | None = None, stop_reason: int | str | None = None) -> None:
         """Frees a sequence's blocks and records why it ended (reason None: as set already); it leaves `running`
@@ -141,6 +159,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.request.beam is not None and seq.request.finished:
+            self.beam_requests.pop(seq.request.request_id, None)
 
     def abort(self, seq: Sequence, reason: str | None = None, stop_reason: int | str | None = None) -> None:
         """Finishes a sequence wherever it is: running, waiting or swapped out."""
@@ -157,12 +177,16 @@ class Scheduler:
     # --- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        if self.beam_requests:
+            self.running = self._running_grouped()
+        else:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         budget = self.config.max_num_batched_tokens
         budget, decodes, pending = self._schedule_running(out, budget)
         if not out.preempted:
-            budget, pending = self._schedule_swapped(out, budget, decodes, pending)
-            self._schedule_waiting(out, budget, pending)
+            reserved = self._reserved_seats() if self.beam_requests else 0
+            budget, pending = self._schedule_swapped(out, budget, decodes, pending, reserved)
+            self._schedule_waiting(out, budget, pending, reserved)
         self._append_decodes(out, decodes)
         out.tier_moves = self.bm.take_tier_moves()
         return out
@@ -173,15 +197,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_uncomputed_tokens, budget)
-            need = self.bm.blocks_to_append(seq.seq_id, n)
-            while need > self.bm.num_free_gpu_blocks - pending:
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is seq:
+            if seq.in_beam_group:
+                step = self._schedule_beam_group(out, i, budget, decodes, pending)
+                if step is None:  # preempted itself: nothing after it is left
                     break
-                need = self.bm.blocks_to_append(seq.seq_id, n)  # a freed sharer can spare a copy
-            if seq.status is not SequenceStatus.RUNNING:  # preempted itself: nothing after it is left
+                i, budget, pending = step
+                continue
+            n = self._chunk(seq.num_uncomputed_tokens, budget)
+            need = self._make_room(out, seq, [(seq, n)], pending)
+            if need is None:  # preempted itself: nothing after it is left
                 break
             if n == 1 and seq.num_uncomputed_tokens == 1:
                 decodes.append(seq)
@@ -193,6 +217,79 @@ class Scheduler:
             budget -= n
             i += 1
         return budget, decodes, pending
+
+    def _make_room(self, out: SchedulerOutput, owner: Sequence, plan: list[tuple[Sequence, int]],
+                   pending: int) -> int | None:
+        """Preempts from the back of `running` until the sequences of `plan` ((sequence, new tokens) pairs) can
+        take their blocks; returns the blocks they need (net: negative when a window drop frees more), or None
+        when `owner` was preempted itself."""
+        need = sum(self.bm.blocks_to_append(s.seq_id, n) for s, n in plan)
+        while need > self.bm.num_free_gpu_blocks - pending:
+            self._preempt_last(out)
+            if owner.status is not SequenceStatus.RUNNING:
+                return None
+            need = sum(self.bm.blocks_to_append(s.seq_id, n) for s, n in plan)  # a freed sharer can spare a copy
+        return need
+
+    def _schedule_beam_group(self, out: SchedulerOutput, i: int, budget: int, decodes: list[Sequence],
+                             pending: int) -> tuple[int, int, int] | None:
+        """Schedules the beam group whose running beams start at running[i]: all of them decode if all are
+        ready (one token left each), else those still being recomputed get a chunk that stops one short.
+        Returns (the index after the group, budget, pending), or None when the group was preempted."""
+        req = self.running[i].request
+        j = i
+        while j < len(self.running) and self.running[j].request is req:
+            j += 1
+        members = self.running[i:j]
+        ready = len(members) == len(req.seqs) and all(s.num_uncomputed_tokens == 1 for s in members)
+        plan: list[tuple[Sequence, int]] = []
+        if ready:
+            if len(members) > budget:
+                return j, budget, pending  # the group decodes whole or not at all
+            plan = [(s, 1) for s in members]
+        else:
+            left = budget
+            for s in members:
+                if s.num_uncomputed_tokens > 1 and left > 0:
+                    n = self._chunk(s.num_uncomputed_tokens - 1, left)
+                    plan.append((s, n))
+                    left -= n
+        if not plan:
+            return j, budget, pending
+        need = self._make_room(out, members[0], plan, pending)
+        if need is None:
+            return None
+        for s, n in plan:
+            if ready:
+                decodes.append(s)
+            else:
+                self._append_chunk(out, s, n)
+            budget -= n
+        return j, budget, pending + max(need, 0) if ready else pending
+
+    def _running_grouped(self) -> list[Sequence]:
+        """`running` without the sequences that left it, each beam group's running beams side by side (in beam
+        order) where its first one was."""
+        grouped: list[Sequence] = []
+        seen: set[str] = set()
+        for s in self.running:
+            if s.status is not SequenceStatus.RUNNING:
+                continue
+            req = s.request
+            if req.beam is None:
+                grouped.append(s)
+            elif req.request_id not in seen:
+                seen.add(req.request_id)
+                grouped.extend(b for b in req.seqs if b.status is SequenceStatus.RUNNING)
+        return grouped
+
+    def _reserved_seats(self) -> int:
+        """Seats of max_num_seqs the admitted beam groups will fill when they fork up to beam_width beams."""
+        reserved = 0
+        for req in self.beam_requests.values():
+            if any(s.status is not SequenceStatus.WAITING for s in req.seqs):
+                reserved += req.beam.params.beam_width - len(req.seqs)
+        return reserved
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Prompt tokens a sequence computes this step: what is left, within the budget and the per-sequence cap."""
@@ -216,34 +313,53 @@ class Scheduler:
         out.decode_seqs = decodes
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int, decodes: list[Sequence],
-                          pending: int) -> tuple[int, int]:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                          pending: int, reserved: int) -> tuple[int, int]:
+        while self.swapped and budget > 0:
             seq = self.swapped[0]
-            if not self.bm.can_swap_in(seq.seq_id):
+            # A beam group was swapped out whole and comes back whole (one call: its shared blocks stay shared).
+            group = list(seq.request.seqs) if seq.in_beam_group else [seq]
+            ids = [s.seq_id for s in group]
+            if (len(group) > budget or len(self.running) + reserved + len(group) > self.config.max_num_seqs
+                    or not self.bm.can_swap_in(ids)):
                 break
-            # Room for its blocks (those it holds: the window's dropped entries cost nothing) and for the
-            # token it decodes this step.
-            blocks = self.bm.num_held_blocks(seq.seq_id) + 1
+            # Room for its blocks (those it holds: the window's dropped entries cost nothing; a group's shared
+            # ones once) and for the token each decodes this step.
+            blocks = self._held_blocks(ids) + len(ids)
             if blocks > self.bm.num_free_gpu_blocks - pending:
                 break
-            self.swapped.popleft()
-            out.blocks_to_swap_in.extend(self.bm.swap_in(seq.seq_id))
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            pending += max(self.bm.blocks_to_append(seq.seq_id, 1), 0)
-            decodes.append(seq)
-            budget -= 1
+            for _ in group:
+                self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.bm.swap_in(ids))
+            for s in group:
+                s.status = SequenceStatus.RUNNING
+                self.running.append(s)
+                pending += max(self.bm.blocks_to_append(s.seq_id, 1), 0)
+                decodes.append(s)
+            budget -= len(group)
         return budget, pending
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, pending: int) -> None:
+    def _held_blocks(self, ids: list[int]) -> int:
+        """Distinct blocks the sequences `ids` hold (a forked group shares most of them)."""
+        if len(ids) == 1:
+            return self.bm.num_held_blocks(ids[0])
+        return len({b for i in ids for b in self.bm.get_block_table(i) if b >= 0})
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, pending: int, reserved: int) -> None:
         bs = self.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            extra = seq.request.extra_keys
-            prompt = seq.token_ids if self.caching else len(seq.token_ids)
+            req = seq.request
+            # A beam search's first prompt holds the seats its beams will fill.
+            seats = req.beam.params.beam_width if req.beam is not None and not seq.in_beam_group else 1
+            if len(self.running) + reserved + seats > self.config.max_num_seqs:
+                break
+            extra = req.extra_keys
+            # A recomputed beam stops one short: its group decodes the last token together.
+            tokens = seq.token_ids[:-1] if seq.in_beam_group else seq.token_ids
+            prompt = tokens if self.caching else len(tokens)
             match = self.bm.match_prefix(prompt, extra)
             cached = match.num_cached_tokens
-            n = self._chunk(len(seq.token_ids) - cached, budget)
+            n = self._chunk(len(tokens) - cached, budget)
             # Every block past the device hits is new, restored ones from the tiers included.
             need = -(-(cached + n) // bs) - len(match.hits)
             if self.bm.num_free_gpu_blocks - pending - need < self.bm.core.watermark_blocks:
@@ -263,6 +379,7 @@ class Scheduler:
             out.prefill_seqs.append(seq)
             out.prefill_lens.append(n)
             budget -= n
+            reserved += seats - 1
 
     # --- after the forward: the request lifecycle ------------------------------------
     def update_from_output(self, out: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput,
@@ -287,9 +404,13 @@ class Scheduler:
                 self._fork(seq)
         update = StepUpdate()
         errors = errors if errors is not None else [None] * len(rows)
+        beam_rows: dict[str, list[tuple[Sequence, dict]]] = {}
         for seq, token, logprobs, error in zip(rows, sampled.token_ids, sampled.logprobs, errors, strict=True):
             req = seq.request
             if req.request_id in update.failed:
+                continue
+            if req.beam is not None and error is None:  # scored below, with the other beams of its group
+                beam_rows.setdefault(req.request_id, []).append((seq, logprobs))
                 continue
             if error is None:
                 try:
@@ -303,7 +424,64 @@ class Scheduler:
             update.appended.append(seq)
             if finished:
                 update.finished.append(seq)
+        for rid, scored in beam_rows.items():
+            req = scored[0][0].request
+            if rid in update.failed:
+                continue
+            try:
+                beams = self._beam_step(req, scored, now)
+            except Exception as e:  # e.g. a row without its candidates' logprobs: this request fails alone
+                update.failed[rid] = (req, e)
+                continue
+            update.appended.extend(beams)
+            if req.finished:
+                update.finished.extend(beams)
         return update
+
+    def _beam_step(self, req: Request, scored: list[tuple[Sequence, dict]], now: float) -> list[Sequence]:
+        """One step of a beam group: the winners of its beams' candidates become its beams (a parent chosen k
+        times forks k - 1 children, one chosen never is freed now), each gets its token; at max_tokens, the
+        length limit, or with no live candidate left, the search ends. Returns the group's beams."""
+        group: BeamGroup = req.beam
+        if len(scored) != len(req.seqs):
+            raise RuntimeError(f"beam request {req.request_id!r}: {len(scored)} of its {len(req.seqs)} beams were "
+                               f"sampled this step; a group decodes whole")
+        if any(entry is None for _, entry in scored):
+            raise RuntimeError(f"beam request {req.request_id!r}: a beam's row came without its candidates")
+        choices = group.select(scored)
+        chosen = {id(c.parent) for c in choices}
+        for seq in req.seqs:
+            if id(seq) not in chosen:
+                self.finish(seq, "length")  # pruned: its blocks (those it does not share) return now
+        # Forks first, from the parents as they are; then every beam takes its own token.
+        used: set[int] = set()
+        beams: list[Sequence] = []
+        for c in choices:
+            if id(c.parent) in used:
+                beams.append(self._fork_beam(c.parent))
+            else:
+                used.add(id(c.parent))
+                beams.append(c.parent)
+        for i, (beam, c) in enumerate(zip(beams, choices, strict=True)):
+            beam.index = i
+            self._append_token(beam, c.token, c.entry, now)
+        req.seqs = beams
+        if (not beams or group.num_steps >= group.params.max_tokens
+                or len(beams[0].token_ids) >= self.config.max_model_len):
+            group.finish(beams)
+            for beam in beams:
+                self.finish(beam, "length")
+        return beams
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        """A new beam sharing every block of `parent` (copy-on-write from its next token on)."""
+        child = Sequence(self.next_seq_id(), parent.request, 0, list(parent.token_ids),
+                         status=SequenceStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens,
+                         cumulative_logprob=parent.cumulative_logprob,
+                         logprobs=list(parent.logprobs) if parent.logprobs is not None else None)
+        self.bm.fork(parent.seq_id, child.seq_id)
+        self.running.append(child)
+        return child
 
     def _fork(self, child: Sequence) -> None:
         """Sample i > 0 of a prompt just computed: share sample 0's blocks (copy-on-write from here on)."""
@@ -342,19 +520,31 @@ class Scheduler:
         return False
 
     # --- preemption -------------------------------------------------------------
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Frees a running sequence's GPU blocks: swap (if asked and possible) or recompute."""
+    def _preempt_last(self, out: SchedulerOutput) -> None:
+        """Frees the GPU blocks of the latest-arrived running sequence (with its whole beam group, if it is a
+        beam): swap (if asked and possible) or recompute."""
+        victim = self.running.pop()
+        group = [victim]
+        if victim.in_beam_group:  # its running beams sit side by side at the back
+            while self.running and self.running[-1].request is victim.request:
+                group.append(self.running.pop())
+            group.reverse()
         self.num_preemptions += 1
-        seq.request.metrics.num_preemptions += 1
-        out.preempted.append(seq)
-        mid_prefill = seq.num_computed_tokens < seq.num_prompt_tokens
-        if self.config.preemption_mode == "swap" and not mid_prefill and self.bm.can_swap_out(seq.seq_id):
-            out.blocks_to_swap_out.extend(self.bm.swap_out(seq.seq_id))
-            self.num_swapped_out += 1
-            seq.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(seq)  # victims come latest-first: the earliest ends up in front
+        victim.request.metrics.num_preemptions += 1
+        out.preempted.extend(group)
+        ids = [s.seq_id for s in group]
+        # Swapped only whole: every beam running, none in the middle of its (re)computation.
+        whole = not victim.in_beam_group or len(group) == len(victim.request.seqs)
+        ready = all(s.num_computed_tokens >= max(s.num_prompt_tokens, len(s.token_ids) - 1) for s in group)
+        if self.config.preemption_mode == "swap" and whole and ready and self.bm.can_swap_out(ids):
+            out.blocks_to_swap_out.extend(self.bm.swap_out(ids))
+            self.num_swapped_out += len(group)
+            for s in reversed(group):  # victims come latest-first: the earliest ends up in front
+                s.status = SequenceStatus.SWAPPED
+                self.swapped.appendleft(s)
             return
-        self.bm.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        for s in reversed(group):
+            self.bm.free(s.seq_id)
+            s.num_computed_tokens = 0
+            s.status = SequenceStatus.WAITING
+            self.waiting.appendleft(s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def in_beam_group(self) -> bool:
+        """A beam past its prompt: it decodes only together with its group's other beams."""
+        return self.request.beam is not None and self.num_output_tokens > 0
+
+    @property
     def is_fork_point(self) -> bool:
         """Sample 0 of an n > 1 request about to sample its first token: the other samples start here."""
         return self.index == 0 and self.num_output_tokens == 0 and len(self.request.seqs) > 1
@@ -98,6 +104,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None  # why the engine failed it (its finish reason is then "error")
     banned_before_min_tokens: list[int] | None = None  # the model runner's cache: EOS and stop ids, sorted
+    # A beam search's state (pagedkv.core.beam_search.BeamGroup), or None: then seqs are its live beams.
+    beam: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,6 +49,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: tuple  # params_to_wire(SamplingParams)
     arrival_time: float
     cache_salt: str | None = None
+    beam: tuple | None = None  # beam_params_to_wire(BeamSearchParams): a beam search (params is then unused)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from pagedkv.beam_search import beam_params_from_wire
 from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.core_messages import (
@@ -129,7 +130,7 @@ class EngineCore:
 
     def _add(self, m: AddRequest) -> None:
         try:
-            params = params_from_wire(m.params)
+            params = params_from_wire(m.params) if m.beam is None else beam_params_from_wire(m.beam)
             self.engine.add_request(m.request_id, unpack_ids(m.prompt_token_ids), params,
                                     arrival_time=m.arrival_time, cache_salt=m.cache_salt,
                                     output_kind=OutputKind.DELTA)
@@ -213,6 +214,8 @@ def run_engine_core(start: CoreStart, ready) -> None:
         outbox.connect(start.output_address)
         engine = LLMEngine(replace(start.args, skip_tokenizer_init=True))
         engine.eos_token_ids |= start.extra_eos_token_ids  # the runner holds the same set
+        if start.extra_eos_token_ids:  # the front end's tokenizer's EOS: what beam search finishes on
+            engine.beam_eos_token_id = min(start.extra_eos_token_ids)
         ready.send(("ready", CoreFacts(
             engine.model_name, engine.model_config, engine.scheduler_config, engine.cache_config,
             dict(engine.default_sampling), set(engine.eos_token_ids), str(engine.dtype), str(engine.device),

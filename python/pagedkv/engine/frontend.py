@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 import torch
 
+from pagedkv.beam_search import BeamSearchParams, beam_params_to_wire
 from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.core_client import EngineCoreClient
@@ -97,20 +98,27 @@ class FrontendEngine:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestState:
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestState:
         """Checks and sends a prompt to the core. Raises ValueError (and sends nothing) for a request that can
-        never run."""
+        never run. A BeamSearchParams runs a beam search: one output, when it finishes (the core also checks
+        that its beams fit in the pool)."""
         params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        self.limits.check_request(token_ids, params, cache_salt)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            self.limits.check_beam_request(token_ids, params, cache_salt)
+            beam, params = beam_params_to_wire(params), params.to_sampling_params()
+        else:
+            self.limits.check_request(token_ids, params, cache_salt)
         arrival = arrival_time or time.time()
         state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
-        self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt))
+        self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt,
+                                    beam))
         self.processor.add(state)
         return state
 

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
+from pagedkv.beam_search import BeamSearchParams
 from pagedkv.config import EngineArgs, GiB, KVEventsConfig, ModelConfig
+from pagedkv.core.beam_search import BeamGroup
 from pagedkv.core.prefix_diagnostics import PrefixDivergenceDetector
 from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
@@ -42,7 +44,7 @@ from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_pr
 from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import LoadedModel, generation_defaults, resolve_model
-from pagedkv.outputs import RequestMetrics, RequestOutput, SamplerOutput
+from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
 from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,7 +112,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids)
         self._log_cache(device_side.plan)
         self._request_ids = itertools.count()
-        self._seq_ids = itertools.count()
+        # The EOS a beam search's candidates finish on: the tokenizer's, as in vLLM (a core process without a
+        # tokenizer gets it with each request).
+        self.beam_eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self.counters = _Counters()
         self.prefix_diagnostics = (PrefixDivergenceDetector(self.cache_config.block_size)
@@ -183,24 +187,40 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.limits.check_request(token_ids, params, cache_salt)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> Request:
-        """Queues a prompt. Raises ValueError (and queues nothing) for a request that can never run."""
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    beam_eos_token_id: int | None = None) -> Request:
+        """Queues a prompt. Raises ValueError (and queues nothing) for a request that can never run.
+
+        params: a BeamSearchParams runs a beam search (pagedkv.core.beam_search), whose one output comes when
+        it finishes: its best hypotheses, best first. beam_eos_token_id: the EOS its candidates finish on
+        (default: the tokenizer's).
+        """
         params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, token_ids = self.tokenize(prompt)
-        self._validate(request_id, token_ids, params, cache_salt)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.limits.check_beam_request(token_ids, params, cache_salt, self.block_manager.num_total_gpu_blocks,
+                                           self.cache_config.block_size)
+            eos = self.beam_eos_token_id if beam_eos_token_id is None else beam_eos_token_id
+            beam = BeamGroup(params, eos, len(token_ids))
+            params = params.to_sampling_params()
+        else:
+            self._validate(request_id, token_ids, params, cache_salt)
         extra = (cache_salt,) if cache_salt is not None else ()
         if self.prefix_diagnostics is not None:
             self.prefix_diagnostics.observe(token_ids, extra)
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()),
-                      output_kind, extra)
+                      output_kind, extra, beam=beam)
         for i in range(params.n):
             gen = None
             if params.seed is not None:  # seed + i may pass INT64_MAX: the generator takes any uint64
                 gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % (1 << 64))
-            seq = Sequence(next(self._seq_ids), req, i, list(token_ids), gen)
+            seq = Sequence(self.scheduler.next_seq_id(), req, i, list(token_ids), gen)
             if i:
                 seq.status = SequenceStatus.FORK_PENDING
             req.seqs.append(seq)
@@ -225,8 +245,8 @@ class LLMEngine:
         none of them has any output to stop.
         """
         req = self.requests.get(request_id)
-        if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
-            return
+        if req is None or req.beam is not None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
+            return  # a beam search's hypotheses have no stop strings (and its beams are not samples)
         if any(s.status is SequenceStatus.FORK_PENDING for s in req.seqs):
             raise ValueError(f"request {request_id!r} has not sampled its first token yet: nothing to stop")
         self.scheduler.abort(req.seqs[index], "stop", stop_reason)
@@ -379,7 +399,7 @@ class LLMEngine:
             return
         for i, seq in enumerate(appended):
             req = seq.request
-            if req.request_id in failed:
+            if req.request_id in failed or req.beam is not None:  # a beam search's text comes when it ends
                 continue
             try:
                 self._update_text(seq)
@@ -405,13 +425,24 @@ class LLMEngine:
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         kind = req.output_kind
-        if kind is OutputKind.FINAL_ONLY and not req.finished:
+        if (kind is OutputKind.FINAL_ONLY or req.beam is not None) and not req.finished:
             return None
-        holdback = req.params.stop_holdback
-        completions = [completion_output(seq, kind, holdback) for seq in req.seqs
-                       if seq.status is not SequenceStatus.FORK_PENDING]
+        if req.beam is not None and req.beam.results is not None:
+            completions = self._beam_completions(req)
+        else:
+            holdback = req.params.stop_holdback
+            completions = [completion_output(seq, kind, holdback) for seq in req.seqs
+                           if seq.status is not SequenceStatus.FORK_PENDING]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
                              req.metrics, req.metrics.num_cached_tokens, req.error)
+
+    def _beam_completions(self, req: Request) -> list[CompletionOutput]:
+        """A finished beam search's hypotheses, best first (text without the EOS, when there is a tokenizer)."""
+        p = req.params
+        for h in req.beam.results:
+            if self.tokenizer is not None:
+                h.text = final_text(self.tokenizer, h.output_token_ids, p, h.finish_reason, h.stop_reason)
+        return [completion_output(h, OutputKind.FINAL_ONLY, 0) for h in req.beam.results]
 
     def inspect(self) -> dict[str, Any]:
         """What the engine holds right now, for tests and debugging (plain values, so it crosses a process

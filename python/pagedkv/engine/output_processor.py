@@ -54,11 +54,12 @@ class RequestState:
     metrics: RequestMetrics
     samples: dict[int, SampleState] = field(default_factory=dict)  # only those the core has started
     error: str | None = None
+    core_finished: bool = False  # the core said so (a beam search returns fewer hypotheses than beam_width)
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (len(self.samples) == self.params.n
-                                          and all(s.is_finished for s in self.samples.values()))
+        return self.error is not None or self.core_finished or (
+            len(self.samples) == self.params.n and all(s.is_finished for s in self.samples.values()))
 
     @property
     def needs_text(self) -> bool:
@@ -91,6 +92,7 @@ class OutputProcessor:
                 req.error = delta.error
             else:
                 self._apply(req, delta, stopped)
+                req.core_finished = delta.finished
             if req.finished:
                 del self.requests[req.request_id]
                 if req.metrics.finished_time is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.beam_search import BeamSearchParams
 from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
@@ -51,6 +52,27 @@ class RequestLimits:
         if len(token_ids) >= limit:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {limit}: it must be at "
                              f"most {limit - 1} to leave room for one output token")
+
+    def check_beam_params(self, params: BeamSearchParams) -> None:
+        """A beam search's width against the engine's limits (BeamSearchParams checked the rest itself)."""
+        if params.beam_width > self.max_num_seqs:
+            raise SamplingParamsError("beam_width", f"beam_width={params.beam_width} is more than max_num_seqs="
+                                                    f"{self.max_num_seqs}: every beam is a running sequence")
+
+    def check_beam_request(self, token_ids: list[int], params: BeamSearchParams, cache_salt: str | None,
+                           num_blocks: int | None = None, block_size: int = 16) -> None:
+        """A beam search's prompt, width and salt; with the pool's size (`num_blocks`), also that its beams fit
+        in it even if none shared a block (a preempted group may be recomputed without sharing)."""
+        self.check_prompt(token_ids)
+        self.check_beam_params(params)
+        check_cache_salt(cache_salt)
+        if num_blocks is not None:
+            length = min(len(token_ids) + params.max_tokens, self.max_model_len)
+            need = params.beam_width * -(-length // block_size)
+            if need > num_blocks:
+                raise SamplingParamsError("beam_width", f"beam_width={params.beam_width} beams of up to {length} "
+                                                        f"tokens need up to {need} KV blocks; the cache has "
+                                                        f"{num_blocks}")
 
     def check_request(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
         """Everything about one request: its prompt, its sampling parameters, its cache salt."""

@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.beam_search import BeamSearchParams
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine
 from pagedkv.errors import EngineDeadError
@@ -68,11 +69,12 @@ class EngineDraining(RuntimeError):
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One prompt for the engine. tag: which prompt of its HTTP request it is (the choice index base)."""
+    """One prompt for the engine. tag: which prompt of its HTTP request it is (the choice index base). params:
+    BeamSearchParams for a beam search (the engine runs it and answers once, with the best beams)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     prompt: str | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)

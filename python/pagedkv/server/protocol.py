@@ -3,7 +3,8 @@
 The field names, defaults and shapes are OpenAI's, plus vLLM's extra sampling
 fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `skip_special_tokens`,
-`include_stop_str_in_output`, `cache_salt`), so that the official `openai`
+`include_stop_str_in_output`, `cache_salt`, and beam search's
+`use_beam_search` and `length_penalty`), so that the official `openai`
 client and vLLM's benchmark client work unchanged. Range checks live on the
 fields, so a bad value comes back as a 400 naming its field: floats must be
 finite (JSON's NaN / Infinity extensions are refused), ints of seeds fit int64,
@@ -74,6 +75,9 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's beam search fields: n is the beam width (and the number of choices returned, best first).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # a beam's score: cumulative logprob / (its length in tokens) ** length_penalty
 
 
 class CompletionRequest(_SamplingFields):

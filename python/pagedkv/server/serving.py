@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from pagedkv.beam_search import BeamSearchParams
 from pagedkv.outputs import CompletionOutput, Logprob
 from pagedkv.sampling_params import SamplingParams, SamplingParamsError
 from pagedkv.server.async_engine import (
@@ -61,8 +62,8 @@ def random_id(prefix: str) -> str:
 
 def engine_error(e: Exception) -> APIError:
     """The API error for an exception out of AsyncEngine.generate."""
-    if isinstance(e, RequestRefused):
-        return APIError(str(e), 400, param=e.param)
+    if isinstance(e, RequestRefused):  # a beam search's width is the request's n
+        return APIError(str(e), 400, param="n" if e.param == "beam_width" else e.param)
     if isinstance(e, EngineStepError):
         return APIError(str(e), 500, type="server_error")
     if isinstance(e, (EngineDeadError, EngineDraining)):
@@ -140,6 +141,9 @@ class OpenAIServing:
         self.max_model_len = engine.scheduler_config.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.validate_params = engine.validate_params  # pure: reads fixed configs only
+        self.max_num_seqs = engine.scheduler_config.max_num_seqs  # the most beams (n) a beam search may keep
+        limits = getattr(engine, "limits", None)
+        self.max_logprobs: int | None = getattr(limits, "max_logprobs", None)
         self.defaults = dict(engine.default_sampling)
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer")
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
@@ -235,8 +239,50 @@ class OpenAIServing:
             raise APIError(str(e), param=logprobs_param if e.param == "logprobs" else e.param) from e
         return params
 
+    def check_beam_search(self, req: _SamplingFields, logprobs: int | None, logprobs_param: str = "logprobs") -> None:
+        """Refuses what a beam search cannot honour (as vLLM does for streaming); n is the beam width. The
+        sampling fields that beam search has no use for are refused when set to anything but their neutral
+        value, rather than silently ignored."""
+        if req.stream:
+            raise APIError("Streaming is not currently supported with beam search.", param="stream")
+        unsupported = (
+            ("top_p", req.top_p is not None and req.top_p != 1.0),
+            ("top_k", req.top_k is not None and req.top_k not in (0, -1)),
+            ("min_p", req.min_p is not None and req.min_p != 0.0),
+            ("repetition_penalty", req.repetition_penalty is not None and req.repetition_penalty != 1.0),
+            ("presence_penalty", bool(req.presence_penalty)),
+            ("frequency_penalty", bool(req.frequency_penalty)),
+            ("logit_bias", bool(req.logit_bias)),
+            ("stop", bool(req.stop)),
+            ("stop_token_ids", bool(req.stop_token_ids)),
+            ("seed", req.seed is not None),
+            ("min_tokens", req.min_tokens > 0),
+        )
+        for name, is_set in unsupported:
+            if is_set:
+                raise APIError(f"{name} is not supported with beam search (use_beam_search=true).", param=name)
+        if req.n > self.max_num_seqs:
+            raise APIError(f"n={req.n} (the beam width with use_beam_search) is more than "
+                           f"max_num_seqs={self.max_num_seqs}.", param="n")
+        if logprobs is not None and self.max_logprobs is not None and logprobs > self.max_logprobs:
+            raise APIError(f"requested {logprobs} logprobs, more than the {self.max_logprobs} allowed "
+                           f"(max_logprobs).", param=logprobs_param)
+
+    def beam_search_params(self, req: _SamplingFields, max_tokens: int) -> BeamSearchParams:
+        """The request's BeamSearchParams (vLLM's `to_beam_search_params`): beam_width = n; a temperature left
+        out comes from the generation config, else 1.0, as in vLLM. A refusal names its field."""
+        temperature = self.defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
+        try:
+            return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                    temperature=temperature, length_penalty=req.length_penalty,
+                                    include_stop_str_in_output=req.include_stop_str_in_output,
+                                    skip_special_tokens=req.skip_special_tokens)
+        except SamplingParamsError as e:
+            raise APIError(str(e), param="n" if e.param == "beam_width" else e.param) from e
+
     @staticmethod
-    def engine_requests(base_id: str, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+    def engine_requests(base_id: str, prompts: list[tuple[str | None, list[int]]],
+                        params: list[SamplingParams] | list[BeamSearchParams],
                         cache_salt: str | None, arrival_time: float) -> list[EngineRequest]:
         """One engine request per prompt."""
         return [EngineRequest(f"{base_id}-{i}", ids, p, text, cache_salt, arrival_time, i)
@@ -271,6 +317,22 @@ class OpenAIServing:
             await agen.aclose()
             raise
         return chain_first(first, agen)
+
+
+def top_candidates(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+                   k: int) -> list[dict[int, Logprob]]:
+    """A beam's per-token candidate logprobs (2 * beam_width of them each step) cut to the `k` most likely, plus
+    the chosen token, each with its rank (the engine's, else its place among the candidates): the shape a
+    sampled request's logprobs have, so the usual formatting applies."""
+    out = []
+    for token, entry in zip(token_ids, logprobs or [], strict=True):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob if kv[1].logprob == kv[1].logprob else 1e30)
+        kept = {}
+        for place, (t, v) in enumerate(ranked, 1):
+            if place <= k or t == token:
+                kept[t] = Logprob(v.logprob, v.rank if v.rank is not None else place, v.decoded_token)
+        out.append(kept)
+    return out
 
 
 async def chain_first(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:

@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages through the checkpoint's chat template, one assistant reply per choice."""
+"""POST /v1/chat/completions: messages through the checkpoint's chat template, one assistant reply per choice.
+
+With use_beam_search (vLLM's extra) the reply is one beam search of width n,
+answered once it ends: one choice per returned beam, best first; streaming is
+refused.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from pagedkv.server.serving import (
     engine_error,
     random_id,
     sse_stream,
+    top_candidates,
     unless_disconnected,
 )
 
@@ -77,10 +83,16 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("only response_format {'type': 'text'} is supported.", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true.", param="top_logprobs")
+        beam = req.use_beam_search
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if beam:
+            self.check_beam_search(req, num_logprobs, logprobs_param="top_logprobs")
         ids = await self.off_loop(self.chat_prompt, req.messages, req.add_generation_prompt)
         max_tokens = self.check_prompt(ids, req.max_completion_tokens or req.max_tokens, param="messages")
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                      logprobs_param="top_logprobs")
+        if beam:
+            params = self.beam_search_params(req, max_tokens)
+        else:
+            params = self.sampling_params(req, max_tokens, num_logprobs, logprobs_param="top_logprobs")
         request_id = random_id("chatcmpl")
         requests = self.engine_requests(request_id, [(None, ids)], [params], req.cache_salt, arrival)
         states = [ChoiceState(keep=not req.stream) for _ in range(req.n)]
@@ -99,10 +111,16 @@ class OpenAIServingChat(OpenAIServing):
                         cached += out.num_cached_tokens if out.finished else 0
             except ENGINE_ERRORS as e:
                 raise engine_error(e) from e
+            # A beam search may return fewer than n beams: one choice per beam that came, best first.
+            answered = [s for s in states if s.finished] if beam else states
+
+            def logprobs(s: ChoiceState) -> list[dict[int, Logprob]]:
+                return top_candidates(s.token_ids, s.logprobs, req.top_logprobs or 0) if beam else s.logprobs
+
             choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text),
-                                  logprobs=self._logprobs(s.token_ids, s.logprobs, req) if req.logprobs else None,
+                                  logprobs=self._logprobs(s.token_ids, logprobs(s), req) if req.logprobs else None,
                                   finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                       for i, s in enumerate(states)]
+                       for i, s in enumerate(answered)]
             return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                           usage=self.usage([len(ids)], states, cached))
 

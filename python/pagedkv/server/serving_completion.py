@@ -2,7 +2,10 @@
 
 Several prompts (a list of strings or of token-id lists) run as separate
 engine requests side by side; with `n` samples each, prompt i's sample j is
-choice i * n + j, as in OpenAI's API.
+choice i * n + j, as in OpenAI's API. With use_beam_search (vLLM's extra)
+each prompt is one beam search of width n, which the engine answers once,
+when it ends: the choices are every prompt's best beams, best first, numbered
+in order (as vLLM does); streaming is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pagedkv.server.serving import (
     engine_error,
     random_id,
     sse_stream,
+    top_candidates,
     unless_disconnected,
 )
 
@@ -42,11 +46,20 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("echo is not supported.", param="echo")
         if req.suffix:
             raise APIError("suffix is not supported.", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError("best_of must equal n (no beam search or best-of selection).", param="best_of")
+        beam = req.use_beam_search
+        if beam:
+            self.check_beam_search(req, req.logprobs)
+            if req.best_of is not None and req.best_of != req.n:
+                raise APIError("best_of must equal n with beam search (n is the beam width).", param="best_of")
+        elif req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of must equal n (no best-of selection; use_beam_search=true runs a beam "
+                           "search of width n).", param="best_of")
         prompts = await self._prompts(req.prompt)
-        params = [self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs)
-                  for _, ids in prompts]
+        if beam:
+            params = [self.beam_search_params(req, self.check_prompt(ids, req.max_tokens)) for _, ids in prompts]
+        else:
+            params = [self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs)
+                      for _, ids in prompts]
         request_id = random_id("cmpl")
         requests = self.engine_requests(request_id, prompts, params, req.cache_salt, arrival)
         states = [ChoiceState(keep=not req.stream) for _ in params for _ in range(req.n)]
@@ -66,11 +79,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         cached += out.num_cached_tokens if out.finished else 0
             except ENGINE_ERRORS as e:
                 raise engine_error(e) from e
+            # A beam search may return fewer than n beams: its choices are the beams that came, numbered in order.
+            answered = [s for s in states if s.finished] if beam else states
             choices = [CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason,
                                         stop_reason=s.stop_reason,
-                                        logprobs=self._logprobs(s.token_ids, s.logprobs, 0)[0]
+                                        logprobs=self._logprobs(s.token_ids, self._chosen_logprobs(s, req, beam),
+                                                                0)[0]
                                         if req.logprobs is not None else None)
-                       for i, s in enumerate(states)]
+                       for i, s in enumerate(answered)]
             return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self.usage(prompt_lens, states, cached))
 
@@ -117,6 +133,11 @@ class OpenAIServingCompletion(OpenAIServing):
             lp, state.text_offset = self._logprobs(delta.token_ids, delta.logprobs, offset)
         return CompletionChoice(index=index, text=delta.text, logprobs=lp, finish_reason=delta.finish_reason,
                                 stop_reason=delta.stop_reason)
+
+    @staticmethod
+    def _chosen_logprobs(state: ChoiceState, req: CompletionRequest, beam: bool) -> list[dict[int, Logprob]]:
+        """A choice's per-token logprobs; a beam's candidates (2 * n a step) cut to the `logprobs` most likely."""
+        return top_candidates(state.token_ids, state.logprobs, req.logprobs or 0) if beam else state.logprobs
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]],
                   offset: int) -> tuple[CompletionLogprobs, int]:
