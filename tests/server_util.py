@@ -59,6 +59,23 @@ def running_server(app, sndbuf: int | None = None) -> Iterator[SimpleNamespace]:
         sock.close()
 
 
+@contextlib.contextmanager
+def loaded_model_server(loaded_model, model_name: str, api_key: str, max_model_len: int,
+                        max_num_seqs: int) -> Iterator[SimpleNamespace]:
+    """An fp32 CPU server on a model already in memory (64 MiB of KV cache), with an `openai` client as
+    `.client`: what running_server yields, plus that."""
+    import openai
+    from pagedkv.config import EngineArgs
+    from pagedkv.server import build_app
+
+    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=max_model_len,
+                      max_num_seqs=max_num_seqs)
+    app = build_app(args, served_model_names=[model_name], api_key=api_key, loaded=loaded_model)
+    with running_server(app) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+        yield srv
+
+
 def wait_idle(server, timeout: float = 30.0) -> None:
     """Until the engine thread reports no running request and no block in use."""
     deadline = time.monotonic() + timeout

@@ -28,7 +28,7 @@ import pytest
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import EngineArgs
 from prometheus_client.parser import text_string_to_metric_families
-from server_util import assert_stops_dead, bound_socket, running_server, wait_idle, wait_until
+from server_util import assert_stops_dead, bound_socket, loaded_model_server, running_server, wait_idle, wait_until
 
 MODEL = "smol-test"
 API_KEY = "test-key"
@@ -53,13 +53,7 @@ def server(default_model_dir):
 @pytest.fixture(scope="module")
 def thread_server(loaded_model):
     """The engine in the server's own process (a model already in memory): faults can be planted in it."""
-    from pagedkv.server import build_app
-
-    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=MAX_MODEL_LEN,
-                      max_num_seqs=48)
-    app = build_app(args, served_model_names=[MODEL], api_key=API_KEY, loaded=loaded_model)
-    with running_server(app) as srv:
-        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    with loaded_model_server(loaded_model, MODEL, API_KEY, MAX_MODEL_LEN, 48) as srv:
         yield srv
 
 

@@ -19,7 +19,7 @@ from pagedkv import LLM
 from pagedkv.beam_search import BeamSearchParams
 from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
-from server_util import post, running_server, wait_idle
+from server_util import loaded_model_server, post, running_server, wait_idle
 
 MODEL = "smol-test"
 API_KEY = "test-key"
@@ -32,13 +32,7 @@ BEAM = {"use_beam_search": True}
 
 @pytest.fixture(scope="module")
 def server(loaded_model):
-    from pagedkv.server import build_app
-
-    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=MAX_MODEL_LEN,
-                      max_num_seqs=MAX_NUM_SEQS)
-    app = build_app(args, served_model_names=[MODEL], api_key=API_KEY, loaded=loaded_model)
-    with running_server(app) as srv:
-        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    with loaded_model_server(loaded_model, MODEL, API_KEY, MAX_MODEL_LEN, MAX_NUM_SEQS) as srv:
         yield srv
 
 
