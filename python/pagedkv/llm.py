@@ -96,10 +96,7 @@ class LLM:
         finished output with finish_reason "abort" and the reason in `.error`;
         the others run.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, BeamSearchParams):
             raise TypeError("generate takes SamplingParams; a BeamSearchParams runs through LLM.beam_search")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -134,10 +131,7 @@ class LLM:
         """
         if lora_request is not None:
             raise ValueError("lora_request: pagedkv serves no LoRA adapters")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         limit = concurrency_limit or max(len(prompts), 1)
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"concurrency_limit must be an int >= 1 (or None), got {concurrency_limit!r}")
@@ -206,6 +200,13 @@ class LLM:
                         bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
         if bar is not None:
             bar.close()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids, a dict) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _refused(rid: str, prompt: PromptType, params: SamplingParams, error: str) -> RequestOutput:

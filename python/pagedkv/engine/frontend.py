@@ -92,7 +92,7 @@ class FrontendEngine:
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.default_sampling)
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
         self.limits.check_params(params)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -109,12 +109,10 @@ class FrontendEngine:
         if request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
+        self.limits.check_request(token_ids, params, cache_salt)
         beam = None
         if isinstance(params, BeamSearchParams):
-            self.limits.check_beam_request(token_ids, params, cache_salt)
             beam, params = beam_params_to_wire(params), params.to_sampling_params()
-        else:
-            self.limits.check_request(token_ids, params, cache_salt)
         arrival = arrival_time or time.time()
         state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
         self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt,

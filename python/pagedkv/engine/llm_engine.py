@@ -177,15 +177,16 @@ class LLMEngine:
         """(text, token ids) of a prompt given as text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
         """Refuses what the model or the engine's limits rule out (SamplingParams checked the rest itself)."""
         self.limits.check_params(params)
 
-    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams | BeamSearchParams,
                   cache_salt: str | None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.limits.check_request(token_ids, params, cache_salt)
+        self.limits.check_request(token_ids, params, cache_salt, self.block_manager.num_total_gpu_blocks,
+                                  self.cache_config.block_size)
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
@@ -200,17 +201,12 @@ class LLMEngine:
         params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, token_ids = self.tokenize(prompt)
+        self._validate(request_id, token_ids, params, cache_salt)
         beam = None
         if isinstance(params, BeamSearchParams):
-            if request_id in self.requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self.limits.check_beam_request(token_ids, params, cache_salt, self.block_manager.num_total_gpu_blocks,
-                                           self.cache_config.block_size)
             eos = self.beam_eos_token_id if beam_eos_token_id is None else beam_eos_token_id
             beam = BeamGroup(params, eos, len(token_ids))
             params = params.to_sampling_params()
-        else:
-            self._validate(request_id, token_ids, params, cache_salt)
         extra = (cache_salt,) if cache_salt is not None else ()
         if self.prefix_diagnostics is not None:
             self.prefix_diagnostics.observe(token_ids, extra)

@@ -26,8 +26,11 @@ class RequestLimits:
     max_num_seqs: int
     max_logprobs: int
 
-    def check_params(self, params: SamplingParams) -> None:
-        """Refuses what the model or the engine's limits rule out (SamplingParams checked the rest itself)."""
+    def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        """Refuses what the model or the engine's limits rule out (the params checked the rest themselves)."""
+        if isinstance(params, BeamSearchParams):
+            self.check_beam_params(params)
+            return
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise SamplingParamsError("top_k", f"top_k must be -1, 0 or in [1, {vocab}] (the vocabulary), "
@@ -59,26 +62,25 @@ class RequestLimits:
             raise SamplingParamsError("beam_width", f"beam_width={params.beam_width} is more than max_num_seqs="
                                                     f"{self.max_num_seqs}: every beam is a running sequence")
 
-    def check_beam_request(self, token_ids: list[int], params: BeamSearchParams, cache_salt: str | None,
-                           num_blocks: int | None = None, block_size: int = 16) -> None:
-        """A beam search's prompt, width and salt; with the pool's size (`num_blocks`), also that its beams fit
-        in it even if none shared a block (a preempted group may be recomputed without sharing)."""
-        self.check_prompt(token_ids)
-        self.check_beam_params(params)
-        check_cache_salt(cache_salt)
-        if num_blocks is not None:
-            length = min(len(token_ids) + params.max_tokens, self.max_model_len)
-            need = params.beam_width * -(-length // block_size)
-            if need > num_blocks:
-                raise SamplingParamsError("beam_width", f"beam_width={params.beam_width} beams of up to {length} "
-                                                        f"tokens need up to {need} KV blocks; the cache has "
-                                                        f"{num_blocks}")
+    def check_beams_fit(self, num_prompt_tokens: int, params: BeamSearchParams, num_blocks: int,
+                        block_size: int) -> None:
+        """A beam search's beams fit in a pool of `num_blocks` even if none shared a block (a preempted group
+        may be recomputed without sharing)."""
+        length = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        need = params.beam_width * -(-length // block_size)
+        if need > num_blocks:
+            raise SamplingParamsError("beam_width", f"beam_width={params.beam_width} beams of up to {length} "
+                                                    f"tokens need up to {need} KV blocks; the cache has {num_blocks}")
 
-    def check_request(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
-        """Everything about one request: its prompt, its sampling parameters, its cache salt."""
+    def check_request(self, token_ids: list[int], params: SamplingParams | BeamSearchParams,
+                      cache_salt: str | None, num_blocks: int | None = None, block_size: int = 16) -> None:
+        """Everything about one request: its prompt, its sampling (or beam search) parameters, its cache salt;
+        with the pool's size (`num_blocks`), also that a beam search's beams fit in it."""
         self.check_prompt(token_ids)
         self.check_params(params)
         check_cache_salt(cache_salt)
+        if num_blocks is not None and isinstance(params, BeamSearchParams):
+            self.check_beams_fit(len(token_ids), params, num_blocks, block_size)
 
 
 def check_cache_salt(cache_salt: str | None) -> None:

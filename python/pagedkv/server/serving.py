@@ -141,7 +141,6 @@ class OpenAIServing:
         self.max_model_len = engine.scheduler_config.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.validate_params = engine.validate_params  # pure: reads fixed configs only
-        self.max_num_seqs = engine.scheduler_config.max_num_seqs  # the most beams (n) a beam search may keep
         limits = getattr(engine, "limits", None)
         self.max_logprobs: int | None = getattr(limits, "max_logprobs", None)
         self.defaults = dict(engine.default_sampling)
@@ -261,9 +260,6 @@ class OpenAIServing:
         for name, is_set in unsupported:
             if is_set:
                 raise APIError(f"{name} is not supported with beam search (use_beam_search=true).", param=name)
-        if req.n > self.max_num_seqs:
-            raise APIError(f"n={req.n} (the beam width with use_beam_search) is more than "
-                           f"max_num_seqs={self.max_num_seqs}.", param="n")
         if logprobs is not None and self.max_logprobs is not None and logprobs > self.max_logprobs:
             raise APIError(f"requested {logprobs} logprobs, more than the {self.max_logprobs} allowed "
                            f"(max_logprobs).", param=logprobs_param)
@@ -273,10 +269,12 @@ class OpenAIServing:
         out comes from the generation config, else 1.0, as in vLLM. A refusal names its field."""
         temperature = self.defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
         try:
-            return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                    temperature=temperature, length_penalty=req.length_penalty,
-                                    include_stop_str_in_output=req.include_stop_str_in_output,
-                                    skip_special_tokens=req.skip_special_tokens)
+            params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                      temperature=temperature, length_penalty=req.length_penalty,
+                                      include_stop_str_in_output=req.include_stop_str_in_output,
+                                      skip_special_tokens=req.skip_special_tokens)
+            self.validate_params(params)  # the width against max_num_seqs
+            return params
         except SamplingParamsError as e:
             raise APIError(str(e), param="n" if e.param == "beam_width" else e.param) from e
 
