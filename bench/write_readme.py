@@ -137,6 +137,10 @@ its fp8 cache, on the issue-10 target shapes, bf16 and fp32 compute, all contend
 last-level cache flushed. Targets (issue 23, bf16): an 8-bit cache >= 1.3x faster than the bf16 one at batch 32 x
 2048, and vLLM's fp8 time / ours >= 1.0 (geomean over the rows). Every kernel is checked against
 `pagedkv.reference` with the same `kv_cache_dtype`."""),
+    ("The same on an AVX2 CPU (no AVX-512, no bf16 dot products)", "kernels_quantized_avx2_cpu.md", [], """\
+`bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
+and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
+includes the query and output rotation of its rotated rows."""),
     ("The prefix cache beyond the pool: host and disk tiers (`bench/bench_kv_tiers.py`)", "kv_tiers_cpu.md", [],
      """\
 Three workloads on the default model (issue 24's targets): a restart with the disk tier (first-request TTFT on a

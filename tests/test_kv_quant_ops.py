@@ -105,6 +105,8 @@ def test_dequantized_error_is_within_the_format_step(fmt):
         # relative half-ulp of the format, plus its smallest subnormal step for tiny values
         assert torch.all(err <= x.abs() * 2.0 ** -(mantissa + 1) + 0.05 * 2.0 ** -9 * 1.01)
     else:
+        if kv_cache_format(fmt).rotated:  # the bound holds where the codes live: on the rotated rows
+            x, err = reference.hadamard_rows(x), (reference.hadamard_rows(back) - reference.hadamard_rows(x)).abs()
         step = plane[..., 0:1].float()  # a code step; rounding costs half, fp16 zero/scale a little more
         assert torch.all(err <= 0.5 * step + 2e-3 * x.abs().amax(-1, keepdim=True))
 
@@ -119,9 +121,43 @@ def test_fp8_saturates_instead_of_overflowing():
 
 def test_per_token_head_constant_row_reads_back_exactly():
     x = torch.full((2, 3, 64), 0.75)
-    for fmt in ("int8_per_token_head", "int4_per_token_head"):
-        codes, plane = reference.quantize_kv(x, fmt)
-        assert torch.equal(reference.dequantize_kv(codes, fmt, plane), x)
+    codes, plane = reference.quantize_kv(x, "int8_per_token_head")
+    assert torch.equal(reference.dequantize_kv(codes, "int8_per_token_head", plane), x)
+
+
+def _hadamard_matrix(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
+def test_hadamard_rows_is_the_block_diagonal_walsh_hadamard_rotation(head_size):
+    x = torch.randn(7, 3, head_size, generator=_gen("hadamard", head_size), dtype=torch.float64).float()
+    b = reference.rotation_block(head_size)
+    assert b & (b - 1) == 0 and head_size % b == 0 and (head_size // b) % 2 == 1
+    h = torch.block_diag(*[_hadamard_matrix(b)] * (head_size // b))
+    y = reference.hadamard_rows(x)
+    torch.testing.assert_close(y.double(), x.double() @ h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reference.hadamard_rows(y), x, atol=1e-5, rtol=1e-5)  # its own inverse
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), atol=1e-4, rtol=1e-5)  # orthonormal
+
+
+def test_int4_rotation_keeps_the_channels_beside_an_outlier():
+    """A key row with one outlier channel (as real keys have after RoPE): unrotated, 16 levels over its range
+    round every other channel to the same few codes; the rotated rule keeps them."""
+    x = torch.randn(256, 2, 64, generator=_gen("outlier"))
+    x[..., 5] = 40.0
+    codes, plane = reference.quantize_kv(x, "int4_per_token_head")
+    rotated_err = (reference.dequantize_kv(codes, "int4_per_token_head", plane) - x)[..., 6:].norm()
+    q = 15
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    step = (hi - lo) / q
+    plain = ((x - lo) / step).round().clamp(0, q) * step + lo
+    plain_err = (plain - x)[..., 6:].norm()
+    assert rotated_err < 0.5 * plain_err, (rotated_err, plain_err)
+    assert rotated_err < 0.45 * x[..., 6:].norm()
 
 
 # ---- writers: bit-exact with the reference ---------------------------------------------------------

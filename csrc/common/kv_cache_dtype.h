@@ -7,7 +7,7 @@
 //  - fp8 (e4m3 / e5m2): code = fp8(clamp(x / scale, +-max)), one fp32 scale per tensor.
 //  - int8 / int4 per token and head: uint8 codes, asymmetric: a (scale, zero) fp16 pair
 //    per token and kv head in a plane [num_blocks, block_size, num_kv_heads, 2], read
-//    as code * scale + zero.
+//    as code * scale + zero. int4 rows are stored rotated (common/row_rotation.h).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,9 @@ constexpr bool is_fp8(KVCacheDType f) { return f == KVCacheDType::kFp8E4M3 || f 
 constexpr bool is_per_token_head(KVCacheDType f) {
   return f == KVCacheDType::kInt8PerTokenHead || f == KVCacheDType::kInt4PerTokenHead;
 }
+// Whether rows are stored rotated by the fixed Walsh-Hadamard rotation (common/row_rotation.h):
+// int4 only, whose 16 levels per row cannot hold a head's outlier channels unrotated.
+constexpr bool rotates_rows(KVCacheDType f) { return f == KVCacheDType::kInt4PerTokenHead; }
 // Codes per stored byte/element of the cache's last dimension.
 constexpr int values_per_element(KVCacheDType f) { return f == KVCacheDType::kInt4PerTokenHead ? 2 : 1; }
 // Largest code of the per-token-head formats (2^bits - 1).

@@ -2,6 +2,7 @@
 // the raw-pointer parameter blocks, run the kernel variant for this CPU.
 #include <ATen/ATen.h>
 
+#include "common/row_rotation.h"
 #include "common/validation.h"
 #include "cpu/attention_kernels.h"
 #include "cpu/cpu_capability.h"
@@ -110,8 +111,10 @@ void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::
                                               max_seq_len, alibi_slopes, sliding_window, logits_soft_cap,
                                               kv.dims.format);
   if (d.num_seqs == 0) return;
-  run_decode(decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                           sliding_window, logits_soft_cap, d, kv));
+  RotatedAttention rot(kv.dims.format, query, out);
+  run_decode(decode_params(rot.out(), rot.query(), key_cache, value_cache, block_tables, seq_lens, scale,
+                           alibi_slopes, sliding_window, logits_soft_cap, d, kv));
+  rot.finish(out);
 }
 
 void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits, at::Tensor& tmp_out,
@@ -129,9 +132,9 @@ void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& m
                                               kv.dims.format);
   check_v2_scratch(op, d, query, exp_sums, max_logits, tmp_out, max_seq_len, partition_size);
   if (d.num_seqs == 0) return;
-  cpu::DecodeParams p =
-      decode_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-                    logits_soft_cap, d, kv);
+  RotatedAttention rot(kv.dims.format, query, out);
+  cpu::DecodeParams p = decode_params(rot.out(), rot.query(), key_cache, value_cache, block_tables, seq_lens, scale,
+                                      alibi_slopes, sliding_window, logits_soft_cap, d, kv);
   p.partition_size = partition_size;
   // Partitions past a sequence's end or before its window (and extra scratch columns) are marked empty.
   p.max_partitions = exp_sums.size(2);
@@ -140,6 +143,7 @@ void paged_attention_v2_cpu(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& m
   p.tmp_out = tmp_out.data_ptr();
   run_decode(p);
   run_reduce(p);
+  rot.finish(out);
 }
 
 void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -156,12 +160,14 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const
                                               logits_soft_cap, kv.dims.format);
   const AttentionDims& d = pd.attn;
   if (pd.num_tokens == 0 || d.num_seqs == 0) return;
+  RotatedAttention rot(kv.dims.format, query, out);
   cpu::PrefillParams p{};
-  fill_common(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, logits_soft_cap,
-              d);
+  fill_common(p, rot.out(), rot.query(), key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+              logits_soft_cap, d);
   fill_kv_format(p, kv);
   p.query_start_loc = query_start_loc.const_data_ptr<int32_t>();
   run_prefill(p);
+  rot.finish(out);
 }
 
 }  // namespace pagedkv

@@ -1,5 +1,7 @@
 #include "cpu/kv_quant.h"
 
+#include "common/row_rotation.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -78,8 +80,10 @@ struct CacheWriter {
   float inv_scale;   // fp8
   int64_t num_kv_heads, head_size;
 
-  void write(int64_t slot, int64_t h, const float* x) const {
+  // x: the row widened to fp32, which a rotated format rotates in place first.
+  void write(int64_t slot, int64_t h, float* x) const {
     const int64_t row = slot * num_kv_heads + h;
+    if (rotates_rows(format)) rotate_row(x, head_size);
     uint8_t* dst = codes + row * (head_size / values_per_element(format));
     switch (format) {
       case KVCacheDType::kFp8E4M3:

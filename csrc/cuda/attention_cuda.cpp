@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "attention/attention_launch.h"
+#include "common/row_rotation.h"
 #include "common/validation.h"
 #include "cuda/launch_checks.h"
 #include "ops.h"
@@ -118,10 +119,12 @@ void paged_attention_v1_cuda(at::Tensor& out, const at::Tensor& query, const at:
                                               kv.dims.format);
   check_cuda_inputs(op, query, key_cache);
   const c10::cuda::CUDAGuard guard(query.device());
-  cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                        alibi_slopes, sliding_window, logits_soft_cap);
+  RotatedAttention rot(kv.dims.format, query, out);
+  cuda::DecodeArgs a = make_decode_args(op, d, rot.out(), rot.query(), key_cache, value_cache, block_tables,
+                                        seq_lens, scale, alibi_slopes, sliding_window, logits_soft_cap);
   cuda::set_kv_format(a.kv, kv);
   cuda::check_launch(op, cuda::launch_paged_attention_v1(a, c10::cuda::getCurrentCUDAStream()));
+  rot.finish(out);
 }
 
 void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits, at::Tensor& tmp_out,
@@ -143,8 +146,9 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
   TORCH_CHECK(num_partitions <= cuda::kMaxGridYZ, op, ": max_seq_len ", max_seq_len, " needs ", num_partitions,
               " partitions of ", partition_size, "; at most ", cuda::kMaxGridYZ, " are supported");
   const c10::cuda::CUDAGuard guard(query.device());
-  cuda::DecodeArgs a = make_decode_args(op, d, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                        alibi_slopes, sliding_window, logits_soft_cap);
+  RotatedAttention rot(kv.dims.format, query, out);
+  cuda::DecodeArgs a = make_decode_args(op, d, rot.out(), rot.query(), key_cache, value_cache, block_tables,
+                                        seq_lens, scale, alibi_slopes, sliding_window, logits_soft_cap);
   cuda::set_kv_format(a.kv, kv);
   cuda::DecodeScratch s{};
   s.exp_sums = exp_sums.data_ptr<float>();
@@ -154,6 +158,7 @@ void paged_attention_v2_cuda(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& 
   s.partition_size = static_cast<int>(partition_size);
   cuda::check_launch(op, cuda::launch_paged_attention_v2(a, s, static_cast<int>(max_seq_len),
                                                    c10::cuda::getCurrentCUDAStream()));
+  rot.finish(out);
 }
 
 void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -172,13 +177,14 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, cons
   check_fits_int(op, "num_tokens", pd.num_tokens);
   check_fits_int(op, "max_query_len", max_query_len);
   const c10::cuda::CUDAGuard guard(query.device());
+  RotatedAttention rot(kv.dims.format, query, out);
   cuda::PrefillArgs a{};
   a.kv = make_paged_kv(op, pd.attn, key_cache, value_cache, block_tables, seq_lens);
   cuda::set_kv_format(a.kv, kv);
-  a.out = out.data_ptr();
-  a.query = query.data_ptr();
-  a.out_stride = out.stride(0);
-  a.query_stride = query.stride(0);
+  a.out = rot.out().data_ptr();
+  a.query = rot.query().data_ptr();
+  a.out_stride = rot.out().stride(0);
+  a.query_stride = rot.query().stride(0);
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
   a.scale = static_cast<float>(scale);
   a.num_seqs = static_cast<int>(pd.attn.num_seqs);
@@ -189,6 +195,7 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& query, cons
   a.sliding_window = kernel_window(sliding_window);
   a.logits_soft_cap = static_cast<float>(logits_soft_cap);
   cuda::check_launch(op, cuda::launch_paged_prefill_attention(a, c10::cuda::getCurrentCUDAStream()));
+  rot.finish(out);
 }
 
 }  // namespace pagedkv

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cache/cache_launch.h"
+#include "common/row_rotation.h"
 #include "common/supported.h"
 #include "common/validation.h"
 #include "cuda/launch_checks.h"
@@ -117,13 +118,17 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
               slot_mapping.defined() ? slot_mapping.device() : at::Device(at::kCPU));
   check_slot_mapping(op, slot_mapping, key.size(0), c);
   const c10::cuda::CUDAGuard guard(key_cache.device());
+  // A rotated format stores rotated rows (common/row_rotation.h): the kernel quantizes those, from fp32.
+  const bool rotate = rotates_rows(c.format);
+  const at::Tensor k = rotate ? rotate_rows(key) : key;
+  const at::Tensor v = rotate ? rotate_rows(value) : value;
   cuda::ReshapeAndCacheArgs a{};
-  a.key = key.data_ptr();
-  a.value = value.data_ptr();
-  a.key_stride_token = key.stride(0);
-  a.key_stride_head = key.stride(1);
-  a.value_stride_token = value.stride(0);
-  a.value_stride_head = value.stride(1);
+  a.key = k.data_ptr();
+  a.value = v.data_ptr();
+  a.key_stride_token = k.stride(0);
+  a.key_stride_head = k.stride(1);
+  a.value_stride_token = v.stride(0);
+  a.value_stride_head = v.stride(1);
   a.key_cache = key_cache.data_ptr();
   a.value_cache = value_cache.data_ptr();
   a.slot_mapping = slot_mapping.data_ptr<int64_t>();
@@ -132,7 +137,7 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   a.num_kv_heads = static_cast<int>(c.num_kv_heads);
   a.head_size = static_cast<int>(c.head_size);
   a.element_size = static_cast<int>(key_cache.element_size());
-  a.dtype = cuda::to_kernel_dtype(key.scalar_type());
+  a.dtype = cuda::to_kernel_dtype(k.scalar_type());
   a.quant = cuda::quant_args(kv);
   check_cuda_call(op, "kernel launch", cuda::launch_reshape_and_cache(a, c10::cuda::getCurrentCUDAStream()));
 }

@@ -66,7 +66,15 @@ void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& qu
       positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox, c);
   a.dtype = cuda::to_kernel_dtype(key.scalar_type());
   a.quant = cuda::quant_args(kv);
+  if (!rotates_rows(c.format)) {
+    cuda::check_launch(op, cuda::launch_rotary_embedding_and_cache(a, c10::cuda::getCurrentCUDAStream()));
+    return;
+  }
+  // A rotated format (common/row_rotation.h): RoPE in place with no slot to write (num_slots 0 skips
+  // every token), then reshape_and_cache rotates the rows and quantizes them into their slots.
+  a.num_slots = 0;
   cuda::check_launch(op, cuda::launch_rotary_embedding_and_cache(a, c10::cuda::getCurrentCUDAStream()));
+  reshape_and_cache_cuda(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale);
 }
 
 }  // namespace pagedkv

@@ -20,7 +20,16 @@ head_size values of one kv head get a (scale, zero) pair, zero = min, scale =
 (max - min) / (2^bits - 1), both rounded to fp16; the code of x is
 round((x - zero) / scale) clamped to [0, 2^bits - 1] and reads code * scale +
 zero. int4 packs element 2i in the low nibble of byte i and 2i + 1 in the
-high one. The scale plane is indexed by block id exactly like the values, so a
+high one. int4 rows are stored rotated: each token's head_size values of one
+kv head are first multiplied by the normalized Walsh-Hadamard matrix H
+(block-diagonal, blocks of the largest power of two dividing head_size), and
+the codes are those of the rotated row. H is orthonormal and symmetric, so the
+attention ops rotate the query by H, attend, and rotate the output back: the
+result is attention over the dequantized rows rotated back. The rotation
+spreads a head's outlier channels over the row, where 16 levels per (scale,
+zero) pair could not resolve the other channels beside them
+(`pagedkv.reference.hadamard_rows` is the rule; csrc/common/row_rotation.h).
+The scale plane is indexed by block id exactly like the values, so a
 block is its value rows plus its plane rows: copy-on-write and swapping move
 both, and the pool counts both (4 bytes per token and kv head).
 """
@@ -43,6 +52,7 @@ class KVCacheFormat:
     per_tensor_scale: bool = False  # fp8: one fp32 k_scale / v_scale per layer
     per_token_scale: bool = False  # (scale, zero) fp16 pair per token and kv head
     bits: int = 0  # code width of the per-token-head formats
+    rotated: bool = False  # rows stored rotated by the Walsh-Hadamard matrix (int4; see the module docstring)
 
     @property
     def quantized(self) -> bool:
@@ -73,7 +83,7 @@ KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
     "fp8_e5m2": KVCacheFormat("fp8_e5m2", torch.float8_e5m2, per_tensor_scale=True),
     "int8_per_token_head": KVCacheFormat("int8_per_token_head", torch.uint8, per_token_scale=True, bits=8),
     "int4_per_token_head": KVCacheFormat("int4_per_token_head", torch.uint8, values_per_element=2,
-                                         per_token_scale=True, bits=4),
+                                         per_token_scale=True, bits=4, rotated=True),
 }
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int4_per_token_head")

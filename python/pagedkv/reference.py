@@ -18,6 +18,34 @@ from pagedkv.kv_cache import kv_cache_format
 _FP16_MAX = 65504.0
 
 
+def rotation_block(head_size: int) -> int:
+    """The Walsh-Hadamard block of a rotated format's rows: the largest power of two dividing head_size."""
+    return head_size & -head_size
+
+
+def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_size] (any float dtype) times the normalized Walsh-Hadamard matrix H (block-diagonal,
+    blocks of rotation_block(head_size)), as float32 of x's shape. H is symmetric and orthonormal, so this
+    function is its own inverse. The arithmetic is the kernels' bit for bit (csrc/common/row_rotation.h):
+    stages h = 1, 2, ..., b/2 replace each pair (x[i], x[i + h]) of a 2h-group by their sum and difference,
+    then one multiplication by float32(1 / sqrt(b)).
+    """
+    d = x.shape[-1]
+    b = rotation_block(d)
+    y = x.float().reshape(-1, b)
+    h = 1
+    while h < b:
+        v = y.reshape(-1, b // (2 * h), 2, h)
+        y = torch.stack([v[:, :, 0] + v[:, :, 1], v[:, :, 0] - v[:, :, 1]], dim=2).reshape(-1, b)
+        h *= 2
+    return (y * torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)).reshape(x.shape)
+
+
+def rotates_rows(kv_cache_dtype: str) -> bool:
+    """Whether a format stores its rows rotated by hadamard_rows (int4 per token and head)."""
+    return kv_cache_format(kv_cache_dtype).rotated
+
+
 def quantize_kv(x: torch.Tensor, kv_cache_dtype: str,
                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Cache codes of rows x [..., head_size] (any float dtype) in a quantized format, by the rule the
@@ -25,10 +53,10 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str,
 
     fp8: codes float8 [..., head_size] of clamp(x * (1 / scale), +-max) (scale: float32 [1], default 1.0),
     plane None. Per token and head: codes uint8 [..., head_size] (int4: [..., head_size / 2], element 2i
-    in the low nibble), plane float16 [..., 2] of (scale, zero).
+    in the low nibble), plane float16 [..., 2] of (scale, zero); int4 quantizes hadamard_rows(x).
     """
     fmt = kv_cache_format(kv_cache_dtype)
-    xf = x.float()
+    xf = hadamard_rows(x) if rotates_rows(kv_cache_dtype) else x.float()
     if fmt.is_fp8:
         inv = 1.0 / (scale.float().reshape(()) if scale is not None else torch.tensor(1.0))
         limit = torch.finfo(fmt.element).max
@@ -48,7 +76,8 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str,
 def dequantize_kv(codes: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 values [..., head_size] of cache codes (`quantize_kv`'s output; "auto": codes as they are).
 
-    scale: fp8's float32 [1] per-tensor scale (None: 1.0), or the per-token-head plane [..., 2].
+    scale: fp8's float32 [1] per-tensor scale (None: 1.0), or the per-token-head plane [..., 2]. A rotated
+    format's rows are rotated back (hadamard_rows), so this returns values in x's space, as attention reads them.
     """
     fmt = kv_cache_format(kv_cache_dtype)
     if not fmt.quantized:
@@ -59,7 +88,8 @@ def dequantize_kv(codes: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor 
     if fmt.values_per_element == 2:
         c = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
     pair = scale.float()
-    return c.float() * pair[..., 0:1] + pair[..., 1:2]
+    x = c.float() * pair[..., 0:1] + pair[..., 1:2]
+    return hadamard_rows(x) if rotates_rows(kv_cache_dtype) else x
 
 
 def _dequantized_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_cache_dtype: str,

@@ -31,7 +31,7 @@ from pagedkv.config import CacheConfig, GiB
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.kv_tiers import KVTiers
 from pagedkv.engine.memory_pool import KVCacheSpec
-from pagedkv.kv_cache import block_nbytes
+from pagedkv.kv_cache import block_nbytes, kv_cache_format
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class KVOffload:
             "num_layers": model_config.num_hidden_layers, "num_kv_heads": runner.model.num_kv_heads,
             "head_dim": model_config.head_dim, "architectures": list(getattr(model_config, "architectures", []) or []),
         }
+        if kv_cache_format(cc.cache_dtype).rotated:  # rows stored rotated: files of unrotated int4 never match
+            fingerprint["row_rotation"] = "walsh-hadamard"
         return cls(tiers, runner, cc, fingerprint, block_nbytes(runner.kv_caches))
 
     @property
