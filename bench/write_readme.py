@@ -141,6 +141,11 @@ last-level cache flushed. Targets (issue 23, bf16): an 8-bit cache >= 1.3x faste
 `bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
 includes the query and output rotation of its rotated rows."""),
+    ("The same on a Zen 5 CPU (AVX-512, AVX512-BF16, full-width vector units)", "kernels_quantized_zen5_cpu.md", [],
+     """\
+`bench/bench_kernels.py --quantized --no-vllm` on a 2-core AMD Zen 5 (family 26, 2026-12-02; vLLM was not installed
+on that box, so only pagedkv's formats are compared). Here fp8 reaches the 1.3x target on three of the four
+batch-32 rows; int8 does not."""),
     ("The prefix cache beyond the pool: host and disk tiers (`bench/bench_kv_tiers.py`)", "kv_tiers_cpu.md", [],
      """\
 Three workloads on the default model (issue 24's targets): a restart with the disk tier (first-request TTFT on a
