@@ -3,7 +3,6 @@ engine's set of cached blocks from the events alone."""
 
 from __future__ import annotations
 
-import glob
 import os
 import random
 import subprocess
@@ -181,11 +180,16 @@ VLLM_PYTHON = os.environ.get("PAGEDKV_VLLM_PYTHON", "/work/vllm-venv/bin/python"
 
 
 def _has_vllm_kv_events(python: str) -> bool:
-    """Whether the environment of `python` holds vLLM's kv_events module and msgspec (a venv can exist half
-    installed), found on disk so collection does not pay for importing vLLM."""
-    site = glob.glob(os.path.join(os.path.dirname(python), "..", "lib", "python3*", "site-packages"))
-    return any(os.path.exists(os.path.join(s, "vllm", "distributed", "kv_events.py"))
-               and os.path.isdir(os.path.join(s, "msgspec")) for s in site)
+    """Whether `python` can import vLLM's kv_events module and msgspec (a venv can exist half installed).
+    That interpreter finds the modules without importing them, so collection does not pay for importing vLLM."""
+    if not os.path.exists(python):
+        return False
+    probe = ("import importlib.util as u, os\n"
+             "v = u.find_spec('vllm')\n"
+             "ok = v is not None and u.find_spec('msgspec') is not None and os.path.exists(\n"
+             "    os.path.join(os.path.dirname(v.origin), 'distributed', 'kv_events.py'))\n"
+             "raise SystemExit(0 if ok else 1)\n")
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
 
 
 @pytest.mark.skipif(not _has_vllm_kv_events(VLLM_PYTHON), reason=f"no vLLM install at {VLLM_PYTHON} "
