@@ -136,7 +136,10 @@ int4 per token and head) against the same values in the compute-dtype cache, and
 its fp8 cache, on the issue-10 target shapes, bf16 and fp32 compute, all contenders interleaved rep by rep with the
 last-level cache flushed. Targets (issue 23, bf16): an 8-bit cache >= 1.3x faster than the bf16 one at batch 32 x
 2048, and vLLM's fp8 time / ours >= 1.0 (geomean over the rows). Every kernel is checked against
-`pagedkv.reference` with the same `kv_cache_dtype`."""),
+`pagedkv.reference` with the same `kv_cache_dtype`. Zen 4, 2026-12-02: bf16 compute runs the `avx512_bf16` kernels,
+where fp8's Q.K^T is on `vdpbf16ps` and int8's on `vpdpwssd` (and its P.V from head size 128), with each block's
+scale planes loaded beside its sweep; on 2026-12-01, before those, the same rows gave fp8 1.14-1.27x and int8
+0.96-1.03x."""),
     ("The same on an AVX2 CPU (no AVX-512, no bf16 dot products)", "kernels_quantized_avx2_cpu.md", [], """\
 `bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
@@ -145,7 +148,8 @@ includes the query and output rotation of its rotated rows."""),
      """\
 `bench/bench_kernels.py --quantized --no-vllm` on a 2-core AMD Zen 5 (family 26, 2026-12-02; vLLM was not installed
 on that box, so only pagedkv's formats are compared). Here fp8 reaches the 1.3x target on three of the four
-batch-32 rows; int8 does not."""),
+batch-32 rows; int8 does not. Measured before the bf16 / int16 dot-product paths for fp8 and int8 and the plane
+loads (see the Zen 4 file)."""),
     ("The prefix cache beyond the pool: host and disk tiers (`bench/bench_kv_tiers.py`)", "kv_tiers_cpu.md", [],
      """\
 Three workloads on the default model (issue 24's targets): a restart with the disk tier (first-request TTFT on a

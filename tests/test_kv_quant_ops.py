@@ -249,17 +249,83 @@ def test_decode_matches_reference(variant, fmt, dtype, head_size, num_heads, num
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
-def test_decode_with_window_soft_cap_and_alibi_matches_reference(fmt):
-    gen = _gen("decode-extras", fmt)
-    cache, tables, lens = _decode_case(fmt, torch.float32, 64, 6, 2, 16, [90, 17, 300], gen)
-    query = torch.randn(3, 6, 64, generator=gen)
-    slopes = torch.rand(6, generator=gen) * 0.1
-    extras = {"sliding_window": 40, "logits_soft_cap": 5.0}
-    expected = reference.paged_attention(query, cache.key, cache.value, tables, lens, 0.125, slopes, **extras,
-                                         **cache.op_args)
-    out = ops.paged_attention(query, cache.key, cache.value, tables, lens, 0.125, 300, slopes, **extras,
-                              **cache.op_args)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_decode_with_window_soft_cap_and_alibi_matches_reference(variant, fmt, dtype, head_size):
+    if variant == "avx512_bf16" and dtype != torch.bfloat16:
+        pytest.skip("avx512_bf16 holds bf16 kernels only")
+    gen = _gen("decode-extras", fmt, dtype, head_size)
+    # Windows of 40 and 41 start P.V on even and odd tokens inside a block (int8 pairs tokens
+    # from head size 128 on, in the avx512_bf16 kernels).
+    for window in (40, 41):
+        cache, tables, lens = _decode_case(fmt, dtype, head_size, 6, 2, 16, [90, 17, 300], gen)
+        query = torch.randn(3, 6, head_size, generator=gen).to(dtype)
+        slopes = torch.rand(6, generator=gen) * 0.1
+        extras = {"sliding_window": window, "logits_soft_cap": 5.0}
+        expected = reference.paged_attention(query, cache.key, cache.value, tables, lens, 0.125, slopes, **extras,
+                                             **cache.op_args)
+        out = ops.paged_attention(query, cache.key, cache.value, tables, lens, 0.125, 300, slopes, **extras,
+                                  **cache.op_args)
+        atol, rtol = TOLERANCES[dtype]
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# Codes whose exponent field is 0 (zero and the subnormals), per fp8 format: bit 7 is the sign.
+_EXPONENT_ZERO_CODES = {"fp8_e4m3": [s | m for s in (0, 0x80) for m in range(8)],
+                        "fp8_e5m2": [s | m for s in (0, 0x80) for m in range(4)]}
+# The scale that puts those codes' values at about +-1 (largest subnormal: 7 * 2^-9, 3 * 2^-16).
+_SUBNORMAL_SCALE = {"fp8_e4m3": 2.0 ** 7, "fp8_e5m2": 2.0 ** 14}
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("codes", ["exponent_zero", "all_finite"])
+def test_decode_reads_every_fp8_code_as_its_value(variant, fmt, codes):
+    """Zero, subnormal and normal codes written straight into the cache are read as the reference
+    dequantizes them (the bf16 kernels widen fp8 to bf16 by moving bit fields, which a subnormal
+    or a zero code would get wrong without its own rule)."""
+    gen = _gen("fp8-codes", fmt, codes)
+    nb, bs, nkv, d, heads = 6, 16, 2, 80, 8
+    cache = _cache(fmt, nb, bs, nkv, d, torch.bfloat16, gen)
+    if codes == "exponent_zero":
+        pool = torch.tensor(_EXPONENT_ZERO_CODES[fmt], dtype=torch.uint8)
+        cache.k_scale.fill_(_SUBNORMAL_SCALE[fmt])
+    else:
+        finite = [c for c in range(256) if math.isfinite(float(torch.tensor([c], dtype=torch.uint8).view(
+            cache.key.dtype).float()))]
+        pool = torch.tensor(finite, dtype=torch.uint8)
+        cache.k_scale.fill_(2.0 / (448.0 if fmt == "fp8_e4m3" else 57344.0))
+    for t in (cache.key, cache.value):
+        picks = torch.randint(len(pool), t.shape, generator=gen)
+        t.view(torch.uint8).copy_(pool[picks])
+    cache.v_scale.fill_(cache.k_scale.item())
+    tables = torch.randperm(nb, generator=gen)[:5].to(torch.int32)[None].repeat(2, 1)
+    lens = torch.tensor([77, 33], dtype=torch.int32)
+    query = torch.randn(2, heads, d, generator=gen).to(torch.bfloat16)
+    expected = reference.paged_attention(query, cache.key, cache.value, tables, lens, 0.3, **cache.op_args)
+    out = ops.paged_attention(query, cache.key, cache.value, tables, lens, 0.3, 77, **cache.op_args)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_int8_decode_sums_the_largest_codes_at_head_size_256_without_overflow(variant):
+    """Every K code 255 and a query of equal positive elements: Q.K^T's integer sums on the bf16
+    kernels reach 256 x 32767 x 255 (just under 2^31); per-token scales then order the logits,
+    so a sum that wrapped would reorder them and change the output."""
+    gen = _gen("int8-extremes")
+    nb, bs, nkv, d, heads = 3, 16, 1, 256, 2
+    cache = _cache("int8_per_token_head", nb, bs, nkv, d, torch.bfloat16, gen)
+    cache.key.fill_(255)
+    k_plane = torch.stack([torch.rand(nb, bs, nkv, generator=gen) * 2e-3, torch.zeros(nb, bs, nkv)], dim=-1)
+    cache.k_scale.copy_(k_plane.half())
+    cache.value.copy_(torch.randint(256, cache.value.shape, generator=gen, dtype=torch.uint8))
+    v_plane = torch.stack([torch.rand(nb, bs, nkv, generator=gen) * 0.02, torch.randn(nb, bs, nkv, generator=gen)],
+                          dim=-1)
+    cache.v_scale.copy_(v_plane.half())
+    tables = torch.arange(nb, dtype=torch.int32)[None]
+    lens = torch.tensor([nb * bs - 5], dtype=torch.int32)
+    query = torch.full((1, heads, d), 0.75, dtype=torch.bfloat16)
+    expected = reference.paged_attention(query, cache.key, cache.value, tables, lens, 1 / 16, **cache.op_args)
+    out = ops.paged_attention(query, cache.key, cache.value, tables, lens, 1 / 16, nb * bs, **cache.op_args)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)

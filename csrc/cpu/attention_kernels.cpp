@@ -28,6 +28,15 @@
 // lanes, no widening); the query is kept unscaled in bf16 (exactly the input) and
 // the scale is applied to the fp32 logits. P.V stays in fp32 (the probabilities
 // would have to be rounded to bf16 and V's rows interleaved in pairs of tokens).
+// There an fp8 cache's Q.K^T runs on vdpbf16ps as well, its codes widened to bf16 exactly
+// (fp8_bf16_pairs: seven integer instructions per 32 codes, against a widening to fp32 of
+// four per 16 codes and a fused multiply-add per head for every 16 products), and an
+// int8-per-token-head cache runs on integer dot products (vpdpwssd, AVX512-VNNI):
+// Q.K^T on the codes against the query quantized to int16 per head, and (head sizes from
+// kMinPairedHeadSize) P.V on pairs of tokens' codes against the weights quantized to int16
+// per head and block, both summed exactly in int32; the fp32 widening of every code (two instructions per 16 codes, more
+// than the FMAs of a group's heads) is gone, and the int16 rounding (2^-16 of a row's
+// largest value) is far below the bf16 query's own.
 //
 // A quantized cache (fp8, int8 / int4 per token and head; cpu/kv_dequant.h) is read
 // by dequantizing rows into a small fp32 staging tile right before their arithmetic,
@@ -54,6 +63,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -367,6 +377,7 @@ struct DecodeScratch {
   volatile float sink = 0.f;  // keeps the loads of touch_ranges (never read)
   std::vector<float> stage;   // quantized caches: [block_size, D] dequantized rows of one kv head
   std::vector<float> qsum;    // int8 per token and head: [heads] sum of each pre-scaled query row
+  std::vector<float> qmul;    // int8 on int16 dot products (kDotInt16): [heads] the scale of each int16 query row
   std::vector<float> plane;   // int8 per token and head: one block's (scale, zero) pairs as floats (plane_floats)
 
   // A task's online-softmax state for `heads` query heads: empty accumulators, m = -inf, l = 0.
@@ -391,11 +402,51 @@ __attribute__((always_inline)) inline void store_logits(const Vec* acc, float* l
     for (int t = 0; t < NT; ++t) logits[h * kMaxBlockSize + t] = dots[h * NT + t];
 }
 
+// Whether Q.K^T over rows of R runs on bf16 dot products against the unscaled bf16 query
+// in this variant: bf16 rows as they are, and fp8 codes widened to bf16 exactly (fp8_bf16_pairs).
+template <typename R>
+constexpr bool kQueryBf16 =
 #if defined(CPU_CAPABILITY_AVX512_BF16)
+    kDotBf16<R> || kFp8Row<R>;
+#else
+    false;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+// Codes [c, c + 32) of a row of D fp8 codes (or its last 16, upper ones zero) as bf16 pairs,
+// exactly. A normal code's exponent and mantissa move into bf16's fields with the exponent
+// rebiased (e4m3 by 127 - 7, e5m2 by 127 - 15). A code with exponent 0 (zero, and the
+// subnormals m * 2^-9 of e4m3, m * 2^-16 of e5m2) would gain an implicit 1 that way, so
+// its magnitude comes from a table indexed by its low bits (vpermw); every one of them is
+// a normal bf16, so vdpbf16ps, which reads bf16 denormals as zero, loses none. The sign
+// (bit 7, spread over the high byte by the sign extension) goes on last.
+template <KVCacheDType F, int D>
+inline __m512bh fp8_bf16_pairs(const uint8_t* row, int c) {
+  constexpr bool e4m3 = F == KVCacheDType::kFp8E4M3;
+  const __m256i raw = c + 32 <= D
+                          ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c))
+                          : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+  const __m512i x = _mm512_cvtepi8_epi16(raw);
+  const __m512i fields =
+      e4m3 ? _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x07F0)),
+                              _mm512_set1_epi16(0x3C00))
+           : _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 5), _mm512_set1_epi16(0x0FE0)),
+                              _mm512_set1_epi16(0x3800));
+  const __mmask32 exponent_zero = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(e4m3 ? 0x0078 : 0x007C));
+  // bf16 bits of m * 2^-9 (e4m3, m < 8) or m * 2^-16 (e5m2, m < 4), two words to an int32, low word first.
+  const __m512i table = e4m3 ? _mm512_setr_epi32(0x3B000000, 0x3BC03B80, 0x3C203C00, 0x3C603C40, 0, 0, 0, 0, 0, 0, 0,
+                                                 0, 0, 0, 0, 0)
+                             : _mm512_setr_epi32(0x37800000, 0x38403800, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i magnitude = _mm512_mask_permutexvar_epi16(fields, exponent_zero, x, table);
+  // magnitude | (x & 0x8000): ternary-logic table 0xF8 is a | (b & c).
+  return (__m512bh)_mm512_ternarylogic_epi32(magnitude, x, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+}
+
 // qk_tile on bf16 dot products: q holds each head's unscaled bf16 row at the start
-// of its fp32 row (see attend_tokens); every K load serves the NH heads.
-template <int D, int NH, int NT>
-inline void qk_tile_dpbf16(const float* q, const c10::BFloat16* k, int64_t k_stride, float* logits) {
+// of its fp32 row (see attend_rows); every K load (bf16 rows, or fp8 codes widened
+// to bf16 once) serves the NH heads.
+template <typename R, int D, int NH, int NT>
+inline void qk_tile_dpbf16(const float* q, const R* k, int64_t k_stride, float* logits) {
   Vec acc[NH * NT];
 #pragma GCC unroll 12
   for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
@@ -406,13 +457,158 @@ inline void qk_tile_dpbf16(const float* q, const c10::BFloat16* k, int64_t k_str
     for (int h = 0; h < NH; ++h) qv[h] = load_bf16_pairs<D>(q + h * D, c);
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      const __m512bh kv = load_bf16_pairs<D>(k + t * k_stride, c);
+      __m512bh kv;
+      if constexpr (kFp8Row<R>) {
+        kv = fp8_bf16_pairs<kCodeFormat<R>, D>(reinterpret_cast<const uint8_t*>(k + t * k_stride), c);
+      } else {
+        kv = load_bf16_pairs<D>(k + t * k_stride, c);
+      }
 #pragma GCC unroll 8
       for (int h = 0; h < NH; ++h) acc[h * NT + t] = Vec(_mm512_dpbf16_ps(acc[h * NT + t], qv[h], kv));
     }
   }
   store_logits<NH, NT>(acc, logits);
 }
+
+// ---- int8 codes on integer dot products (vpdpwssd: 32 int16 products per instruction,
+// summed in pairs into int32 lanes; AVX512-VNNI, which every AVX512-BF16 CPU has) ----
+
+// Codes [c, c + 32) of a row of D uint8 codes as 16-bit words, or its last 16 (head
+// sizes 80 and 112) with the upper words zero.
+template <int D>
+inline __m512i load_code_words(const uint8_t* row, int c) {
+  if (c + 32 <= D) return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+  return _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c))));
+}
+
+// Words [c, c + 32) of a row of D int16 (the quantized query), or its last 16, upper words zero.
+template <int D>
+inline __m512i load_words(const void* row, int c) {
+  const auto* p = static_cast<const int16_t*>(row) + c;
+  if (c + 32 <= D) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(0xFFFF, p);
+}
+
+// qk_tile on int16 dot products: q holds each head's query quantized to int16 at the start of
+// its fp32 row (quantize_query_i16), k rows of uint8 codes; logits are the exact integer dot
+// products q_i . c (as floats), which affine_logits turns into q . k. Sums stay below 2^31:
+// |q_i| <= 32767, c <= 255 and D <= 256 give at most 2.14e9.
+template <int D, int NH, int NT>
+inline void qk_tile_dpwssd(const float* q, const uint8_t* k, int64_t k_stride, float* logits) {
+  static_assert(D <= 256, "int32 sums of D products of 32767 x 255");
+  __m512i acc[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int c = 0; c < D; c += 32) {
+    __m512i qv[NH];
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) qv[h] = load_words<D>(q + h * D, c);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const __m512i kv = load_code_words<D>(k + t * k_stride, c);
+#pragma GCC unroll 8
+      for (int h = 0; h < NH; ++h) acc[h * NT + t] = _mm512_dpwssd_epi32(acc[h * NT + t], qv[h], kv);
+    }
+  }
+  Vec sums[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) sums[i] = Vec(_mm512_cvtepi32_ps(acc[i]));
+  store_logits<NH, NT>(sums, logits);
+}
+
+// Codes [c, c + 32) of rows r0 and r1 as (r0, r1) word pairs, one per int32 lane: lo holds
+// elements c + [0, 8) and c + [16, 24), hi c + [8, 16) and c + [24, 32) (the byte unpacks work
+// within 128-bit lanes); for the last 16 of a row, lo holds c + [0, 8) and hi c + [8, 16), upper
+// lanes zero. fold_pairs puts the elements back in order.
+template <int D>
+inline void load_code_pairs(const uint8_t* r0, const uint8_t* r1, int c, __m512i& lo, __m512i& hi) {
+  __m256i x0, x1;
+  if (c + 32 <= D) {
+    x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c));
+    x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c));
+  } else {
+    x0 = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + c)));
+    x1 = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + c)));
+  }
+  lo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(x0, x1));
+  hi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(x0, x1));
+}
+
+// acc[c, c + 32) (or its last 16) += scale * the integer sums (lo, hi) of load_code_pairs' order.
+template <int D>
+inline void fold_pairs(__m512i lo, __m512i hi, float scale, int c, float* acc) {
+  const __m512 l = _mm512_cvtepi32_ps(lo), h = _mm512_cvtepi32_ps(hi), s = _mm512_set1_ps(scale);
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(_mm512_permutex2var_ps(l, first, h), s, _mm512_loadu_ps(acc + c)));
+  if (c + 32 <= D) {
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    _mm512_storeu_ps(acc + c + 16,
+                     _mm512_fmadd_ps(_mm512_permutex2var_ps(l, second, h), s, _mm512_loadu_ps(acc + c + 16)));
+  }
+}
+
+// acc[j] += sum_t p[j][t] * c_t for NG heads over n rows of uint8 codes (p: the weights
+// p_t * s_t of affine_probs, >= 0). Each head's weights are quantized to int16 against their
+// largest (relative error <= 2^-16 of it), two tokens share an int32 lane, and the integer
+// sums of the block go to the fp32 accumulator once, times the weights' scale. An odd last
+// token pairs with itself at weight 0 (rows past the block's n are not read).
+template <int D, int NG>
+inline void pv_heads_dpwssd(const float* p, const uint8_t* v, int64_t v_stride, int n, float* acc,
+                            BlockPrefetcher& next) {
+  alignas(64) int16_t w[NG][kMaxBlockSize + 2];
+  float w_scale[NG];
+  const __mmask16 first = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 second = n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
+  for (int j = 0; j < NG; ++j) {
+    // Tokens [0, 16) and [16, n) of the head's weights (masked: rows past n are not this head's).
+    const float* row = p + j * kMaxBlockSize;
+    const __m512 x0 = _mm512_maskz_loadu_ps(first, row), x1 = _mm512_maskz_loadu_ps(second, row + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+    const float inv = top > 0.f ? 32767.f / top : 0.f;
+    w_scale[j] = top / 32767.f;
+    // Round to nearest (cvtps2dq); 0 <= x * inv <= 32767, so the words take them as they are.
+    const __m512 iv = _mm512_set1_ps(inv);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w[j]), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, iv))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w[j] + 16),
+                       _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, iv))));
+    w[j][n] = 0;
+  }
+  for (int c = 0; c < D; c += 32) {
+    __m512i a[NG][2];
+    for (int j = 0; j < NG; ++j) a[j][0] = a[j][1] = _mm512_setzero_si512();
+    for (int t = 0; t < n; t += 2) {
+      const uint8_t* r0 = v + t * v_stride;
+      __m512i lo, hi;
+      load_code_pairs<D>(r0, t + 1 < n ? r0 + v_stride : r0, c, lo, hi);
+      for (int j = 0; j < NG; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, &w[j][t], sizeof(pair));
+        const __m512i wv = _mm512_set1_epi32(pair);
+        a[j][0] = _mm512_dpwssd_epi32(a[j][0], lo, wv);
+        a[j][1] = _mm512_dpwssd_epi32(a[j][1], hi, wv);
+      }
+    }
+    for (int j = 0; j < NG; ++j) fold_pairs<D>(a[j][0], a[j][1], w_scale[j], c, acc + j * D);
+    next.step();
+  }
+}
+#endif
+
+// P.V on paired codes (pv_heads_dpwssd) from this head size on; below it the fp32 P.V. Its fixed
+// costs per block and head (the weights rounded to int16, the sums folded into the fp32
+// accumulator) do not shrink with the head size. int8 decode on the paired P.V against the
+// fp32 one, bf16 B32 ctx 2048, LLC flushed (AMD Zen 4, 2026-12-02): 32/8x128 heads 1.10x,
+// 9/3x64 0.86x.
+constexpr int kMinPairedHeadSize = 128;
+
+// Whether int8-per-token-head rows (uint8_t codes) are read with integer dot products in this variant.
+template <typename R>
+constexpr bool kDotInt16 =
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+    std::is_same_v<R, uint8_t>;
+#else
+    false;
 #endif
 
 // logits[h * kMaxBlockSize + t] = q_h . k_t for NH heads x NT tokens, NH * NT = 8 or 12
@@ -421,7 +617,8 @@ inline void qk_tile_dpbf16(const float* q, const c10::BFloat16* k, int64_t k_str
 template <typename T, int D, int NH, int NT>
 inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits) {
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-  if constexpr (kDotBf16<T>) return qk_tile_dpbf16<D, NH, NT>(q, k, k_stride, logits);
+  if constexpr (kQueryBf16<T>) return qk_tile_dpbf16<T, D, NH, NT>(q, k, k_stride, logits);
+  if constexpr (kDotInt16<T>) return qk_tile_dpwssd<D, NH, NT>(q, k, k_stride, logits);
 #endif
   constexpr int P = kParts<T>;
   Vec acc[NH * NT];
@@ -505,6 +702,9 @@ constexpr int pv_chunks() {
 // chunk is widened once for the NG heads.
 template <typename T, int D, int NG>
 inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc, BlockPrefetcher& next) {
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+  if constexpr (kDotInt16<T> && D >= kMinPairedHeadSize) return pv_heads_dpwssd<D, NG>(p, v, v_stride, n, acc, next);
+#endif
   constexpr int P = kParts<T>;
   constexpr int NC = pv_chunks<T, D, NG>();  // chunks per step
   constexpr int NV = NC * P;                                     // vectors per step
@@ -604,63 +804,149 @@ struct TaskView {
   const T* value_cache;  // at the task's first kv head
   const int32_t* table;  // the sequence's block table
   const float* slopes;   // at the task's first head, or nullptr
-  float logit_scale;     // applied to the logits when Q.K^T ran on the unscaled bf16 query (kDotBf16)
+  float logit_scale;     // applied to the logits when Q.K^T ran on the unscaled bf16 query (kQueryBf16)
   float soft_cap;        // logits_soft_cap, 0 when off
   // int8 per token and head read directly (rows of uint8_t codes): the planes, and sum(q) of each head.
   const c10::Half* k_plane = nullptr;  // [num_blocks, block_size, num_kv_heads, 2]
   const c10::Half* v_plane = nullptr;
   int64_t num_kv_heads = 0, kv_head0 = 0;
   const float* qsum = nullptr;  // [heads]
+  const float* qmul = nullptr;  // [heads], kDotInt16 only: Q.K^T ran on the int16 query, this times its logits
 };
 
 // int8 per token and head, read directly. Q.K^T ran on the codes c of each token, so the
 // logit is s_t * (q.c) + z_t * sum(q) with the token's (scale s_t, zero z_t); and P.V runs
 // on the codes with p_t * s_t, while sum_t p_t z_t goes to every element of the head's
-// accumulator. `slot0`: the block's first slot; rows [from, n) of the block; logits
-// and acc: the rows of the G heads of task-local kv head h.
-// The (scale, zero) pairs of one block's rows of every kv head, as floats [bs, num_kv_heads, 2]
-// (n = bs * num_kv_heads * 2 halves, a multiple of 16): converted once per block with vcvtph2ps,
-// then read by the G heads of every kv head (c10::Half's scalar conversion per token, head and
-// use cost about as much as the block's arithmetic).
+// accumulator.
+
+// Floats between a kv head's scales and its zeros in plane_floats' output: the block size
+// rounded up to whole vectors.
+inline int64_t plane_stride(int64_t bs) { return round_up(bs, kW); }
+
+// The (scale, zero) pairs of one block's rows of every kv head as floats, by kv head:
+// dst[(h * 2 + j) * plane_stride(bs) + t] is pair element j (scale, zero) of token t, kv
+// head h, so the G heads of a kv head take a block's logits a vector of tokens at a time.
+// The n = bs * num_kv_heads * 2 halves (a multiple of 16) are converted once per block
+// with vcvtph2ps into dst's tail (c10::Half's scalar conversion per token, head and use
+// cost about as much as the block's arithmetic), then spread out by kv head.
+// dst: [plane_floats_size(bs, num_kv_heads)].
+inline int64_t plane_floats_size(int64_t bs, int64_t num_kv_heads) {
+  return num_kv_heads * 2 * plane_stride(bs) + bs * num_kv_heads * 2;
+}
+
 inline void plane_floats(const c10::Half* plane, int64_t slot0, int64_t num_kv_heads, int64_t bs, float* dst) {
   const c10::Half* src = plane + slot0 * num_kv_heads * 2;
-  const int64_t n = bs * num_kv_heads * 2;
+  const int64_t n = bs * num_kv_heads * 2, ps = plane_stride(bs);
+  float* flat = dst + num_kv_heads * 2 * ps;  // [bs, num_kv_heads, 2]
 #if defined(CPU_CAPABILITY_AVX512)
   for (int64_t i = 0; i < n; i += 16) {
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    _mm512_storeu_ps(flat + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   for (int64_t i = 0; i < n; i += 8) {
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    _mm256_storeu_ps(flat + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   }
 #else
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) flat[i] = static_cast<float>(src[i]);
 #endif
-}
-
-// (No local arrays in these two: GCC vectorized such loops with aligned 32-byte loads of stack
-// arrays it had not aligned, in the AVX-512 build.) pf: plane_floats of the block.
-template <typename T>
-inline void affine_logits(const TaskView<T>& tv, int64_t h, const float* pf, int from, int n, float* logits) {
-  for (int t = from; t < n; ++t) {
-    const float* e = pf + (t * tv.num_kv_heads + tv.kv_head0 + h) * 2;
-    for (int64_t g = 0; g < tv.G; ++g) {
-      float& x = logits[g * kMaxBlockSize + t];
-      x = e[0] * x + e[1] * tv.qsum[h * tv.G + g];
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    float* scale = dst + h * 2 * ps;
+    float* zero = scale + ps;
+    for (int64_t t = 0; t < bs; ++t) {
+      scale[t] = flat[(t * num_kv_heads + h) * 2];
+      zero[t] = flat[(t * num_kv_heads + h) * 2 + 1];
     }
   }
 }
 
+// Prefetches the lines of [p, p + bytes) into L2.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+  if (bytes > 0) __builtin_prefetch(c + bytes - 1, 0, 2);
+}
+
+// Loads block `block`'s (scale, zero) pairs of every kv head, K and V, a word from each
+// line; returns a value made from them (kept by the caller, so the loads stay). Decode
+// calls it before sweeping a block's rows: the planes are a separate tensor that neither
+// the sweep nor the prefetchers cover, so each block's K and V planes were two misses on
+// the critical path when their logits and weights were computed (perf put a quarter of
+// an int8 decode's time on them). Loaded this way their misses overlap the sweep's; the
+// swept decode also prefetches the next unit's planes (prefetch_planes). int8 against the
+// bf16 cache, bf16 9/3x64 and 32/8x128 heads, B32 ctx 2048 (AMD Zen 4, 2026-12-02): the
+// prefetch alone 0.93x and 1.17x, both 1.21x and 1.31x, the loads alone 1.10x and 1.33x.
+inline uint32_t touch_planes(const c10::Half* k_plane, const c10::Half* v_plane, int64_t block, int64_t bs,
+                             int64_t num_kv_heads) {
+  const int64_t offset = block * bs * num_kv_heads * 2;
+  const int64_t bytes = bs * num_kv_heads * 2 * static_cast<int64_t>(sizeof(c10::Half));
+  const char* k = reinterpret_cast<const char*>(k_plane + offset);
+  const char* v = reinterpret_cast<const char*>(v_plane + offset);
+  uint32_t bits = 0;
+  for (int64_t off = 0; off < bytes; off += 64) {
+    uint32_t x, y;
+    std::memcpy(&x, k + off, sizeof(x));
+    std::memcpy(&y, v + off, sizeof(y));
+    bits ^= x ^ y;
+  }
+  return bits;
+}
+
+template <typename T>
+inline uint32_t touch_planes(const TaskView<T>& tv, int64_t b) {
+  return touch_planes(tv.k_plane, tv.v_plane, tv.table[b], tv.bs, tv.num_kv_heads);
+}
+
+// Prefetches block b's (scale, zero) pairs of every kv head, K and V.
+template <typename T>
+inline void prefetch_planes(const TaskView<T>& tv, int64_t b) {
+  const int64_t offset = static_cast<int64_t>(tv.table[b]) * tv.bs * tv.num_kv_heads * 2;
+  const int64_t bytes = tv.bs * tv.num_kv_heads * 2 * static_cast<int64_t>(sizeof(c10::Half));
+  prefetch_lines(tv.k_plane + offset, bytes);
+  prefetch_lines(tv.v_plane + offset, bytes);
+}
+
+// Logits of tokens [from, n) of the G heads of task-local kv head h: the code dot products
+// become s_t * q.c + z_t * sum(q) (times the int16 query's scale first, kDotInt16), a vector
+// of tokens at a time. (No local arrays in these two: GCC vectorized such loops with aligned
+// 32-byte loads of stack arrays it had not aligned, in the AVX-512 build.) pf: plane_floats
+// of the block.
+template <typename T>
+inline void affine_logits(const TaskView<T>& tv, int64_t h, const float* pf, int from, int n, float* logits) {
+  const float* scale = pf + (tv.kv_head0 + h) * 2 * plane_stride(tv.bs);
+  const float* zero = scale + plane_stride(tv.bs);
+  for (int64_t g = 0; g < tv.G; ++g) {
+    float* row = logits + g * kMaxBlockSize;
+    const float qm = kDotInt16<T> ? tv.qmul[h * tv.G + g] : 1.f, qs = tv.qsum[h * tv.G + g];
+    const Vec qmv(qm), qsv(qs);
+    int t = from;
+    for (; t + kW <= n; t += kW) {
+      const Vec x = Vec::loadu(row + t) * qmv;
+      at::vec::fmadd(Vec::loadu(scale + t), x, Vec::loadu(zero + t) * qsv).store(row + t);
+    }
+    for (; t < n; ++t) row[t] = scale[t] * (row[t] * qm) + zero[t] * qs;
+  }
+}
+
+// Probabilities of tokens [from, n) of the G heads of task-local kv head h: p_t becomes the
+// weight p_t * s_t of the codes, and sum_t p_t z_t goes to every element of the head's accumulator.
 template <typename T, int D>
 inline void affine_probs(const TaskView<T>& tv, int64_t h, const float* pf, int from, int n, float* logits,
                          float* acc) {
+  const float* scale = pf + (tv.kv_head0 + h) * 2 * plane_stride(tv.bs);
+  const float* zero = scale + plane_stride(tv.bs);
   for (int64_t g = 0; g < tv.G; ++g) {
     float* row = logits + g * kMaxBlockSize;
-    float shift = 0.f;
-    for (int t = from; t < n; ++t) {
-      const float* e = pf + (t * tv.num_kv_heads + tv.kv_head0 + h) * 2;
-      shift += row[t] * e[1];
-      row[t] *= e[0];
+    Vec shifts(0.f);
+    int t = from;
+    for (; t + kW <= n; t += kW) {
+      const Vec p = Vec::loadu(row + t);
+      shifts = at::vec::fmadd(p, Vec::loadu(zero + t), shifts);
+      (p * Vec::loadu(scale + t)).store(row + t);
+    }
+    float shift = hsum(shifts);
+    for (; t < n; ++t) {
+      shift += row[t] * zero[t];
+      row[t] *= scale[t];
     }
     const Vec sv(shift);
     float* a = acc + g * D;
@@ -683,7 +969,7 @@ template <typename T, int D>
 inline void block_softmax(const TaskView<T>& tv, int64_t token0, int skip, int n, float* logits, DecodeScratch& s) {
   for (int64_t head = 0; head < tv.heads; ++head) {
     float* row = logits + head * kMaxBlockSize;
-    if constexpr (kDotBf16<T>) {
+    if constexpr (kQueryBf16<T>) {
       // Rows hold kMaxBlockSize logits, a multiple of kW, so n rounded up to kW stays inside.
       const Vec scale(tv.logit_scale);
       for (int t = 0; t < n; t += kW) (Vec::loadu(row + t) * scale).store(row + t);
@@ -731,11 +1017,19 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
       rows[num_rows++] = reinterpret_cast<const char*>(keys(b));
       rows[num_rows++] = reinterpret_cast<const char*>(values(b));
     }
-    s.sink = touch_ranges(rows, num_rows, block_bytes);
+    uint32_t plane_bits = 0;
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      // The unit's planes are loaded before its rows, so their misses overlap the sweep's.
+      for (int64_t b = b0; b < b1; ++b) plane_bits ^= touch_planes(tv, b);
+    }
+    s.sink = touch_ranges(rows, num_rows, block_bytes) + static_cast<float>(plane_bits & 1);
     // The next unit in the order its arithmetic reads it: K rows, then V rows.
     BlockPrefetcher next;
     for (int64_t b = b1; b < b2; ++b) next.add(keys(b), block_bytes);
     for (int64_t b = b1; b < b2; ++b) next.add(values(b), block_bytes);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      for (int64_t b = b1; b < b2; ++b) prefetch_planes(tv, b);
+    }
     const int64_t token0 = b0 * bs;
     // A split task may start inside a block: tokens before w.begin are masked out.
     const int skip = static_cast<int>(std::max<int64_t>(0, w.begin - token0));
@@ -801,6 +1095,10 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
     const int n = static_cast<int>(std::min(bs, w.end - token0));
     const int64_t k_line = (b - first_block) * 2 * block_lines, v_line = k_line + block_lines;
     ahead.advance_to(k_line);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      // The block's planes are loaded now, to be ready when its logits are (see attend_blocks_swept).
+      s.sink = static_cast<float>(touch_planes(tv, b) & 1);
+    }
     // Rows up to round_up(n, 8) <= block_size exist; the extra logits are masked by softmax_update.
     // Groups wholly before `skip` (a window's start) are not read; P.V starts at skip itself.
     const int first_group = skip / kStreamTokens * kStreamTokens;
@@ -865,7 +1163,9 @@ void attend_blocks_staged(const TaskView<float>& tv, const QuantRows& kq, const 
   float* stage = s.stage.data();
   for (int64_t b = first_block; b < end_block; ++b) {
     const char* swept[2] = {rows_of(kq, b), rows_of(vq, b)};
-    s.sink = touch_ranges(swept, 2, block_bytes);
+    uint32_t plane_bits = 0;
+    if (kq.plane) plane_bits = touch_planes(kq.plane, vq.plane, tv.table[b], bs, nkv);  // before the rows, as in the sweep
+    s.sink = touch_ranges(swept, 2, block_bytes) + static_cast<float>(plane_bits & 1);
     BlockPrefetcher next;
     if (b + 1 < end_block) {
       next.add(rows_of(kq, b + 1), block_bytes);
@@ -894,6 +1194,34 @@ void attend_blocks_staged(const TaskView<float>& tv, const QuantRows& kq, const 
 // in the scratch. A group of several kv heads reads each block as one
 // contiguous stretch (token rows are [num_kv_heads, head_size]), which the
 // stream prefetchers, the TLB and the DRAM pages prefer.
+// One query row times `scale`, quantized to int16 against its largest |x| for int8 codes on
+// integer dot products (kDotInt16): dst's first round_up(D, 32) int16 (zero past D) hold it,
+// mul its scale (x ~ mul * dst), sum = mul * the sum of dst, so that the zero points see
+// the same query as the codes. A non-finite query gives mul NaN, so the output is NaN as on
+// the other paths.
+template <typename T, int D>
+inline void quantize_query_i16(const T* query, float scale, float* dst, float& mul, float& sum) {
+  alignas(64) float x[D];
+  float top = 0.f;
+  bool finite = true;
+  for (int64_t d = 0; d < D; ++d) {
+    x[d] = to_f32(query[d]) * scale;
+    finite = finite && std::isfinite(x[d]);
+    top = std::max(top, std::fabs(x[d]));
+  }
+  const float inv = finite && top > 0.f ? 32767.f / top : 0.f;
+  auto* words = reinterpret_cast<int16_t*>(dst);
+  int64_t total = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = finite ? std::clamp(x[d] * inv, -32767.f, 32767.f) : 0.f;
+    words[d] = static_cast<int16_t>(std::lrint(r));
+    total += words[d];
+  }
+  for (int64_t d = D; d < round_up(D, 32); ++d) words[d] = 0;
+  mul = finite ? top / 32767.f : std::numeric_limits<float>::quiet_NaN();
+  sum = mul * static_cast<float>(total);
+}
+
 // attend_tokens over rows of element type R: the cache's own (T, unquantized), or fp8 / int8
 // codes read directly. The query goes to s.q in R's chunk order, pre-scaled (times fp8's code
 // multiplier, cpu/kv_dequant.h); with bf16 dot products it stays bf16 and unscaled.
@@ -906,12 +1234,16 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
   const float q_scale = kFp8Row<R> ? p.scale * fp8_mul(p.kv_format, p.k_scale) : p.scale;
   if constexpr (std::is_same_v<R, uint8_t>) {
     s.qsum.resize(heads);
-    s.plane.resize(p.block_size * p.num_kv_heads * 2);
+    s.qmul.resize(heads);
+    s.plane.resize(plane_floats_size(p.block_size, p.num_kv_heads));
   }
   for (int64_t h = 0; h < heads; ++h) {
-    if constexpr (kDotBf16<R>) {
+    if constexpr (kDotInt16<R>) {
+      quantize_query_i16<T, D>(query + h * D, q_scale, s.q.data() + h * D, s.qmul[h], s.qsum[h]);
+    } else if constexpr (kQueryBf16<R>) {
       // The bf16 row as given, in the first half of the head's fp32 row (so the
-      // callers' offsets h * D still find it); the scale goes on the logits.
+      // callers' offsets h * D still find it); the scale (times fp8's tensor scale,
+      // fp8_bf16_pairs giving the codes' own values) goes on the logits.
       std::copy(query + h * D, query + (h + 1) * D, reinterpret_cast<T*>(s.q.data() + h * D));
     } else {
       float sum = 0.f;
@@ -933,7 +1265,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
                  static_cast<const R*>(p.value_cache) + w.kv_head0 * D,
                  p.block_tables + w.seq * p.max_blocks_per_seq,
                  p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
-                 p.scale,
+                 kFp8Row<R> ? p.scale * p.k_scale : p.scale,
                  p.logits_soft_cap};
   if constexpr (std::is_same_v<R, uint8_t>) {
     tv.k_plane = p.k_plane;
@@ -941,6 +1273,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
     tv.num_kv_heads = p.num_kv_heads;
     tv.kv_head0 = w.kv_head0;
     tv.qsum = s.qsum.data();
+    tv.qmul = s.qmul.data();
   }
   const bool whole_rows = w.num_kv_heads == p.num_kv_heads;
   if (whole_rows && row_stride * static_cast<int64_t>(sizeof(R)) >= kStreamRowBytes) {

@@ -14,7 +14,10 @@ CpuCapability best_supported() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    return __builtin_cpu_supports("avx512bf16") ? CpuCapability::kAvx512Bf16 : CpuCapability::kAvx512;
+    // The bf16 variant also reads int8 caches with vpdpwssd (AVX512-VNNI), which every
+    // CPU with AVX512-BF16 has (Cooper Lake, Sapphire Rapids and later, Zen 4 and later).
+    const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+    return bf16 ? CpuCapability::kAvx512Bf16 : CpuCapability::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     return CpuCapability::kAvx2;

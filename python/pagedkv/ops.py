@@ -44,7 +44,8 @@ block mapping from the host).
 
 CPU kernel variants: `cpu_capability()` names the one in use (`default`, `avx2`,
 `avx512`, or `avx512_bf16`, whose bf16 kernels take Q.K^T on the CPU's bf16 dot
-products); `PAGEDKV_CPU_CAPABILITY=NAME` or `set_cpu_capability(NAME)` picks an
+products, fp8 caches included, and read int8 caches on its int16 dot products,
+AVX512-VNNI); `PAGEDKV_CPU_CAPABILITY=NAME` or `set_cpu_capability(NAME)` picks an
 older one (tests, benchmarks).
 """
 
