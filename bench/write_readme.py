@@ -138,8 +138,8 @@ last-level cache flushed. Targets (issue 23, bf16): an 8-bit cache >= 1.3x faste
 2048, and vLLM's fp8 time / ours >= 1.0 (geomean over the rows). Every kernel is checked against
 `pagedkv.reference` with the same `kv_cache_dtype`. Zen 4, 2026-12-02: bf16 compute runs the `avx512_bf16` kernels,
 where fp8's Q.K^T is on `vdpbf16ps` and int8's on `vpdpwssd` (and its P.V from head size 128), with each block's
-scale planes loaded beside its sweep; on 2026-12-01, before those, the same rows gave fp8 1.14-1.27x and int8
-0.96-1.03x."""),
+scale planes loaded beside its sweep; on 2026-12-01, before those and on another Zen 4 VM (faster memory: the bf16
+cache's times were 0.8x these), the same rows gave fp8 1.14-1.27x and int8 0.96-1.03x."""),
     ("The same on an AVX2 CPU (no AVX-512, no bf16 dot products)", "kernels_quantized_avx2_cpu.md", [], """\
 `bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
