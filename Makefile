@@ -39,6 +39,9 @@ bench-all: install
 	# Decode on quantized KV caches: each kv_cache_dtype vs the bf16/fp32 cache and vLLM CPU's fp8 (~4 minutes).
 	$(PYTHON) bench/bench_kernels.py --quantized --json bench/results/kernels_quantized_cpu.json \
 		> bench/results/kernels_quantized_cpu.md
+	# The same caches under the avx512 and avx512_bf16 kernels (what the bf16 / int16 dot-product paths buy).
+	$(PYTHON) bench/bench_kernels.py --cpu-variants avx512 avx512_bf16 --kv-cache-dtypes fp8_e4m3 fp8_e5m2 \
+		int8_per_token_head --json bench/results/kernels_cpu_variants_cpu.json > bench/results/kernels_cpu_variants_cpu.md
 	$(PYTHON) bench/bench_sampler.py --out bench/results/sampler_cpu.md --json bench/results/sampler_cpu.json
 	$(PYTHON) bench/bench_engine_core.py --out bench/results/engine_core_cpu.md --json bench/results/engine_core_cpu.json
 	$(PYTHON) bench/bench_soak.py --num-requests 4000 --out bench/results/soak_cpu.md --json bench/results/soak_cpu.json

@@ -802,6 +802,77 @@ def print_quantized_verdicts(rows: list[dict]) -> dict:
     return summary
 
 
+def runnable_cpu_variants(names: list[str]) -> list[str]:
+    """The CPU kernel variants among names this machine runs (set_cpu_capability refuses the others)."""
+    current = ops.cpu_capability()
+    ok = []
+    for name in names:
+        try:
+            ops.set_cpu_capability(name)
+        except RuntimeError:
+            continue
+        ok.append(name)
+    ops.set_cpu_capability(current)
+    return ok
+
+
+def variant_timer(base: Callable[[], float], variant: str) -> Callable[[], float]:
+    """A contender that switches the CPU kernel variant (untimed), then runs `base`."""
+    def run() -> float:
+        ops.set_cpu_capability(variant)
+        return base()
+    return run
+
+
+def run_cpu_variants(args: argparse.Namespace) -> dict:
+    """The batch-32 target rows in bf16 with the cache in every format, each format timed under every CPU
+    kernel variant of --cpu-variants, all interleaved: what an instruction-set path (e.g. avx512_bf16's bf16
+    and int16 dot products on fp8 and int8 caches) buys over an older variant on the same caches."""
+    variants = runnable_cpu_variants(args.cpu_variants)
+    if len(variants) < 2:  # nothing to compare here (e.g. an AVX2 CPU asked for the AVX-512 variants)
+        print(f"## CPU decode per kernel variant: this CPU runs only {variants} of {args.cpu_variants}\n")
+        return {"variants": variants, "rows": []}
+    current = ops.cpu_capability()
+    rows = []
+    for batch, context, heads, kv_heads, head_size in TARGET_ROWS[:2]:
+        case = DecodeCase(batch, context, heads, kv_heads, head_size, "bf16")
+        log(f"cpu variants {case}")
+        inputs = make_decode_inputs(case, args.device, seed=case.batch * 7919 + case.context)
+        caches = quantized_caches(inputs, args.pagedkv_kv_dtypes)
+        timers = {}
+        for name, cache in caches.items():
+            fn = cache_decode(inputs, case, cache)
+            expected = cache_reference(inputs, cache)
+            for variant in variants:
+                ops.set_cpu_capability(variant)
+                diff, ok = within_tolerance(fn(), expected, case.dtype)
+                if not ok:
+                    raise SystemExit(f"{case} {name} on {variant}: max |diff| {diff:.3g} against pagedkv.reference")
+                timers[f"{KV_SHORT[name]}@{variant}"] = variant_timer(timer(fn, args.device, args.flush), variant)
+        with index_checks_off():
+            times = time_interleaved(timers, args.budget_s * QUANT_BUDGET_FACTOR, args.min_reps, args.max_reps)
+        ops.set_cpu_capability(current)
+        for name in caches:
+            short = KV_SHORT[name]
+            row = {"heads": case.heads, "batch": batch, "context": context, "format": short}
+            for variant in variants:
+                row[f"{variant}_us"] = times[f"{short}@{variant}"] * 1e6
+                row[f"auto_over_{variant}"] = times[f"auto@{variant}"] / times[f"{short}@{variant}"]
+            row["speedup"] = row[f"{variants[0]}_us"] / row[f"{variants[-1]}_us"]
+            rows.append(row)
+        gc.collect()
+    print(f"## CPU decode per kernel variant: {', '.join(variants)} on the same caches, LLC flushed\n")
+    print(f"bf16 compute, the batch-32 target rows, block size {BLOCK_SIZE}; every format's call timed under each "
+          f"variant, all contenders of a row interleaved rep by rep. speedup = {variants[0]} time / {variants[-1]} "
+          f"time on the same cache; auto/X per variant: the bf16 cache's time / the format's.\n")
+    columns = [("heads", "heads", "{}"), ("batch", "batch", "{}"), ("ctx", "context", "{}"), ("cache", "format", "{}")]
+    columns += [(f"{v} us", f"{v}_us", "{:.0f}") for v in variants]
+    columns += [("speedup", "speedup", "{:.2f}")] + [(f"auto/X {v}", f"auto_over_{v}", "{:.2f}") for v in variants]
+    print_table(rows, columns)
+    print()
+    return {"variants": variants, "rows": rows}
+
+
 def run_quantized(args: argparse.Namespace, vllm: list[VllmKernel]) -> dict:
     """TARGET_ROWS with the cache in every kv_cache_dtype, per compute dtype (bf16 first: the targets)."""
     rows = []
@@ -1282,6 +1353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantized", action="store_true",
                    help="only decode on quantized KV caches (--kv-cache-dtypes) vs the compute-dtype cache and vs "
                         "vLLM CPU's fp8 cache, on the target shapes (not part of --all)")
+    p.add_argument("--cpu-variants", nargs="+", choices=["default", "avx2", "avx512", "avx512_bf16"],
+                   help="only the batch-32 bf16 target rows on every cache format, timed under each of these CPU "
+                        "kernel variants (the older first), interleaved (not part of --all)")
     p.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES[1:], default=QUANTIZED_KV_DTYPES,
                    help="--quantized: pagedkv's cache formats timed beside the compute-dtype cache")
     p.add_argument("--vllm-kv-cache-dtypes", nargs="+", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
@@ -1333,7 +1407,8 @@ def sections(args: argparse.Namespace) -> set[str]:
         return {"decode", "v1_vs_v2", "targets", "prefill", "cache_ops", "fused_ops"}
     chosen = {name for name, on in (("v1_vs_v2", args.v1_vs_v2), ("targets", args.targets),
                                     ("prefill", args.prefill), ("fused_ops", args.fused),
-                                    ("quantized", args.quantized)) if on}
+                                    ("quantized", args.quantized), ("cpu_variants", args.cpu_variants))
+              if on}
     return chosen or {"decode", "cache_ops"}
 
 
@@ -1365,6 +1440,8 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             if "quantized" in todo:
                 results["quantized"] = run_quantized(args, vllm_quantized)
+            if "cpu_variants" in todo:
+                results["cpu_variants"] = run_cpu_variants(args)
             if "targets" in todo:
                 results["targets"] = run_targets(args, bandwidth, vllm)
                 if args.device == "cpu":

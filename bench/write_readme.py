@@ -140,6 +140,12 @@ last-level cache flushed. Targets (issue 23, bf16): an 8-bit cache >= 1.3x faste
 where fp8's Q.K^T is on `vdpbf16ps` and int8's on `vpdpwssd` (and its P.V from head size 128), with each block's
 scale planes loaded beside its sweep; on 2026-12-01, before those and on another Zen 4 VM (faster memory: the bf16
 cache's times were 0.8x these), the same rows gave fp8 1.14-1.27x and int8 0.96-1.03x."""),
+    ("Quantized caches per CPU kernel variant (`bench/bench_kernels.py --cpu-variants avx512 avx512_bf16`)",
+     "kernels_cpu_variants_cpu.md", [], """\
+The same caches timed under the `avx512` kernels (codes widened to fp32) and the `avx512_bf16` ones (fp8's Q.K^T on
+`vdpbf16ps`, int8's on `vpdpwssd` and its P.V from head size 128), interleaved in one run: what those
+instruction-set paths buy, apart from the rest of the kernel, which both variants share. On this Zen 4 they buy
+int8 about 1.1x at head size 128 and fp8 0-5%."""),
     ("The same on an AVX2 CPU (no AVX-512, no bf16 dot products)", "kernels_quantized_avx2_cpu.md", [], """\
 `bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
