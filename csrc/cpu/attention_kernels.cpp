@@ -34,9 +34,9 @@
 // int8-per-token-head cache runs on integer dot products (vpdpwssd, AVX512-VNNI):
 // Q.K^T on the codes against the query quantized to int16 per head, and (head sizes from
 // kMinPairedHeadSize) P.V on pairs of tokens' codes against the weights quantized to int16
-// per head and block, both summed exactly in int32; the fp32 widening of every code (two instructions per 16 codes, more
-// than the FMAs of a group's heads) is gone, and the int16 rounding (2^-16 of a row's
-// largest value) is far below the bf16 query's own.
+// per head and block, both summed exactly in int32; the fp32 widening of every code (two
+// instructions per 16 codes, more than the FMAs of a group's heads) is gone, and the int16
+// rounding (2^-16 of a row's largest value) is far below the bf16 query's own.
 //
 // A quantized cache (fp8, int8 / int4 per token and head; cpu/kv_dequant.h) is read
 // by dequantizing rows into a small fp32 staging tile right before their arithmetic,
@@ -442,33 +442,53 @@ inline __m512bh fp8_bf16_pairs(const uint8_t* row, int c) {
   return (__m512bh)_mm512_ternarylogic_epi32(magnitude, x, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
 }
 
-// qk_tile on bf16 dot products: q holds each head's unscaled bf16 row at the start
-// of its fp32 row (see attend_rows); every K load (bf16 rows, or fp8 codes widened
-// to bf16 once) serves the NH heads.
-template <typename R, int D, int NH, int NT>
-inline void qk_tile_dpbf16(const float* q, const R* k, int64_t k_stride, float* logits) {
-  Vec acc[NH * NT];
+// The loop of the dot-product tiles: NH heads x NT tokens of accumulators, 32 elements of a
+// row per step, every K load (and widening) serving the NH heads, the sums reduced together
+// at the end. Dot gives the accumulator, the loads of q and of a K row, and the instruction.
+template <typename Dot, int D, int NH, int NT, typename R>
+inline void qk_tile_dot(const float* q, const R* k, int64_t k_stride, float* logits) {
+  typename Dot::Acc acc[NH * NT];
 #pragma GCC unroll 12
-  for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
+  for (int i = 0; i < NH * NT; ++i) acc[i] = Dot::zero();
 #pragma GCC unroll 4
   for (int c = 0; c < D; c += 32) {
-    __m512bh qv[NH];
+    typename Dot::Words qv[NH];
 #pragma GCC unroll 8
-    for (int h = 0; h < NH; ++h) qv[h] = load_bf16_pairs<D>(q + h * D, c);
+    for (int h = 0; h < NH; ++h) qv[h] = Dot::template load_query<D>(q + h * D, c);
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      __m512bh kv;
-      if constexpr (kFp8Row<R>) {
-        kv = fp8_bf16_pairs<kCodeFormat<R>, D>(reinterpret_cast<const uint8_t*>(k + t * k_stride), c);
-      } else {
-        kv = load_bf16_pairs<D>(k + t * k_stride, c);
-      }
+      const typename Dot::Words kv = Dot::template load_key<D>(k + t * k_stride, c);
 #pragma GCC unroll 8
-      for (int h = 0; h < NH; ++h) acc[h * NT + t] = Vec(_mm512_dpbf16_ps(acc[h * NT + t], qv[h], kv));
+      for (int h = 0; h < NH; ++h) acc[h * NT + t] = Dot::dot(acc[h * NT + t], qv[h], kv);
     }
   }
-  store_logits<NH, NT>(acc, logits);
+  Vec sums[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) sums[i] = Dot::sum(acc[i]);
+  store_logits<NH, NT>(sums, logits);
 }
+
+// qk_tile_dot on bf16 dot products: q holds each head's unscaled bf16 row at the start of its
+// fp32 row (see attend_rows); K rows are bf16 as they are, or fp8 codes widened to bf16.
+struct Bf16Dot {
+  using Acc = __m512;
+  using Words = __m512bh;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  template <int D>
+  static Words load_query(const float* q, int c) {
+    return load_bf16_pairs<D>(q, c);
+  }
+  template <int D, typename R>
+  static Words load_key(const R* row, int c) {
+    if constexpr (kFp8Row<R>) {
+      return fp8_bf16_pairs<kCodeFormat<R>, D>(reinterpret_cast<const uint8_t*>(row), c);
+    } else {
+      return load_bf16_pairs<D>(row, c);
+    }
+  }
+  static Acc dot(Acc acc, Words a, Words b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static Vec sum(Acc acc) { return Vec(acc); }
+};
 
 // ---- int8 codes on integer dot products (vpdpwssd: 32 int16 products per instruction,
 // summed in pairs into int32 lanes; AVX512-VNNI, which every AVX512-BF16 CPU has) ----
@@ -489,33 +509,25 @@ inline __m512i load_words(const void* row, int c) {
   return _mm512_maskz_loadu_epi16(0xFFFF, p);
 }
 
-// qk_tile on int16 dot products: q holds each head's query quantized to int16 at the start of
-// its fp32 row (quantize_query_i16), k rows of uint8 codes; logits are the exact integer dot
-// products q_i . c (as floats), which affine_logits turns into q . k. Sums stay below 2^31:
-// |q_i| <= 32767, c <= 255 and D <= 256 give at most 2.14e9.
-template <int D, int NH, int NT>
-inline void qk_tile_dpwssd(const float* q, const uint8_t* k, int64_t k_stride, float* logits) {
-  static_assert(D <= 256, "int32 sums of D products of 32767 x 255");
-  __m512i acc[NH * NT];
-#pragma GCC unroll 12
-  for (int i = 0; i < NH * NT; ++i) acc[i] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-  for (int c = 0; c < D; c += 32) {
-    __m512i qv[NH];
-#pragma GCC unroll 8
-    for (int h = 0; h < NH; ++h) qv[h] = load_words<D>(q + h * D, c);
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) {
-      const __m512i kv = load_code_words<D>(k + t * k_stride, c);
-#pragma GCC unroll 8
-      for (int h = 0; h < NH; ++h) acc[h * NT + t] = _mm512_dpwssd_epi32(acc[h * NT + t], qv[h], kv);
-    }
+// qk_tile_dot on int16 dot products: q holds each head's query quantized to int16 at the
+// start of its fp32 row (quantize_query_i16), K rows are uint8 codes; the logits are the exact
+// integer dot products q_i . c (as floats), which affine_logits turns into q . k. Sums stay
+// below 2^31: |q_i| <= 32767, c <= 255 and D <= 256 give at most 2.14e9 (qk_tile asserts D).
+struct Int16Dot {
+  using Acc = __m512i;
+  using Words = __m512i;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  template <int D>
+  static Words load_query(const float* q, int c) {
+    return load_words<D>(q, c);
   }
-  Vec sums[NH * NT];
-#pragma GCC unroll 12
-  for (int i = 0; i < NH * NT; ++i) sums[i] = Vec(_mm512_cvtepi32_ps(acc[i]));
-  store_logits<NH, NT>(sums, logits);
-}
+  template <int D>
+  static Words load_key(const uint8_t* row, int c) {
+    return load_code_words<D>(row, c);
+  }
+  static Acc dot(Acc acc, Words a, Words b) { return _mm512_dpwssd_epi32(acc, a, b); }
+  static Vec sum(Acc acc) { return Vec(_mm512_cvtepi32_ps(acc)); }
+};
 
 // Codes [c, c + 32) of rows r0 and r1 as (r0, r1) word pairs, one per int32 lane: lo holds
 // elements c + [0, 8) and c + [16, 24), hi c + [8, 16) and c + [24, 32) (the byte unpacks work
@@ -617,8 +629,11 @@ constexpr bool kDotInt16 =
 template <typename T, int D, int NH, int NT>
 inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits) {
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-  if constexpr (kQueryBf16<T>) return qk_tile_dpbf16<T, D, NH, NT>(q, k, k_stride, logits);
-  if constexpr (kDotInt16<T>) return qk_tile_dpwssd<D, NH, NT>(q, k, k_stride, logits);
+  if constexpr (kQueryBf16<T>) return qk_tile_dot<Bf16Dot, D, NH, NT>(q, k, k_stride, logits);
+  if constexpr (kDotInt16<T>) {
+    static_assert(D <= 256, "int32 sums of D products of 32767 x 255");
+    return qk_tile_dot<Int16Dot, D, NH, NT>(q, k, k_stride, logits);
+  }
 #endif
   constexpr int P = kParts<T>;
   Vec acc[NH * NT];
@@ -859,6 +874,11 @@ inline void plane_floats(const c10::Half* plane, int64_t slot0, int64_t num_kv_h
   }
 }
 
+// Bytes of one block's (scale, zero) pairs of every kv head, in K's (or V's) plane.
+inline int64_t block_plane_bytes(int64_t bs, int64_t num_kv_heads) {
+  return bs * num_kv_heads * 2 * static_cast<int64_t>(sizeof(c10::Half));
+}
+
 // Prefetches the lines of [p, p + bytes) into L2.
 inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -873,12 +893,13 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
 // the critical path when their logits and weights were computed (perf put a quarter of
 // an int8 decode's time on them). Loaded this way their misses overlap the sweep's; the
 // swept decode also prefetches the next unit's planes (prefetch_planes). int8 against the
-// bf16 cache, bf16 9/3x64 and 32/8x128 heads, B32 ctx 2048 (AMD Zen 4, 2026-12-02): the
-// prefetch alone 0.93x and 1.17x, both 1.21x and 1.31x, the loads alone 1.10x and 1.33x.
+// bf16 cache, bf16 9/3x64 and 32/8x128 heads, B32 ctx 2048 (AMD Zen 4, 2026-12-02, one run
+// each): the prefetch alone 0.93x and 1.17x; the loads alone 1.10x and 1.33x; both 1.08-1.24x
+// and 1.29-1.33x over four runs (the loads are the gain; the prefetch beside them is within
+// this box's noise).
 inline uint32_t touch_planes(const c10::Half* k_plane, const c10::Half* v_plane, int64_t block, int64_t bs,
                              int64_t num_kv_heads) {
-  const int64_t offset = block * bs * num_kv_heads * 2;
-  const int64_t bytes = bs * num_kv_heads * 2 * static_cast<int64_t>(sizeof(c10::Half));
+  const int64_t offset = block * bs * num_kv_heads * 2, bytes = block_plane_bytes(bs, num_kv_heads);
   const char* k = reinterpret_cast<const char*>(k_plane + offset);
   const char* v = reinterpret_cast<const char*>(v_plane + offset);
   uint32_t bits = 0;
@@ -900,9 +921,8 @@ inline uint32_t touch_planes(const TaskView<T>& tv, int64_t b) {
 template <typename T>
 inline void prefetch_planes(const TaskView<T>& tv, int64_t b) {
   const int64_t offset = static_cast<int64_t>(tv.table[b]) * tv.bs * tv.num_kv_heads * 2;
-  const int64_t bytes = tv.bs * tv.num_kv_heads * 2 * static_cast<int64_t>(sizeof(c10::Half));
-  prefetch_lines(tv.k_plane + offset, bytes);
-  prefetch_lines(tv.v_plane + offset, bytes);
+  prefetch_lines(tv.k_plane + offset, block_plane_bytes(tv.bs, tv.num_kv_heads));
+  prefetch_lines(tv.v_plane + offset, block_plane_bytes(tv.bs, tv.num_kv_heads));
 }
 
 // Logits of tokens [from, n) of the G heads of task-local kv head h: the code dot products
@@ -1189,11 +1209,6 @@ void attend_blocks_staged(const TaskView<float>& tv, const QuantRows& kq, const 
   }
 }
 
-// Attention of the query heads of a group of kv heads over tokens [begin, end);
-// leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
-// in the scratch. A group of several kv heads reads each block as one
-// contiguous stretch (token rows are [num_kv_heads, head_size]), which the
-// stream prefetchers, the TLB and the DRAM pages prefer.
 // One query row times `scale`, quantized to int16 against its largest |x| for int8 codes on
 // integer dot products (kDotInt16): dst's first round_up(D, 32) int16 (zero past D) hold it,
 // mul its scale (x ~ mul * dst), sum = mul * the sum of dst, so that the zero points see
@@ -1222,6 +1237,11 @@ inline void quantize_query_i16(const T* query, float scale, float* dst, float& m
   sum = mul * static_cast<float>(total);
 }
 
+// Attention of the query heads of a group of kv heads over tokens [begin, end);
+// leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
+// in the scratch. A group of several kv heads reads each block as one
+// contiguous stretch (token rows are [num_kv_heads, head_size]), which the
+// stream prefetchers, the TLB and the DRAM pages prefer.
 // attend_tokens over rows of element type R: the cache's own (T, unquantized), or fp8 / int8
 // codes read directly. The query goes to s.q in R's chunk order, pre-scaled (times fp8's code
 // multiplier, cpu/kv_dequant.h); with bf16 dot products it stays bf16 and unscaled.
