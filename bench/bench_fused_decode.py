@@ -20,7 +20,7 @@ import subprocess
 
 import torch
 from pagedkv import LLM, SamplingParams, ops
-from pagedkv.engine import EngineArgs
+from pagedkv.config import EngineArgs
 from pagedkv.model.loader import LoadedModel
 
 

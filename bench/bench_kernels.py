@@ -36,7 +36,7 @@ Usage:
     python bench/bench_kernels.py --v1-vs-v2      # v1 vs v2 sweep, checks should_use_v2
     python bench/bench_kernels.py --targets       # the CPU decode target rows (issue 10) and their verdict
     python bench/bench_kernels.py --prefill       # paged prefill vs causal SDPA on contiguous K/V
-    python bench/bench_kernels.py --fused         # fused norm / rotary+cache ops vs the torch sequences they replace
+    python bench/bench_kernels.py --fused         # fused norm / silu_and_mul / rotary+cache ops vs the torch sequences
     python bench/bench_kernels.py --quantized     # decode per kv_cache_dtype vs the bf16/fp32 cache, vLLM's fp8
     python bench/bench_kernels.py --all --json bench/results/kernels_cpu.json
     python bench/bench_kernels.py --device cuda --all
@@ -1129,19 +1129,12 @@ def cache_op_row(op: str, shape: str, dtype: str, times: dict[str, float], bytes
 # ---- fused per-layer ops ---------------------------------------------------------------------------
 
 
-def unfused_add_rms_norm(norm, x, residual):
-    """What the model ran before the fused op: residual.add_(x), then RMSNorm in PyTorch."""
+def unfused(fn, *args):
+    """fn(*args) with the fused ops off: what the model ran before them (for the norms residual.add_(x)
+    then RMSNorm in PyTorch; for the MLP F.silu(gate) into a new tensor, then mul_(up))."""
     previous = ops.set_fused_ops(False)
     try:
-        return norm(x, residual)
-    finally:
-        ops.set_fused_ops(previous)
-
-
-def unfused_rms_norm(norm, x):
-    previous = ops.set_fused_ops(False)
-    try:
-        return norm(x)
+        return fn(*args)
     finally:
         ops.set_fused_ops(previous)
 
@@ -1166,12 +1159,17 @@ def fused_rotary_and_cache(rope, positions, qkv, num_heads, num_kv_heads, head_s
     rope.rotate_and_cache(positions, q, k, v, kv_cache, slots)
 
 
-def fused_cases(norm, rope, x, residual, qkv, positions, cos, sin, layer) -> dict[str, dict[str, Callable]]:
+def fused_cases(norm, rope, x, residual, qkv, gate_up, positions, cos, sin,
+                layer) -> dict[str, dict[str, Callable]]:
     """op -> {"fused": call, "unfused": call} on one layer's tensors."""
+    from pagedkv.model.decoder import act_and_mul
+
     return {
         "fused_add_rms_norm": {"fused": lambda: ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps),
-                               "unfused": lambda: unfused_add_rms_norm(norm, x, residual)},
-        "rms_norm": {"fused": lambda: norm(x), "unfused": lambda: unfused_rms_norm(norm, x)},
+                               "unfused": lambda: unfused(norm, x, residual)},
+        "rms_norm": {"fused": lambda: norm(x), "unfused": lambda: unfused(norm, x)},
+        "silu_and_mul": {"fused": lambda: act_and_mul(gate_up, "silu"),
+                         "unfused": lambda: unfused(act_and_mul, gate_up, "silu")},
         "rotary_embedding_and_cache": {
             "fused": lambda: fused_rotary_and_cache(rope, positions, qkv, *layer),
             "unfused": lambda: unfused_rotary_and_cache(rope, cos, sin, qkv, *layer)},
@@ -1179,10 +1177,11 @@ def fused_cases(norm, rope, x, residual, qkv, positions, cos, sin, layer) -> dic
 
 
 def bench_fused_ops(args: argparse.Namespace) -> list[dict]:
-    """fused_add_rms_norm, rms_norm and rotary_embedding_and_cache vs the PyTorch sequences they replace.
+    """fused_add_rms_norm, rms_norm, silu_and_mul and rotary_embedding_and_cache vs the PyTorch sequences
+    they replace.
 
-    Two layer shapes: SmolLM2-135M (hidden 576, 9/3 heads of 64, the default model) and
-    Llama-3-8B (hidden 4096, 32/8 heads of 128); 48 tokens (a decode step of 48 sequences)
+    Two layer shapes: SmolLM2-135M (hidden 576, 9/3 heads of 64, MLP 1536, the default model) and
+    Llama-3-8B (hidden 4096, 32/8 heads of 128, MLP 14336); 48 tokens (a decode step of 48 sequences)
     and 2048 (a prefill chunk). No cache flush and no settle sleep: in a forward pass these
     ops read activations the GEMM before them has just written, on threads it kept busy.
     """
@@ -1191,11 +1190,11 @@ def bench_fused_ops(args: argparse.Namespace) -> list[dict]:
     from pagedkv.model.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(1)
-    shapes = [("SmolLM2-135M", 576, 9, 3, 64), ("Llama-3-8B", 4096, 32, 8, 128)]
+    shapes = [("SmolLM2-135M", 576, 9, 3, 64, 1536), ("Llama-3-8B", 4096, 32, 8, 128, 14336)]
     rows = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
-        for model, hidden, num_heads, num_kv_heads, head_size in shapes:
+        for model, hidden, num_heads, num_kv_heads, head_size, intermediate in shapes:
             norm = RMSNorm(hidden, 1e-5).to(args.device, dtype)
             rope = RotaryEmbedding(head_size, 8192, 1e5).to(args.device)
             num_blocks = 2048 // BLOCK_SIZE + 8
@@ -1207,11 +1206,12 @@ def bench_fused_ops(args: argparse.Namespace) -> list[dict]:
                 residual = torch.randn(num_tokens, hidden, generator=gen).to(args.device, dtype)
                 qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size,
                                   generator=gen).to(args.device, dtype)
+                gate_up = torch.randn(num_tokens, 2 * intermediate, generator=gen).to(args.device, dtype)
                 positions = torch.randint(0, 8192, (num_tokens,), generator=gen).to(args.device)
                 slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens].to(args.device)
                 cos, sin = rope.lookup(positions, dtype)
                 layer = (num_heads, num_kv_heads, head_size, kv_cache, slots)
-                cases = fused_cases(norm, rope, x, residual, qkv, positions, cos, sin, layer)
+                cases = fused_cases(norm, rope, x, residual, qkv, gate_up, positions, cos, sin, layer)
                 for op, fns in cases.items():
                     # No settle sleep either: in a forward pass the threads are busy from the GEMMs before.
                     timed = {n: (lambda f=f: time_once(f, args.device)) for n, f in fns.items()}
@@ -1224,6 +1224,7 @@ def bench_fused_ops(args: argparse.Namespace) -> list[dict]:
         gc.collect()
     print("## Fused per-layer ops vs the PyTorch sequences they replace\n")
     print("unfused: the model's previous code (residual.add_ + F.rms_norm in float32 then the weight; "
+          "F.silu(gate) into a new tensor, then mul_(up); "
           "RotaryEmbedding.forward into a new tensor + reshape_and_cache, cos/sin looked up outside the timed "
           "call). speedup = unfused / fused; no cache flush and no settle sleep (in a forward pass the "
           "activations are hot and the threads busy).\n")
@@ -1349,7 +1350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--v1-vs-v2", action="store_true", help="only the v1 vs v2 sweep")
     p.add_argument("--targets", action="store_true", help="only the CPU decode target rows and their verdict")
     p.add_argument("--prefill", action="store_true", help="only paged prefill vs causal SDPA")
-    p.add_argument("--fused", action="store_true", help="only the fused norm / rotary+cache ops vs unfused torch")
+    p.add_argument("--fused", action="store_true",
+                   help="only the fused norm / silu_and_mul / rotary+cache ops vs unfused torch")
     p.add_argument("--quantized", action="store_true",
                    help="only decode on quantized KV caches (--kv-cache-dtypes) vs the compute-dtype cache and vs "
                         "vLLM CPU's fp8 cache, on the target shapes (not part of --all)")

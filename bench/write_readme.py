@@ -76,8 +76,17 @@ variant, and bf16 on the `vdpbf16ps` variant (interleaved, last-level cache flus
 shapes fp32 vs bf16 through oneDNN; a 48-sequence decode step and the offline workload in both dtypes."""),
     ("Fused per-layer ops (`bench/bench_kernels.py --fused`, `bench/bench_fused_decode.py`)", "fused_ops_cpu.md",
      [], """\
-`fused_add_rms_norm`, `rms_norm` and `rotary_embedding_and_cache` against the unfused torch sequences they
-replace, per layer, and a 48-sequence decode step with the fused ops on and off on alternate steps."""),
+`fused_add_rms_norm`, `rms_norm`, `silu_and_mul` and `rotary_embedding_and_cache` against the unfused torch
+sequences they replace, per layer, and a 48-sequence decode step with the fused ops on and off on alternate
+steps."""),
+    ("Where an offline run's time goes (`bench/bench_offline_profile.py`)", "offline_profile_cpu.md", [], """\
+The throughput workload on pagedkv under torch.profiler (self time per op), then with every GEMM timed by
+output width and phase (prefill / decode) and the GFLOP/s it reached: how much of the run is the GEMM
+library's, which no engine on the same library can beat."""),
+    ("Offline throughput on the Zen 4 VM, repeated (`bench/bench_throughput.py`)", "throughput_zen4_cpu.md", [],
+     """\
+The throughput workload in bf16 and fp32 against vLLM given both cores, and four bf16 repeats with and
+without Intel's OpenMP preloaded into vLLM, on the AVX512-BF16 CPU where the offline target is missed."""),
     ("Sampler (`bench/bench_sampler.py`)", "sampler_cpu.md", [], """\
 One step's sampling for a decode batch (48 rows, the default model's 49k vocabulary) beside the sampler it
 replaced, interleaved in one process. Before: top-k / top-p over a full sort of the vocabulary, then a random

@@ -64,6 +64,10 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
 // fused_add_rms_norm: residual <- input + residual, input <- rms_norm(residual) * weight.
 void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon);
 void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon);
+// The MLP's gated activation, vLLM's ops: out [T, d] <- act(input[:, :d]) * input[:, d:].
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
+void gelu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
+void gelu_tanh_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
 // RoPE on query/key in place (positions into cos_sin_cache [max_position, rot_dim]), then
 // the rotated key and the value into their cache slots, as reshape_and_cache.
 void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
@@ -132,6 +136,9 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
 // either side is a CUDA tensor).
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& input);
+void gelu_and_mul_cuda(at::Tensor& out, const at::Tensor& input);
+void gelu_tanh_and_mul_cuda(at::Tensor& out, const at::Tensor& input);
 void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon);
 void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon);
 void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,

@@ -42,6 +42,9 @@ TORCH_LIBRARY(pagedkv, m) {
       "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
       "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor cos_sin_cache, "
       "bool is_neox=True, str kv_cache_dtype=\"auto\", Tensor(e!)? k_scale=None, Tensor(f!)? v_scale=None) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def("gelu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor input) -> ()");
   // Mixture-of-experts with SwiGLU experts, top-k routing already chosen (pagedkv.model.moe).
   m.def(
       "fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
@@ -68,6 +71,9 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("swap_blocks", &pagedkv::swap_blocks_cpu);
   m.impl("rms_norm", &pagedkv::rms_norm_cpu);
   m.impl("fused_add_rms_norm", &pagedkv::fused_add_rms_norm_cpu);
+  m.impl("silu_and_mul", &pagedkv::silu_and_mul_cpu);
+  m.impl("gelu_and_mul", &pagedkv::gelu_and_mul_cpu);
+  m.impl("gelu_tanh_and_mul", &pagedkv::gelu_tanh_and_mul_cpu);
   m.impl("rotary_embedding_and_cache", &pagedkv::rotary_embedding_and_cache_cpu);
   m.impl("fused_moe", &pagedkv::fused_moe_cpu);
 }

@@ -35,17 +35,7 @@ HEAD_SIZES = [64, 80, 96, 112, 128, 256]
 BLOCK_SIZES = [8, 16, 32]
 
 
-def _variant_runs(name: str) -> bool:
-    """Whether this CPU can run kernel variant `name` (set_cpu_capability refuses the others)."""
-    try:
-        previous = ops.set_cpu_capability(name)
-    except RuntimeError:
-        return False
-    ops.set_cpu_capability(previous)
-    return True
-
-
-HAS_AVX512_BF16 = _variant_runs("avx512_bf16")
+HAS_AVX512_BF16 = ops.cpu_capability_runs("avx512_bf16")
 # What the bf16 cases compare the avx512_bf16 kernels with: the variant this process
 # started with (PAGEDKV_CPU_CAPABILITY, else the best), or avx512 where that is avx512_bf16.
 OLDER_VARIANT = "avx512" if ops.cpu_capability() == "avx512_bf16" else ops.cpu_capability()
@@ -523,7 +513,7 @@ def every_cpu_variant(request):
     """Runs a test under every CPU kernel variant this machine can run (avx512_bf16: bf16 only,
     its other dtypes are the avx512 kernels)."""
     name = request.param
-    if not _variant_runs(name):
+    if not ops.cpu_capability_runs(name):
         pytest.skip(f"this CPU cannot run the {name} kernels")
     if name == "avx512_bf16" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
         pytest.skip("avx512_bf16 changes the bf16 kernels only; the avx512 case runs this dtype")

@@ -1,5 +1,6 @@
-"""The fused per-layer ops (rms_norm, fused_add_rms_norm, rotary_embedding_and_cache) vs
-pagedkv.reference, on the CPU (and on CUDA when a device and a CUDA build are present).
+"""The fused per-layer ops (rms_norm, fused_add_rms_norm, rotary_embedding_and_cache, silu_and_mul,
+gelu_and_mul, gelu_tanh_and_mul) vs pagedkv.reference, on the CPU (and on CUDA when a device and a
+CUDA build are present).
 
 Tolerances, stated per dtype: the kernels and the references accumulate in float32 and
 round the same values at the same points, so they differ only by the order of the
@@ -124,6 +125,80 @@ def test_fused_add_rms_norm_bad_inputs():
         ops.fused_add_rms_norm(x, torch.randn(4, 8).half(), w, 1e-6)
     with pytest.raises(RuntimeError, match="epsilon"):
         ops.fused_add_rms_norm(x, torch.randn(4, 8), w, float("nan"))
+
+
+# ---- silu_and_mul / gelu_and_mul / gelu_tanh_and_mul ----------------------------------------------
+
+ACT_OPS = {"silu": ops.silu_and_mul, "gelu": ops.gelu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
+CPU_VARIANTS = ["default", "avx2", "avx512"]  # avx512_bf16 runs the avx512 fused kernels
+
+
+@pytest.fixture(params=CPU_VARIANTS)
+def fused_cpu_variant(request):
+    if not ops.cpu_capability_runs(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    previous = ops.set_cpu_capability(request.param)
+    yield request.param
+    ops.set_cpu_capability(previous)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACT_OPS))
+@pytest.mark.parametrize("num_tokens, d", [(1, 1), (3, 7), (33, 1536), (5, 1000)])
+def test_act_and_mul_matches_reference(fused_cpu_variant, device, dtype, activation, num_tokens, d):
+    gen = _gen(num_tokens * 1000 + d)
+    x = (torch.randn(num_tokens, 2 * d, generator=gen) * 4).to(dtype).to(device)
+    out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device=device)
+    ACT_OPS[activation](out, x)
+    torch.testing.assert_close(out, reference.act_and_mul(x, activation), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_is_the_unfused_sequence_bit_for_bit(fused_cpu_variant, dtype):
+    # PyTorch's CPU silu and the fused op share the formula and the rounding points, so the model's
+    # 16-bit outputs do not move when the MLP switches to the fused op.
+    x = (torch.randn(48, 2 * 1536, generator=_gen(11)) * 3).to(dtype)
+    out = torch.empty(48, 1536, dtype=dtype)
+    ops.silu_and_mul(out, x)
+    assert torch.equal(out, torch.nn.functional.silu(x[:, :1536]).mul_(x[:, 1536:]))
+
+
+def test_act_and_mul_strided_rows_and_model_path():
+    # Rows of a wider tensor are accepted; the MLP's act_and_mul takes the fused op and agrees
+    # with the unfused one.
+    from pagedkv.model.decoder import act_and_mul
+
+    wide = torch.randn(6, 40, generator=_gen(12))
+    x = wide[:, 3:35]  # [6, 32]: gate 16, up 16, row stride 40
+    out = torch.empty(6, 16)
+    ops.gelu_tanh_and_mul(out, x)
+    torch.testing.assert_close(out, reference.act_and_mul(x, "gelu_tanh"), **TOL[torch.float32])
+    previous = ops.set_fused_ops(False)
+    try:
+        unfused = act_and_mul(x.contiguous(), "gelu_pytorch_tanh")
+    finally:
+        ops.set_fused_ops(previous)
+    torch.testing.assert_close(act_and_mul(x.contiguous(), "gelu_pytorch_tanh"), unfused, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda x, o: (x.double(), o.double()), "not supported"),
+        (lambda x, o: (x[None], o), "2-D"),
+        (lambda x, o: (x[:, :7], o), "even and positive"),
+        (lambda x, o: (x.t().contiguous().t(), o), "input rows must be dense"),
+        (lambda x, o: (x, o[:3]), "out must be"),
+        (lambda x, o: (x, o.half()), "differs from input dtype"),
+        (lambda x, o: (x, o.to("meta")), "meta"),
+        (lambda x, o: (x, x[:, :4]), "share memory"),
+    ],
+)
+def test_act_and_mul_bad_inputs(make_args, message):
+    x, out = make_args(torch.randn(4, 8), torch.empty(4, 4))
+    with pytest.raises(RuntimeError, match=message):
+        ops.silu_and_mul(out, x)
 
 
 # ---- rotary_embedding_and_cache ---------------------------------------------------------------

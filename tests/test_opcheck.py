@@ -183,6 +183,13 @@ def test_opcheck_fused_add_rms_norm(dtype):
     torch.library.opcheck(torch.ops.pagedkv.fused_add_rms_norm.default, (x, residual, weight, 1e-6))
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_act_and_mul(op, dtype):
+    x = torch.randn(5, 2 * 37, generator=torch.Generator().manual_seed(12)).to(dtype)
+    torch.library.opcheck(getattr(torch.ops.pagedkv, op).default, (torch.empty(5, 37, dtype=dtype), x))
+
+
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_opcheck_rotary_embedding_and_cache(is_neox):
     gen = torch.Generator().manual_seed(10)

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include "common/gated_activation.h"
 #include "common/validation.h"
 
 namespace pagedkv {
@@ -28,6 +29,20 @@ Params rms_norm_params(const at::Tensor& out, const at::Tensor& input, const at:
   set_field(p.num_tokens, input.size(0));
   set_field(p.hidden_size, input.size(1));
   p.epsilon = static_cast<float>(epsilon);
+  return p;
+}
+
+// out[t] = act(gate[t]) * up[t], input[t] = [gate | up].
+template <typename Params>
+Params act_and_mul_params(const at::Tensor& out, const at::Tensor& input, GatedActivation activation) {
+  Params p{};
+  p.activation = activation;
+  p.out = out.data_ptr();
+  set_field(p.out_stride, out.stride(0));
+  p.input = input.const_data_ptr();
+  set_field(p.input_stride, input.stride(0));
+  set_field(p.num_tokens, input.size(0));
+  set_field(p.d, input.size(1) / 2);
   return p;
 }
 

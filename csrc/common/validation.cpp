@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 #include <unordered_set>
+#include <utility>
 
 #include "common/supported.h"
 
@@ -484,6 +485,39 @@ void check_rms_norm_inputs(const char* op, const char* other_name, const at::Ten
               input.device());
   TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous, got strides ", weight.strides());
   TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, op, ": epsilon must be finite and >= 0, got ", epsilon);
+}
+
+void check_act_and_mul_inputs(const char* op, const at::Tensor& out, const at::Tensor& input) {
+  TORCH_CHECK(input.defined() && out.defined(), op, ": out and input are required");
+  TORCH_CHECK(input.dim() == 2, op, ": input must be 2-D [num_tokens, 2 * d] ([gate | up]), got shape ",
+              input.sizes());
+  TORCH_CHECK(is_supported_dtype(input.scalar_type()), op, ": input dtype ", input.scalar_type(),
+              " is not supported; supported: ", kSupportedDtypes);
+  const int64_t width = input.size(1);
+  TORCH_CHECK(width > 0 && width % 2 == 0, op, ": input's last dim must be even and positive ([gate | up]), got shape ",
+              input.sizes());
+  TORCH_CHECK(input.stride(1) == 1, op, ": input rows must be dense (stride 1 along the last dim), got strides ",
+              input.strides());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == input.size(0) && out.size(1) == width / 2, op, ": out must be [",
+              input.size(0), ", ", width / 2, "] for input of shape ", input.sizes(), ", got shape ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == input.scalar_type(), op, ": out dtype ", out.scalar_type(),
+              " differs from input dtype ", input.scalar_type());
+  TORCH_CHECK(out.device() == input.device(), op, ": out is on ", out.device(), " but input is on ", input.device());
+  TORCH_CHECK(out.stride(1) == 1, op, ": out rows must be dense (stride 1 along the last dim), got strides ",
+              out.strides());
+  // Rows are read and written in chunks, so an out inside input's memory could be read after it was
+  // written: any overlap of their byte ranges is refused.
+  if (out.numel() > 0 && input.numel() > 0 && out.is_alias_of(input)) {
+    const auto range = [](const at::Tensor& t) {
+      const auto* begin = static_cast<const char*>(t.const_data_ptr());
+      int64_t last = 0;
+      for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+      return std::make_pair(begin, begin + (last + 1) * t.element_size());
+    };
+    const auto [out_begin, out_end] = range(out);
+    const auto [in_begin, in_end] = range(input);
+    TORCH_CHECK(out_end <= in_begin || in_end <= out_begin, op, ": out must not share memory with input");
+  }
 }
 
 CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions, const at::Tensor& query,

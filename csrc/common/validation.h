@@ -132,6 +132,11 @@ void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_
 void check_rms_norm_inputs(const char* op, const char* other_name, const at::Tensor& other, const at::Tensor& input,
                            const at::Tensor& weight, double epsilon);
 
+// silu_and_mul / gelu_and_mul / gelu_tanh_and_mul: input 2-D [num_tokens, 2 d] = [gate | up] in a
+// supported dtype with dense rows (any row stride), d > 0; out [num_tokens, d], the same dtype and
+// device, dense rows, not overlapping input.
+void check_act_and_mul_inputs(const char* op, const at::Tensor& out, const at::Tensor& input);
+
 // rotary_embedding_and_cache: query [num_tokens, num_heads, head_size] and key/value
 // [num_tokens, num_kv_heads, head_size] (last dim dense, the cache's dtype and device);
 // positions int64 [num_tokens]; cos_sin_cache float32 [max_position, rot_dim],

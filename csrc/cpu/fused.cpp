@@ -40,6 +40,19 @@ void run_rotary_cache(const cpu::RotaryCacheParams& p) {
   cpu::DEFAULT::rotary_embedding_and_cache(p);
 }
 
+void run_act_and_mul(const cpu::ActAndMulParams& p) {
+  switch (cpu::selected_cpu_capability()) {
+    case CpuCapability::kAvx512Bf16:
+    case CpuCapability::kAvx512:
+      return cpu::AVX512::act_and_mul(p);
+    case CpuCapability::kAvx2:
+      return cpu::AVX2::act_and_mul(p);
+    case CpuCapability::kDefault:
+      break;
+  }
+  cpu::DEFAULT::act_and_mul(p);
+}
+
 void check_cpu(const char* op, const at::Tensor& t) {
   TORCH_CHECK(t.is_cpu(), op, ": the CPU kernel needs CPU tensors, got one on ", t.device());
 }
@@ -51,7 +64,27 @@ cpu::RmsNormParams norm_params(const at::Tensor& out, const at::Tensor& input, c
   return p;
 }
 
+void act_and_mul_cpu(const char* op, at::Tensor& out, const at::Tensor& input, GatedActivation activation) {
+  check_act_and_mul_inputs(op, out, input);
+  check_cpu(op, input);
+  cpu::ActAndMulParams p = act_and_mul_params<cpu::ActAndMulParams>(out, input, activation);
+  p.dtype = input.scalar_type();
+  run_act_and_mul(p);
+}
+
 }  // namespace
+
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul_cpu("silu_and_mul", out, input, GatedActivation::kSilu);
+}
+
+void gelu_and_mul_cpu(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul_cpu("gelu_and_mul", out, input, GatedActivation::kGelu);
+}
+
+void gelu_tanh_and_mul_cpu(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul_cpu("gelu_tanh_and_mul", out, input, GatedActivation::kGeluTanh);
+}
 
 void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon) {
   constexpr const char* op = "rms_norm";

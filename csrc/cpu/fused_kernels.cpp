@@ -1,7 +1,7 @@
-// CPU kernels of the fused per-layer ops: RMSNorm (with the residual add) and RoPE
-// with the KV-cache write. Vectorized with at::vec (fp32 arithmetic on every dtype),
-// parallel over tokens with at::parallel_for. Compiled once per CPU_CAPABILITY (see
-// fused_kernels.h).
+// CPU kernels of the fused per-layer ops: RMSNorm (with the residual add), RoPE
+// with the KV-cache write, and the MLP's gated activation. Vectorized with at::vec
+// (fp32 arithmetic on every dtype), parallel over tokens with at::parallel_for.
+// Compiled once per CPU_CAPABILITY (see fused_kernels.h).
 //
 // Rounding follows the unfused PyTorch sequence each op replaces, so the model's
 // outputs do not move: the residual sum is rounded to the storage dtype before its
@@ -205,6 +205,61 @@ void rotary_cache_impl(const RotaryCacheParams& p) {
   });
 }
 
+// ---- Gated activation (the MLP's act(gate) * up) ------------------------------------------
+
+// act(x) in fp32 with the formulas (and the operation order) of PyTorch's own CPU kernels
+// for F.silu and F.gelu, so that the fused op stores what the unfused sequence stored.
+template <GatedActivation A>
+inline Vec activate(const Vec& x) {
+  const Vec one(1.f);
+  if constexpr (A == GatedActivation::kSilu) {
+    return x / (one + x.neg().exp());
+  } else if constexpr (A == GatedActivation::kGelu) {
+    return x * Vec(0.5f) * (one + (x * Vec(static_cast<float>(M_SQRT1_2))).erf());
+  } else {
+    const Vec inner = Vec(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)) * (x + Vec(0.044715f) * (x * x * x));
+    return Vec(0.5f) * x * (one + inner.tanh());
+  }
+}
+
+template <typename T, GatedActivation A>
+void act_and_mul_row(const ActAndMulParams& p, int64_t t) {
+  constexpr int S = kStep<T>;
+  const T* gate = static_cast<const T*>(p.input) + t * p.input_stride;
+  const T* up = gate + p.d;
+  T* out = static_cast<T*>(p.out) + t * p.out_stride;
+  for (int64_t i = 0; i < p.d; i += S) {
+    const int64_t c = std::min<int64_t>(S, p.d - i);
+    Vec g0, g1, u0, u1;
+    load(gate + i, c, g0, g1);
+    load(up + i, c, u0, u1);
+    g0 = activate<A>(g0);
+    g1 = activate<A>(g1);
+    round_to<T>(g0, g1);  // act(gate) as stored in T, then the product
+    store(out + i, c, g0 * u0, g1 * u1);
+  }
+}
+
+template <typename T, GatedActivation A>
+void act_and_mul_impl(const ActAndMulParams& p) {
+  at::parallel_for(0, p.num_tokens, grain_for(2 * p.d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) act_and_mul_row<T, A>(p, t);
+  });
+}
+
+template <typename T>
+void act_and_mul_dispatch(const ActAndMulParams& p) {
+  switch (p.activation) {
+    case GatedActivation::kSilu:
+      return act_and_mul_impl<T, GatedActivation::kSilu>(p);
+    case GatedActivation::kGelu:
+      return act_and_mul_impl<T, GatedActivation::kGelu>(p);
+    case GatedActivation::kGeluTanh:
+      return act_and_mul_impl<T, GatedActivation::kGeluTanh>(p);
+  }
+  TORCH_CHECK(false, "act_and_mul: unknown activation ", static_cast<int>(p.activation));
+}
+
 template <typename F>
 void dispatch(c10::ScalarType dtype, const char* op, F&& f) {
   switch (dtype) {
@@ -227,6 +282,10 @@ void rms_norm(const RmsNormParams& p) {
 
 void rotary_embedding_and_cache(const RotaryCacheParams& p) {
   dispatch(p.dtype, "rotary_embedding_and_cache", [&](auto tag) { rotary_cache_impl<decltype(tag)>(p); });
+}
+
+void act_and_mul(const ActAndMulParams& p) {
+  dispatch(p.dtype, "act_and_mul", [&](auto tag) { act_and_mul_dispatch<decltype(tag)>(p); });
 }
 
 }  // namespace pagedkv::cpu::CPU_CAPABILITY

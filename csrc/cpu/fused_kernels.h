@@ -1,6 +1,6 @@
 // CPU kernels of the fused per-layer ops (RMSNorm with the residual add, RoPE with
-// the KV-cache write): raw-pointer parameter blocks and the per-capability entry
-// points. fused_kernels.cpp is compiled once per instruction set, like
+// the KV-cache write, the MLP's gated activation): raw-pointer parameter blocks and
+// the per-capability entry points. fused_kernels.cpp is compiled once per instruction set, like
 // attention_kernels.cpp; csrc/cpu/fused.cpp validates the tensors, fills these
 // structs and calls the variant picked by cpu_capability.h.
 #pragma once
@@ -8,6 +8,8 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+
+#include "common/gated_activation.h"
 
 namespace pagedkv::cpu {
 
@@ -52,10 +54,25 @@ struct RotaryCacheParams {
   bool is_neox;       // rotate-half pairs (i, i + rot_dim/2); else GPT-J pairs (2i, 2i+1)
 };
 
+// out[t] = act(gate[t]) * up[t], input[t] = [gate | up] (2 d elements); rows dense, strides
+// (elements) between rows. The activation's output is rounded to the dtype before the product,
+// as `act(gate).mul_(up)` in PyTorch rounds it.
+struct ActAndMulParams {
+  c10::ScalarType dtype;
+  GatedActivation activation;
+  void* out;
+  int64_t out_stride;
+  const void* input;
+  int64_t input_stride;
+  int64_t num_tokens;
+  int64_t d;
+};
+
 #define PAGEDKV_DECLARE_CPU_FUSED_KERNELS(capability)          \
   namespace capability {                                      \
   void rms_norm(const RmsNormParams& params);                 \
   void rotary_embedding_and_cache(const RotaryCacheParams& params); \
+  void act_and_mul(const ActAndMulParams& params);            \
   }
 
 PAGEDKV_DECLARE_CPU_FUSED_KERNELS(DEFAULT)

@@ -27,7 +27,29 @@ cuda::RmsNormArgs norm_args(const char* op, const at::Tensor& out, const at::Ten
   return a;
 }
 
+void act_and_mul_cuda(const char* op, at::Tensor& out, const at::Tensor& input, GatedActivation activation) {
+  check_act_and_mul_inputs(op, out, input);
+  check_cuda(op, input);
+  TORCH_CHECK(input.size(1) / 2 <= 0x7fffffffLL, op, ": d ", input.size(1) / 2, " is too large");
+  const c10::cuda::CUDAGuard guard(input.device());
+  cuda::ActAndMulArgs a = act_and_mul_params<cuda::ActAndMulArgs>(out, input, activation);
+  a.dtype = cuda::to_kernel_dtype(input.scalar_type());
+  cuda::check_launch(op, cuda::launch_act_and_mul(a, c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
+
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul_cuda("silu_and_mul", out, input, GatedActivation::kSilu);
+}
+
+void gelu_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul_cuda("gelu_and_mul", out, input, GatedActivation::kGelu);
+}
+
+void gelu_tanh_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul_cuda("gelu_tanh_and_mul", out, input, GatedActivation::kGeluTanh);
+}
 
 void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon) {
   constexpr const char* op = "rms_norm";
@@ -82,5 +104,8 @@ void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& qu
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("rms_norm", &pagedkv::rms_norm_cuda);
   m.impl("fused_add_rms_norm", &pagedkv::fused_add_rms_norm_cuda);
+  m.impl("silu_and_mul", &pagedkv::silu_and_mul_cuda);
+  m.impl("gelu_and_mul", &pagedkv::gelu_and_mul_cuda);
+  m.impl("gelu_tanh_and_mul", &pagedkv::gelu_tanh_and_mul_cuda);
   m.impl("rotary_embedding_and_cache", &pagedkv::rotary_embedding_and_cache_cuda);
 }

@@ -1,5 +1,5 @@
-// Fused per-layer CUDA kernels: RMSNorm (optionally adding the residual first) and
-// RoPE with the KV-cache write. One CTA per token, fp32 arithmetic, one rounding to
+// Fused per-layer CUDA kernels: RMSNorm (optionally adding the residual first), RoPE
+// with the KV-cache write, and the MLP's gated activation. One CTA per token, fp32 arithmetic, one rounding to
 // the storage dtype per stored value (the rounding points of csrc/cpu/fused_kernels.cpp).
 // Element-wise loads, coalesced across the CTA: these kernels move a few KiB per token
 // and sit far below the cost of the GEMMs around them. A quantized cache gets the rotated
@@ -18,6 +18,7 @@ namespace {
 
 constexpr int kNormThreads = 256;
 constexpr int kRotaryThreads = 128;
+constexpr int kActThreads = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const RmsNormArgs a) {
@@ -105,7 +106,54 @@ __global__ void __launch_bounds__(kRotaryThreads) rotary_cache_kernel(const Rota
   }
 }
 
+template <GatedActivation A>
+__device__ __forceinline__ float activate(float x) {
+  if constexpr (A == GatedActivation::kSilu) {
+    return x / (1.f + expf(-x));
+  } else if constexpr (A == GatedActivation::kGelu) {
+    return x * 0.5f * (1.f + erff(x * static_cast<float>(M_SQRT1_2)));
+  } else {
+    const float inner = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5) * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.f + tanhf(inner));
+  }
+}
+
+// One CTA per token; act(gate) is rounded to T before the product (the CPU kernels' rounding point).
+template <typename T, GatedActivation A>
+__global__ void __launch_bounds__(kActThreads) act_and_mul_kernel(const ActAndMulArgs a) {
+  const int64_t t = blockIdx.x;
+  const T* gate = static_cast<const T*>(a.input) + t * a.input_stride;
+  const T* up = gate + a.d;
+  T* out = static_cast<T*>(a.out) + t * a.out_stride;
+  for (int i = threadIdx.x; i < a.d; i += kActThreads) {
+    const float g = to_float(from_float<T>(activate<A>(to_float(gate[i]))));
+    out[i] = from_float<T>(g * to_float(up[i]));
+  }
+}
+
+template <typename T>
+void launch_act_and_mul_typed(const ActAndMulArgs& a, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(a.num_tokens);
+  switch (a.activation) {
+    case GatedActivation::kSilu:
+      return act_and_mul_kernel<T, GatedActivation::kSilu><<<grid, kActThreads, 0, stream>>>(a);
+    case GatedActivation::kGelu:
+      return act_and_mul_kernel<T, GatedActivation::kGelu><<<grid, kActThreads, 0, stream>>>(a);
+    case GatedActivation::kGeluTanh:
+      return act_and_mul_kernel<T, GatedActivation::kGeluTanh><<<grid, kActThreads, 0, stream>>>(a);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_act_and_mul(const ActAndMulArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return cudaSuccess;
+  if (a.num_tokens > 0x7fffffffLL || a.d <= 0) return cudaErrorInvalidConfiguration;
+  return dispatch_dtype(a.dtype, [&](auto tag) {
+    launch_act_and_mul_typed<decltype(tag)>(a, stream);
+    return cudaGetLastError();
+  });
+}
 
 cudaError_t launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;

@@ -1,5 +1,5 @@
 // Launchers of the fused per-layer CUDA kernels (RMSNorm with the residual add, RoPE
-// with the KV-cache write). Plain types only (no torch headers); the tensor handling
+// with the KV-cache write, the MLP's gated activation). Plain types only (no torch headers); the tensor handling
 // and validation live in csrc/cuda/fused_cuda.cpp. Each returns cudaGetLastError()
 // after its launch (cudaSuccess when there was nothing to do).
 #pragma once
@@ -10,6 +10,7 @@
 
 #include "attention/attention_launch.h"  // DType
 #include "cache/cache_launch.h"      // KVQuantArgs
+#include "common/gated_activation.h"
 
 namespace pagedkv::cuda {
 
@@ -57,5 +58,19 @@ struct RotaryCacheArgs {
 };
 
 cudaError_t launch_rotary_embedding_and_cache(const RotaryCacheArgs& args, cudaStream_t stream);
+
+// out[t] = act(gate[t]) * up[t], input[t] = [gate | up]; rows dense, strides in elements.
+struct ActAndMulArgs {
+  DType dtype;
+  GatedActivation activation;
+  void* out;
+  int64_t out_stride;
+  const void* input;
+  int64_t input_stride;
+  int64_t num_tokens;
+  int d;
+};
+
+cudaError_t launch_act_and_mul(const ActAndMulArgs& args, cudaStream_t stream);
 
 }  // namespace pagedkv::cuda

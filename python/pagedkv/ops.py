@@ -82,8 +82,9 @@ def set_fused_ops(enabled: bool) -> bool:
 
 
 def fused_ops_supported(t: torch.Tensor) -> bool:
-    """Whether `rms_norm`, `fused_add_rms_norm` and `rotary_embedding_and_cache` have a kernel for
-    tensors like `t` (its device and dtype) and the model should use them."""
+    """Whether the fused per-layer ops (`rms_norm`, `fused_add_rms_norm`, `rotary_embedding_and_cache`,
+    `silu_and_mul` and the GeGLU ops) have a kernel for tensors like `t` (its device and dtype) and the
+    model should use them."""
     if not _fused_ops or t.dtype not in _FUSED_DTYPES:
         return False
     return t.device.type == "cpu" or (t.device.type == "cuda" and bool(_C.built_with_cuda))
@@ -275,6 +276,16 @@ def set_cpu_capability(name: str) -> str:
     return _ops.set_cpu_capability(name)
 
 
+def cpu_capability_runs(name: str) -> bool:
+    """Whether this CPU can run kernel variant `name` (what `set_cpu_capability` would accept)."""
+    try:
+        previous = _ops.set_cpu_capability(name)
+    except RuntimeError:
+        return False
+    _ops.set_cpu_capability(previous)
+    return True
+
+
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
     """out <- input / rms(input) * weight, row by row, accumulated in float32.
 
@@ -293,6 +304,28 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
     sum of squares is taken in float32. Shapes and dtypes as in `rms_norm`.
     """
     _ops.fused_add_rms_norm(input, residual, weight, epsilon)
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """vLLM's SwiGLU op: out <- silu(gate) * up, input = [gate | up].
+
+    input [num_tokens, 2 d] (float32, float16, bfloat16), rows dense (any row
+    stride, so a GEMM's output or a view of it); out [num_tokens, d], the same
+    dtype, rows dense, not sharing memory with input. Computed in float32; the
+    activation is rounded to the dtype before the product, as
+    `F.silu(gate).mul_(up)` rounds it.
+    """
+    _ops.silu_and_mul(out, input)
+
+
+def gelu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """GeGLU with the exact (erf) GELU: out <- gelu(gate) * up; shapes as in `silu_and_mul`."""
+    _ops.gelu_and_mul(out, input)
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """GeGLU with the tanh GELU (Gemma's gelu_pytorch_tanh): out <- gelu_tanh(gate) * up."""
+    _ops.gelu_tanh_and_mul(out, input)
 
 
 def rotary_embedding_and_cache(
@@ -435,6 +468,16 @@ def _rms_norm_fake(out, input, weight, epsilon):
 @torch.library.register_fake("pagedkv::fused_add_rms_norm")
 def _fused_add_rms_norm_fake(input, residual, weight, epsilon):
     _check_meta_consistent("fused_add_rms_norm", {"input": input, "residual": residual, "weight": weight})
+
+
+def _act_and_mul_fake(op: str):
+    def fake(out, input):
+        _check_meta_consistent(op, {"out": out, "input": input})
+    return fake
+
+
+for _op in ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"):
+    torch.library.register_fake(f"pagedkv::{_op}")(_act_and_mul_fake(_op))
 
 
 @torch.library.register_fake("pagedkv::rotary_embedding_and_cache")

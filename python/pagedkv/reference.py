@@ -294,6 +294,24 @@ def fused_add_rms_norm(
     return rms_norm(new_residual, weight, epsilon), new_residual
 
 
+# The gated activations of `ops.silu_and_mul`, `gelu_and_mul` and `gelu_tanh_and_mul`, by name.
+GATED_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+def act_and_mul(input: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up [*, d] for input = [gate | up] [*, 2 d], activation a key of GATED_ACTIVATIONS.
+
+    Computed in float32; act(gate) is rounded to the input dtype before the product, which is rounded once.
+    """
+    d = input.shape[-1] // 2
+    act = GATED_ACTIVATIONS[activation](input[..., :d].float()).to(input.dtype)
+    return (act.float() * input[..., d:].float()).to(input.dtype)
+
+
 def rotary_embedding(
     positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool = True
 ) -> torch.Tensor:

@@ -52,10 +52,21 @@ def check_activation(act: str) -> None:
         raise ValueError(f"unsupported hidden activation {act!r}; pagedkv runs {', '.join(_ACTIVATIONS)}")
 
 
+# The fused op of each activation (pagedkv.ops): one pass instead of act(gate) into a new tensor, then
+# an in-place product (0.37 s instead of 0.60 s of a ~13 s offline run of the default model in bf16 on a
+# 2-core Zen 4; bench/results/offline_profile_cpu.md).
+_FUSED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu": ops.gelu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul,
+                      "gelu_tanh": ops.gelu_tanh_and_mul}
+
+
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     """Gated activation: x = [gate | up] [*, 2d] -> act(gate) * up [*, d] (SwiGLU for silu, GeGLU for gelu)."""
     check_activation(act)
     d = x.shape[-1] // 2
+    if x.dim() == 2 and x.stride(-1) == 1 and ops.fused_ops_supported(x):
+        out = x.new_empty(x.shape[0], d)
+        _FUSED_ACTIVATIONS[act](out, x)
+        return out
     return _ACTIVATIONS[act](x[..., :d]).mul_(x[..., d:])
 
 

@@ -290,8 +290,3 @@ class RMSNorm(nn.Module):
         return (ops.fused_ops_supported(x) and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype
                 and (residual is None or residual.stride(-1) == 1))
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: x = [gate | up] [*, 2d] -> silu(gate) * up [*, d]."""
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]).mul_(x[..., d:])
