@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import os
-import platform
 import time
 from pathlib import Path
 
 import bench_throughput  # the workload and its arguments
 import pagedkv.model.layers as layers
 import torch
+from bench_common import header_lines, machine_info
 from pagedkv import LLM, SamplingParams
 from pagedkv.model.default_model import ensure_default_model
 
@@ -97,12 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         profiled = generate(llm, wl)
     timer.on = True
     timed = generate(llm, wl)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    report = "\n".join([
-        f"# Offline run, op by op ({args.dtype})\n",
-        f"- date_utc: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}; cpu: {cpu}; "
-        f"{torch.get_num_threads()} torch threads; load average {os.getloadavg()[0]:.2f}",
+    report = "\n".join(header_lines(f"Offline run, op by op ({args.dtype})", machine_info())[:-1] + [
         f"- workload: {bench_throughput.workload_line(wl, wargs)}",
         f"- elapsed: {plain:.2f} s plain, {profiled:.2f} s under the profiler, {timed:.2f} s with the GEMMs timed\n",
         "## Self CPU time per op (torch.profiler)\n", op_table(prof, profiled, args.rows),

@@ -14,43 +14,31 @@ namespace {
 
 using cpu::CpuCapability;
 
-void run_rms_norm(const cpu::RmsNormParams& p) {
+// Runs the kernel of the variant this process selected; the fused kernels are built for DEFAULT,
+// AVX2 and AVX512, and the AVX512_BF16 variant runs the AVX512 build (nothing here uses bf16 dot
+// products).
+template <typename Params>
+void run_variant(const Params& p, void (*avx512)(const Params&), void (*avx2)(const Params&),
+                 void (*fallback)(const Params&)) {
   switch (cpu::selected_cpu_capability()) {
-    case CpuCapability::kAvx512Bf16:  // the AVX512 build: nothing here uses bf16 dot products
+    case CpuCapability::kAvx512Bf16:
     case CpuCapability::kAvx512:
-      return cpu::AVX512::rms_norm(p);
+      return avx512(p);
     case CpuCapability::kAvx2:
-      return cpu::AVX2::rms_norm(p);
+      return avx2(p);
     case CpuCapability::kDefault:
       break;
   }
-  cpu::DEFAULT::rms_norm(p);
+  fallback(p);
+}
+
+void run_rms_norm(const cpu::RmsNormParams& p) {
+  run_variant(p, cpu::AVX512::rms_norm, cpu::AVX2::rms_norm, cpu::DEFAULT::rms_norm);
 }
 
 void run_rotary_cache(const cpu::RotaryCacheParams& p) {
-  switch (cpu::selected_cpu_capability()) {
-    case CpuCapability::kAvx512Bf16:
-    case CpuCapability::kAvx512:
-      return cpu::AVX512::rotary_embedding_and_cache(p);
-    case CpuCapability::kAvx2:
-      return cpu::AVX2::rotary_embedding_and_cache(p);
-    case CpuCapability::kDefault:
-      break;
-  }
-  cpu::DEFAULT::rotary_embedding_and_cache(p);
-}
-
-void run_act_and_mul(const cpu::ActAndMulParams& p) {
-  switch (cpu::selected_cpu_capability()) {
-    case CpuCapability::kAvx512Bf16:
-    case CpuCapability::kAvx512:
-      return cpu::AVX512::act_and_mul(p);
-    case CpuCapability::kAvx2:
-      return cpu::AVX2::act_and_mul(p);
-    case CpuCapability::kDefault:
-      break;
-  }
-  cpu::DEFAULT::act_and_mul(p);
+  run_variant(p, cpu::AVX512::rotary_embedding_and_cache, cpu::AVX2::rotary_embedding_and_cache,
+              cpu::DEFAULT::rotary_embedding_and_cache);
 }
 
 void check_cpu(const char* op, const at::Tensor& t) {
@@ -69,7 +57,7 @@ void act_and_mul_cpu(const char* op, at::Tensor& out, const at::Tensor& input, G
   check_cpu(op, input);
   cpu::ActAndMulParams p = act_and_mul_params<cpu::ActAndMulParams>(out, input, activation);
   p.dtype = input.scalar_type();
-  run_act_and_mul(p);
+  run_variant(p, cpu::AVX512::act_and_mul, cpu::AVX2::act_and_mul, cpu::DEFAULT::act_and_mul);
 }
 
 }  // namespace

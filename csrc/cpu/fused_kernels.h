@@ -1,8 +1,8 @@
 // CPU kernels of the fused per-layer ops (RMSNorm with the residual add, RoPE with
 // the KV-cache write, the MLP's gated activation): raw-pointer parameter blocks and
-// the per-capability entry points. fused_kernels.cpp is compiled once per instruction set, like
-// attention_kernels.cpp; csrc/cpu/fused.cpp validates the tensors, fills these
-// structs and calls the variant picked by cpu_capability.h.
+// the per-capability entry points. fused_kernels.cpp is compiled once per
+// instruction set, like attention_kernels.cpp; csrc/cpu/fused.cpp validates the
+// tensors, fills these structs and calls the variant picked by cpu_capability.h.
 #pragma once
 
 #include <c10/core/ScalarType.h>

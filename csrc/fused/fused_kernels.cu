@@ -1,6 +1,7 @@
 // Fused per-layer CUDA kernels: RMSNorm (optionally adding the residual first), RoPE
-// with the KV-cache write, and the MLP's gated activation. One CTA per token, fp32 arithmetic, one rounding to
-// the storage dtype per stored value (the rounding points of csrc/cpu/fused_kernels.cpp).
+// with the KV-cache write, and the MLP's gated activation. One CTA per token, fp32
+// arithmetic, one rounding to the storage dtype per stored value (the rounding points
+// of csrc/cpu/fused_kernels.cpp).
 // Element-wise loads, coalesced across the CTA: these kernels move a few KiB per token
 // and sit far below the cost of the GEMMs around them. A quantized cache gets the rotated
 // key and the value through the writer of reshape_and_cache (cache/kv_quant.cuh, one warp
