@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import bench_throughput  # the workload and its arguments
-import pagedkv.model.layers as layers
+import pagedkv.model.cpu_linear as cpu_linear
 import torch
 from bench_common import header_lines, machine_info
 from pagedkv import LLM, SamplingParams
@@ -27,14 +27,14 @@ PREFILL_ROWS = 256  # a GEMM with more rows than this is counted as prefill
 
 
 class GemmTimer:
-    """Wraps layers.packed_linear (while on) to add up seconds, calls, rows and FLOPs per (width, phase)."""
+    """Wraps cpu_linear.packed_linear (while on) to add up seconds, calls, rows and FLOPs per (width, phase)."""
 
     def __init__(self) -> None:
         self.on = False
         self.stats: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0.0, 0, 0, 0.0])
-        self._inner = layers.packed_linear
+        self._inner = cpu_linear.packed_linear
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, packed: cpu_linear.PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.on:
             return self._inner(x, packed, bias)
         start = time.perf_counter()
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     wl = bench_throughput.make_workload(wargs.num_requests, wargs.seed, tuple(wargs.prompt_len),
                                         tuple(wargs.output_len), tuple(wargs.token_range))
     timer = GemmTimer()
-    layers.packed_linear = timer  # the layers look it up at call time
+    cpu_linear.packed_linear = timer  # the layers look it up at call time
     llm = LLM(model=str(ensure_default_model()), dtype=args.dtype, device="cpu",
               kv_cache_memory=wargs.kv_cache_gib << 30, max_num_seqs=wargs.max_num_seqs,
               max_num_batched_tokens=wargs.max_num_batched_tokens, block_size=wargs.block_size,

@@ -86,6 +86,12 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
                          const std::optional<at::TensorList>& w13_packed,
                          const std::optional<at::TensorList>& w2_packed);
 
+// The CPU linear layer (csrc/cpu/gemm.cpp): weight [N, K] float32 / bfloat16 -> its packed
+// form; out [M, N] <- input [M, K] @ weight^T (+ bias [N]), all one dtype, rows dense.
+at::Tensor pack_linear_weight_cpu(const at::Tensor& weight);
+void packed_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
+                       const std::optional<at::Tensor>& bias);
+
 // ---- Device-generic -------------------------------------------------------------
 // Allocates the output (and v2 scratch) and picks v1 or v2 (paged_attention_select.cpp).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,

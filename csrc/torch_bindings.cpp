@@ -49,6 +49,9 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
       "Tensor[]? w13_packed=None, Tensor[]? w2_packed=None) -> Tensor");
+  // The CPU linear layer on a weight packed once into column panels (csrc/cpu/gemm_kernels.h).
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias=None) -> ()");
   // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
   // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
@@ -76,6 +79,8 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("gelu_tanh_and_mul", &pagedkv::gelu_tanh_and_mul_cpu);
   m.impl("rotary_embedding_and_cache", &pagedkv::rotary_embedding_and_cache_cpu);
   m.impl("fused_moe", &pagedkv::fused_moe_cpu);
+  m.impl("pack_linear_weight", &pagedkv::pack_linear_weight_cpu);
+  m.impl("packed_linear", &pagedkv::packed_linear_cpu);
 }
 
 // paged_attention only allocates and calls v1/v2 through the dispatcher, so one

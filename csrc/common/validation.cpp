@@ -487,6 +487,20 @@ void check_rms_norm_inputs(const char* op, const char* other_name, const at::Ten
   TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, op, ": epsilon must be finite and >= 0, got ", epsilon);
 }
 
+void check_disjoint(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                    const char* b_name) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return;
+  const auto range = [](const at::Tensor& t) {
+    const auto* begin = static_cast<const char*>(t.const_data_ptr());
+    int64_t last = 0;
+    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+    return std::make_pair(begin, begin + (last + 1) * t.element_size());
+  };
+  const auto [a_begin, a_end] = range(a);
+  const auto [b_begin, b_end] = range(b);
+  TORCH_CHECK(a_end <= b_begin || b_end <= a_begin, op, ": ", a_name, " must not share memory with ", b_name);
+}
+
 void check_act_and_mul_inputs(const char* op, const at::Tensor& out, const at::Tensor& input) {
   TORCH_CHECK(input.defined() && out.defined(), op, ": out and input are required");
   TORCH_CHECK(input.dim() == 2, op, ": input must be 2-D [num_tokens, 2 * d] ([gate | up]), got shape ",
@@ -506,18 +520,8 @@ void check_act_and_mul_inputs(const char* op, const at::Tensor& out, const at::T
   TORCH_CHECK(out.stride(1) == 1, op, ": out rows must be dense (stride 1 along the last dim), got strides ",
               out.strides());
   // Rows are read and written in chunks, so an out inside input's memory could be read after it was
-  // written: any overlap of their byte ranges is refused.
-  if (out.numel() > 0 && input.numel() > 0 && out.is_alias_of(input)) {
-    const auto range = [](const at::Tensor& t) {
-      const auto* begin = static_cast<const char*>(t.const_data_ptr());
-      int64_t last = 0;
-      for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
-      return std::make_pair(begin, begin + (last + 1) * t.element_size());
-    };
-    const auto [out_begin, out_end] = range(out);
-    const auto [in_begin, in_end] = range(input);
-    TORCH_CHECK(out_end <= in_begin || in_end <= out_begin, op, ": out must not share memory with input");
-  }
+  // written.
+  check_disjoint(op, out, "out", input, "input");
 }
 
 CacheDims check_rotary_cache_inputs(const char* op, const at::Tensor& positions, const at::Tensor& query,

@@ -132,6 +132,11 @@ void check_block_mapping(const char* op, const at::Tensor& block_mapping, int64_
 void check_rms_norm_inputs(const char* op, const char* other_name, const at::Tensor& other, const at::Tensor& input,
                            const at::Tensor& weight, double epsilon);
 
+// a and b (either may be a view) do not share a byte: refused when their byte ranges
+// overlap, for ops that read one while writing the other in chunks.
+void check_disjoint(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                    const char* b_name);
+
 // silu_and_mul / gelu_and_mul / gelu_tanh_and_mul: input 2-D [num_tokens, 2 d] = [gate | up] in a
 // supported dtype with dense rows (any row stride), d > 0; out [num_tokens, d], the same dtype and
 // device, dense rows, not overlapping input.

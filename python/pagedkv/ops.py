@@ -374,12 +374,43 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     PyTorch loop elsewhere).
 
     w13_packed / w2_packed: optionally, each expert's w13[e] / w2[e] packed by
-    `torch.ops.mkldnn._reorder_linear_weight` (`layers.pack_linear_weight`); the
+    `torch.ops.mkldnn._reorder_linear_weight` (`cpu_linear.pack_onednn_weight`); the
     experts with two or more rows then run on oneDNN with them (one row stays a
     GEMV on the plain weight). Both are read-only views of the same values.
     """
     return _ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_packed, w2_packed)
 
+
+
+LINEAR_PANEL_WIDTH = 48  # output features per panel of a packed weight (csrc/cpu/gemm_kernels.h)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A CPU linear weight [out_features, in_features] (float32 or bfloat16) packed for `packed_linear`.
+
+    The output features go in panels of 48 (the last padded with zeros); within a panel the
+    inputs in order, a row of 48 weights each: float32 [ceil(N / 48), K, 48], bfloat16
+    [ceil(N / 48), ceil(K / 2), 48, 2] with the inputs in pairs (K padded to even with a
+    zero), as bf16 dot products take them. Same bytes as the weight, up to the padding.
+    `pagedkv.reference.unpack_linear_weight` undoes it.
+    """
+    return _ops.pack_linear_weight(weight)
+
+
+def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_features: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """input [M, K] @ weight^T (+ bias [N]) -> [M, N] on the CPU, from `pack_linear_weight(weight)`.
+
+    input, bias and out share the weight's dtype (float32 or bfloat16); input and out need
+    dense rows (any row stride). Sums in float32 (bfloat16 on AVX512-BF16 dot products where
+    the CPU has them), bias added in float32, one rounding to the dtype. out_features
+    defaults to the packed width (a multiple of 48); pass it, or `out`, for any other N.
+    """
+    if out is None:
+        n = out_features if out_features is not None else packed_weight.shape[0] * LINEAR_PANEL_WIDTH
+        out = input.new_empty((input.shape[0], n))
+    _ops.packed_linear(out, input, packed_weight, bias)
+    return out
 
 # ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
 
@@ -493,3 +524,17 @@ def _fused_moe_fake(hidden, w13, w2, topk_weights, topk_ids, w13_packed=None, w2
     data = {"hidden": hidden, "w13": w13, "w2": w2, "topk_weights": topk_weights}
     _check_meta_consistent("fused_moe", data, (topk_ids,))
     return hidden.new_empty(hidden.shape)
+
+
+@torch.library.register_fake("pagedkv::pack_linear_weight")
+def _pack_linear_weight_fake(weight):
+    panels = -(-weight.shape[0] // LINEAR_PANEL_WIDTH)
+    if weight.dtype == torch.bfloat16:
+        return weight.new_empty((panels, -(-weight.shape[1] // 2), LINEAR_PANEL_WIDTH, 2))
+    return weight.new_empty((panels, weight.shape[1], LINEAR_PANEL_WIDTH))
+
+
+@torch.library.register_fake("pagedkv::packed_linear")
+def _packed_linear_fake(out, input, packed_weight, bias=None):
+    _check_meta_consistent("packed_linear", {"out": out, "input": input, "packed_weight": packed_weight,
+                                             "bias": bias})

@@ -312,6 +312,41 @@ def act_and_mul(input: torch.Tensor, activation: str) -> torch.Tensor:
     return (act.float() * input[..., d:].float()).to(input.dtype)
 
 
+def pack_linear_weight(weight: torch.Tensor, panel_width: int = 48) -> torch.Tensor:
+    """The packed layout of `ops.pack_linear_weight`, in plain indexing: float32 [P, K, 48] with
+    packed[p, k, c] = W[48 p + c, k]; bfloat16 [P, ceil(K / 2), 48, 2] with packed[p, j, c, e] =
+    W[48 p + c, 2 j + e]; zeros where N or (bf16) K runs out."""
+    n, k = weight.shape
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    panels, rows = -(-n // panel_width), -(-k // pair)
+    packed = torch.zeros(panels, rows, panel_width, pair, dtype=weight.dtype)
+    for p in range(panels):
+        cols = weight[p * panel_width:(p + 1) * panel_width]  # [c, K]
+        for e in range(pair):
+            part = cols[:, e::pair]  # [c, elements e, e + pair, ...]
+            packed[p, :part.shape[1], :cols.shape[0], e] = part.t()
+    return packed if pair == 2 else packed.squeeze(-1)
+
+
+def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [out_features, in_features] weight that `pack_linear_weight` packed."""
+    if packed.dim() == 3:
+        packed = packed.unsqueeze(-1)
+    panels, rows, width, pair = packed.shape
+    full = packed.permute(0, 2, 1, 3).reshape(panels * width, rows * pair)
+    return full[:out_features, :in_features].clone()
+
+
+def packed_linear(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """input [M, K] @ W^T + bias in float64 from the unpacked weight, rounded once to input's dtype."""
+    weight = unpack_linear_weight(packed, out_features, input.shape[1])
+    out = input.double() @ weight.double().t()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(input.dtype)
+
+
 def rotary_embedding(
     positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool = True
 ) -> torch.Tensor:

@@ -11,14 +11,12 @@ rank never holds more than its shard.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedkv import ops
+from pagedkv.model import cpu_linear
 from pagedkv.model.parallel_state import all_reduce, gather_last_dim_to_driver, get_tp_rank, get_tp_size
 
 
@@ -31,46 +29,6 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
-
-
-@functools.cache
-def onednn_has_bf16() -> bool:
-    """Whether oneDNN runs bf16 GEMMs on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_linear_weight(weight: torch.Tensor, bf16_as_fp32: bool = False) -> torch.Tensor | None:
-    """A CPU weight [out, in] reordered for oneDNN's GEMM, or None where that path is unavailable.
-
-    On the CPU, oneDNN with a prepacked weight runs the small-M GEMMs of
-    decoding 2-4x faster than the default BLAS path (measured on AVX2 and
-    AVX-512 machines). fp32 always; bf16 where the CPU has the instructions,
-    and elsewhere, with bf16_as_fp32, as its exact fp32 upcast (twice the
-    memory), which `packed_linear` multiplies in fp32: the products of bf16
-    values are exact in fp32 and a bf16 GEMM accumulates in fp32 too, so the
-    result is a bf16 GEMM's up to summation order. Torch's own bf16 GEMM on
-    such a CPU (AVX2) ran the default model 5x slower than fp32.
-    PAGEDKV_CPU_PACKED_LINEAR=0 turns packing off.
-    """
-    if (weight.device.type != "cpu" or os.environ.get("PAGEDKV_CPU_PACKED_LINEAR", "1") == "0"
-            or not torch.backends.mkldnn.is_available() or weight.dtype not in (torch.float32, torch.bfloat16)):
-        return None
-    if bf16_as_fp32 and weight.dtype == torch.bfloat16 and not onednn_has_bf16():
-        weight = weight.float()
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-    except (RuntimeError, AttributeError):
-        return None
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [n, in] @ packed^T (+ bias) in x's dtype; an fp32-packed bf16 weight (pack_linear_weight's
-    bf16_as_fp32) takes bf16 x through the fp32 GEMM and rounds the output to bf16 once."""
-    if packed.dtype == torch.float32 and x.dtype == torch.bfloat16:
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
-                                                 "none", [], "")
-        return out.to(torch.bfloat16)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _check_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
@@ -193,8 +151,8 @@ class RowParallelLinear(nn.Module):
 
 
 def _pack(layer: nn.Module) -> None:
-    """Swaps a linear layer's weight for its oneDNN-packed form (the plain weight is dropped: no double memory)."""
-    packed = pack_linear_weight(layer.weight, bf16_as_fp32=True)
+    """Swaps a linear layer's weight for its packed form (cpu_linear; the plain weight is dropped: no double memory)."""
+    packed = cpu_linear.pack_weight(layer.weight)
     if packed is not None:
         layer.packed_weight = packed
         layer.weight = None
@@ -203,7 +161,7 @@ def _pack(layer: nn.Module) -> None:
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     packed = getattr(layer, "packed_weight", None)
     if packed is not None:
-        return packed_linear(x, packed, bias)
+        return cpu_linear.packed_linear(x, packed, bias)
     return F.linear(x, layer.weight, bias)
 
 
@@ -242,13 +200,14 @@ class VocabParallelEmbedding(nn.Module):
         on rank 0, the only one that samples (the others get None).
         """
         packed = getattr(self, "packed_head", None)
-        local = packed_linear(hidden, packed, None) if packed is not None else F.linear(hidden, self.weight)
+        local = (cpu_linear.packed_linear(hidden, packed, None) if packed is not None
+                 else F.linear(hidden, self.weight))
         full = gather_last_dim_to_driver(local)
         return None if full is None else full[:, :self.vocab_size].float()
 
     def pack_for_cpu(self) -> None:
         """Packs a copy for the LM-head GEMM; the plain weight stays for embedding lookups."""
-        self.packed_head = pack_linear_weight(self.weight, bf16_as_fp32=True)
+        self.packed_head = cpu_linear.pack_weight(self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

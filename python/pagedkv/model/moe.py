@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv import ops
-from pagedkv.model.layers import _check_dim, _divide, _set_loader, default_weight_loader, pack_linear_weight
+from pagedkv.model.cpu_linear import pack_onednn_weight
+from pagedkv.model.layers import _check_dim, _divide, _set_loader, default_weight_loader
 from pagedkv.model.parallel_state import all_reduce, get_tp_rank, get_tp_size
 
 # Per-expert checkpoint names -> the part of the stacked parameters they fill.
@@ -151,15 +152,15 @@ class FusedMoE(nn.Module):
     def pack_for_cpu(self) -> None:
         """Swaps each expert's weights for oneDNN-packed ones (module docstring); call after loading.
 
-        float32 and bfloat16 (where the CPU has oneDNN's bf16 path: `pack_linear_weight`).
+        float32 and bfloat16 (where the CPU has oneDNN's bf16 path: `cpu_linear.pack_onednn_weight`).
         The plain w13 / w2 then become zero-stride placeholders of the same shape (the op
         reads only the packed weights), so packing does not double the experts' memory.
         """
         if (self.w13.dtype not in (torch.float32, torch.bfloat16) or self.w13.device.type != "cpu"
                 or os.environ.get("PAGEDKV_CPU_PACKED_MOE", "1") == "0" or not _fused_moe):
             return
-        w13 = [pack_linear_weight(w) for w in self.w13.data]
-        w2 = [pack_linear_weight(w) for w in self.w2.data]
+        w13 = [pack_onednn_weight(w) for w in self.w13.data]
+        w2 = [pack_onednn_weight(w) for w in self.w2.data]
         if any(p is None for p in w13 + w2):
             return
         self.packed = (w13, w2)

@@ -1,0 +1,50 @@
+// The CPU linear layer: out [M, N] = input [M, K] @ W^T (+ bias) on a weight packed
+// once into column panels (pack_linear_weight, csrc/cpu/gemm.cpp). gemm_kernels.cpp is
+// compiled once per instruction set, like attention_kernels.cpp; gemm.cpp validates the
+// tensors, fills PackedLinearParams and calls the variant picked by cpu_capability.h.
+//
+// Packed layout: the N output features in panels of kPanelWidth (the last one padded
+// with zero columns); within a panel the K inputs in order, each a row of kPanelWidth
+// weights, one per output feature. bf16 weights go in pairs of inputs (K padded to
+// even with a zero), so a panel row holds the pair (W[n, 2j], W[n, 2j + 1]) of each
+// feature, as vdpbf16ps takes its operand:
+//   fp32: [ceil(N / 48), K,            48]     packed[p][k][c]    = W[48 p + c][k]
+//   bf16: [ceil(N / 48), ceil(K / 2), 48, 2]  packed[p][j][c][e] = W[48 p + c][2 j + e]
+// A task streams one panel from memory start to end, and every weight it loads serves
+// up to 8 input rows.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace pagedkv::cpu {
+
+// Output features per panel: three AVX-512 (six AVX2) fp32 vectors, so 8 rows x 3
+// vectors of accumulators fit in the 32 AVX-512 registers with the weights beside them.
+constexpr int64_t kPanelWidth = 48;
+
+struct PackedLinearParams {
+  c10::ScalarType dtype;  // float or bfloat16: input, weight, bias and out alike
+  const void* input;      // [M, K], rows dense
+  int64_t input_stride;   // elements between rows
+  const void* weight;     // packed, see above
+  const void* bias;       // [N] or nullptr
+  void* out;              // [M, N], rows dense
+  int64_t out_stride;
+  int64_t M, N, K;
+};
+
+#define PAGEDKV_DECLARE_CPU_GEMM_KERNELS(capability) \
+  namespace capability {                            \
+  void packed_linear(const PackedLinearParams& params); \
+  }
+
+PAGEDKV_DECLARE_CPU_GEMM_KERNELS(DEFAULT)
+PAGEDKV_DECLARE_CPU_GEMM_KERNELS(AVX2)
+PAGEDKV_DECLARE_CPU_GEMM_KERNELS(AVX512)
+PAGEDKV_DECLARE_CPU_GEMM_KERNELS(AVX512_BF16)
+
+#undef PAGEDKV_DECLARE_CPU_GEMM_KERNELS
+
+}  // namespace pagedkv::cpu
