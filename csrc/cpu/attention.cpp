@@ -11,30 +11,11 @@
 namespace pagedkv {
 namespace {
 
-using cpu::CpuCapability;
-
-// Calls the kernel of the instruction-set variant this CPU runs. The AVX512_BF16
-// variant holds bf16 kernels only (its dot products are vdpbf16ps); other dtypes
-// run the AVX-512 ones there.
-template <typename Params>
-void run_variant(void (*avx512_bf16)(const Params&), void (*avx512)(const Params&), void (*avx2)(const Params&),
-                 void (*fallback)(const Params&), const Params& params) {
-  switch (cpu::selected_cpu_capability()) {
-    case CpuCapability::kAvx512Bf16:
-      return params.dtype == at::kBFloat16 ? avx512_bf16(params) : avx512(params);
-    case CpuCapability::kAvx512:
-      return avx512(params);
-    case CpuCapability::kAvx2:
-      return avx2(params);
-    case CpuCapability::kDefault:
-      break;
-  }
-  fallback(params);
-}
-
-#define PAGEDKV_RUN_VARIANT(kernel, params)                                                    \
-  run_variant(cpu::AVX512_BF16::kernel, cpu::AVX512::kernel, cpu::AVX2::kernel, cpu::DEFAULT::kernel, \
-              params)
+// The AVX512_BF16 variant holds bf16 kernels only (its dot products are vdpbf16ps);
+// other dtypes run the AVX-512 ones there.
+#define PAGEDKV_RUN_VARIANT(kernel, params)                                                              \
+  cpu::run_variant(params, (params).dtype == at::kBFloat16 ? cpu::AVX512_BF16::kernel : cpu::AVX512::kernel, \
+                   cpu::AVX512::kernel, cpu::AVX2::kernel, cpu::DEFAULT::kernel)
 
 void run_decode(const cpu::DecodeParams& p) { PAGEDKV_RUN_VARIANT(decode_attention, p); }
 

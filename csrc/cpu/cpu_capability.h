@@ -32,4 +32,22 @@ std::string cpu_capability_op();
 // previous one. Not meant to be called while kernels run on other threads.
 std::string set_cpu_capability_op(const std::string& name);
 
+// Runs the kernel of the variant this process selected, out of one per variant (a file
+// built without an AVX512_BF16 unit passes its AVX512 kernel twice).
+template <typename Params>
+void run_variant(const Params& params, void (*avx512_bf16)(const Params&), void (*avx512)(const Params&),
+                 void (*avx2)(const Params&), void (*fallback)(const Params&)) {
+  switch (selected_cpu_capability()) {
+    case CpuCapability::kAvx512Bf16:
+      return avx512_bf16(params);
+    case CpuCapability::kAvx512:
+      return avx512(params);
+    case CpuCapability::kAvx2:
+      return avx2(params);
+    case CpuCapability::kDefault:
+      break;
+  }
+  fallback(params);
+}
+
 }  // namespace pagedkv::cpu

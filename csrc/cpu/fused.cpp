@@ -12,32 +12,20 @@
 namespace pagedkv {
 namespace {
 
-using cpu::CpuCapability;
-
-// Runs the kernel of the variant this process selected; the fused kernels are built for DEFAULT,
-// AVX2 and AVX512, and the AVX512_BF16 variant runs the AVX512 build (nothing here uses bf16 dot
-// products).
+// The fused kernels are built for DEFAULT, AVX2 and AVX512; the AVX512_BF16 variant runs the
+// AVX512 build (nothing here uses bf16 dot products).
 template <typename Params>
-void run_variant(const Params& p, void (*avx512)(const Params&), void (*avx2)(const Params&),
-                 void (*fallback)(const Params&)) {
-  switch (cpu::selected_cpu_capability()) {
-    case CpuCapability::kAvx512Bf16:
-    case CpuCapability::kAvx512:
-      return avx512(p);
-    case CpuCapability::kAvx2:
-      return avx2(p);
-    case CpuCapability::kDefault:
-      break;
-  }
-  fallback(p);
+void run_fused(const Params& p, void (*avx512)(const Params&), void (*avx2)(const Params&),
+               void (*fallback)(const Params&)) {
+  cpu::run_variant(p, avx512, avx512, avx2, fallback);
 }
 
 void run_rms_norm(const cpu::RmsNormParams& p) {
-  run_variant(p, cpu::AVX512::rms_norm, cpu::AVX2::rms_norm, cpu::DEFAULT::rms_norm);
+  run_fused(p, cpu::AVX512::rms_norm, cpu::AVX2::rms_norm, cpu::DEFAULT::rms_norm);
 }
 
 void run_rotary_cache(const cpu::RotaryCacheParams& p) {
-  run_variant(p, cpu::AVX512::rotary_embedding_and_cache, cpu::AVX2::rotary_embedding_and_cache,
+  run_fused(p, cpu::AVX512::rotary_embedding_and_cache, cpu::AVX2::rotary_embedding_and_cache,
               cpu::DEFAULT::rotary_embedding_and_cache);
 }
 
@@ -57,7 +45,7 @@ void act_and_mul_cpu(const char* op, at::Tensor& out, const at::Tensor& input, G
   check_cpu(op, input);
   cpu::ActAndMulParams p = act_and_mul_params<cpu::ActAndMulParams>(out, input, activation);
   p.dtype = input.scalar_type();
-  run_variant(p, cpu::AVX512::act_and_mul, cpu::AVX2::act_and_mul, cpu::DEFAULT::act_and_mul);
+  run_fused(p, cpu::AVX512::act_and_mul, cpu::AVX2::act_and_mul, cpu::DEFAULT::act_and_mul);
 }
 
 }  // namespace

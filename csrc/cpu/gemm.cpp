@@ -65,20 +65,6 @@ void check_packed_linear_inputs(const char* op, const at::Tensor& out, const at:
   if (bias.has_value() && bias->defined()) check_disjoint(op, out, "out", *bias, "bias");
 }
 
-void run_packed_linear(const cpu::PackedLinearParams& p) {
-  switch (cpu::selected_cpu_capability()) {
-    case cpu::CpuCapability::kAvx512Bf16:
-      return cpu::AVX512_BF16::packed_linear(p);
-    case cpu::CpuCapability::kAvx512:
-      return cpu::AVX512::packed_linear(p);
-    case cpu::CpuCapability::kAvx2:
-      return cpu::AVX2::packed_linear(p);
-    case cpu::CpuCapability::kDefault:
-      break;
-  }
-  cpu::DEFAULT::packed_linear(p);
-}
-
 }  // namespace
 
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
@@ -115,7 +101,8 @@ void packed_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tenso
   p.M = input.size(0);
   p.N = out.size(1);
   p.K = input.size(1);
-  run_packed_linear(p);
+  cpu::run_variant(p, cpu::AVX512_BF16::packed_linear, cpu::AVX512::packed_linear, cpu::AVX2::packed_linear,
+                   cpu::DEFAULT::packed_linear);
 }
 
 }  // namespace pagedkv

@@ -381,7 +381,6 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return _ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_packed, w2_packed)
 
 
-
 LINEAR_PANEL_WIDTH = 48  # output features per panel of a packed weight (csrc/cpu/gemm_kernels.h)
 
 
@@ -411,6 +410,7 @@ def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, bias: torch.
         out = input.new_empty((input.shape[0], n))
     _ops.packed_linear(out, input, packed_weight, bias)
     return out
+
 
 # ---- fake kernels: shapes only, for torch.compile / FakeTensor tracing ----------
 
