@@ -87,6 +87,10 @@ library's, which no engine on the same library can beat."""),
      """\
 The throughput workload in bf16 and fp32 against vLLM given both cores, and four bf16 repeats with and
 without Intel's OpenMP preloaded into vLLM, on the AVX512-BF16 CPU where the offline target is missed."""),
+    ("Offline throughput with pagedkv's packed GEMM, Zen 4 VM (`bench/bench_throughput.py`)",
+     "throughput_zen4_linear_cpu.md", [], """\
+The same workload after the linear layers moved from oneDNN to pagedkv's `packed_linear`, against vLLM at
+its better setting (both cores; Intel's OpenMP preloaded in bf16)."""),
     ("Sampler (`bench/bench_sampler.py`)", "sampler_cpu.md", [], """\
 One step's sampling for a decode batch (48 rows, the default model's 49k vocabulary) beside the sampler it
 replaced, interleaved in one process. Before: top-k / top-p over a full sort of the vocabulary, then a random
