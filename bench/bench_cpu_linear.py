@@ -15,8 +15,17 @@ shared: a call that lost its time slice measures the neighbours, not the
 GEMM), the weights resident (the LM head's 113 MB fp32 / 57 MB bf16 do not
 fit in L3 anyway).
 
+--kernels compares the two GEMMs the layers can be packed for
+(pagedkv/model/cpu_linear.py) on what one engine step multiplies: the default
+model's 120 layer weights (30 layers x qkv, o, gate_up, down; distinct weights,
+so they come from memory as in a step) and its LM head, at each --tokens row
+count, pagedkv's `packed_linear` and oneDNN's prepacked GEMM interleaved call by
+call (the VM's speed drifts), median of --reps. Rows 1-64 are decode steps,
+257 a 256-token prefill chunk beside one decode, 512-2048 prefill chunks.
+
 Usage:
     python3 bench/bench_cpu_linear.py --reps 30
+    python3 bench/bench_cpu_linear.py --kernels --dtype float32 --out bench/results/cpu_linear_kernels_avx2_cpu
 Stdout is the markdown table.
 """
 
@@ -24,14 +33,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from pagedkv import ops
+from pagedkv.model import cpu_linear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import machine_info, markdown_table  # noqa: E402
+from bench_common import header_lines, machine_info, markdown_table, write_results  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
           "lm_head": (576, 49152)}
@@ -48,15 +60,83 @@ def time_ms(fn, reps: int) -> float:
     return min(times) * 1e3
 
 
+LAYER_SHAPES = ("qkv", "o_proj", "gate_up", "down")
+NUM_LAYERS = 30  # the default model's
+
+
+def model_gemms(dtype: torch.dtype, gen: torch.Generator) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """Per group ("layers": 120 weights, "lm_head": 1), the (in_features, weight [out, in]) pairs of one step."""
+    layers = [(SHAPES[name][0], torch.randn(SHAPES[name][::-1], generator=gen).to(dtype) * SHAPES[name][0] ** -0.5)
+              for _ in range(NUM_LAYERS) for name in LAYER_SHAPES]
+    k, n = SHAPES["lm_head"]
+    return {"layers": layers, "lm_head": [(k, torch.randn(n, k, generator=gen).to(dtype) * 0.05)]}
+
+
+def run_gemms(kernel: str, packed: list[tuple[int, torch.Tensor, int]], xs: dict[int, torch.Tensor]) -> None:
+    """Every (in_features, packed weight, out_features) of one step on `kernel`, input xs[in_features]."""
+    for k, weight, n in packed:
+        if kernel == "pagedkv":
+            ops.packed_linear(xs[k], weight, None, n)
+        else:
+            cpu_linear.onednn_linear(xs[k], weight, None)
+
+
+def compare_kernels(args: argparse.Namespace) -> None:
+    """pagedkv's packed_linear vs oneDNN on one step's GEMMs, interleaved; a table per group."""
+    dtype = getattr(torch, args.dtype)
+    info = machine_info() | {"cpu_capability": ops.cpu_capability(), "dtype": args.dtype, "reps": args.reps}
+    gen = torch.Generator().manual_seed(0)
+    lines = header_lines("The linear layers' GEMM: pagedkv's packed_linear vs oneDNN (bench_cpu_linear.py --kernels)",
+                         info)
+    data: dict = {"info": info, "rows": []}
+    for group, weights in model_gemms(dtype, gen).items():
+        packed = {"pagedkv": [(k, ops.pack_linear_weight(w), w.shape[0]) for k, w in weights],
+                  "onednn": [(k, cpu_linear.pack_onednn_weight(w, bf16_as_fp32=True), w.shape[0]) for k, w in weights]}
+        weight_bytes = sum(w.numel() * w.element_size() for _, w in weights)
+        flops_per_row = 2 * sum(w.numel() for _, w in weights)
+        rows = []
+        for m in args.tokens:
+            xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for k, _ in weights}}
+            times: dict[str, list[float]] = {name: [] for name in packed}
+            for rep in range(args.reps + 2):
+                for name in packed if rep % 2 == 0 else reversed(packed):
+                    start = time.perf_counter()
+                    run_gemms(name, packed[name], xs)
+                    if rep >= 2:  # two warm-up rounds
+                        times[name].append(time.perf_counter() - start)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            row = {"group": group, "rows": m, **{f"{name}_ms": 1e3 * t for name, t in med.items()},
+                   "speedup": med["onednn"] / med["pagedkv"]}
+            data["rows"].append(row)
+            rows.append([m, f"{row['onednn_ms']:.2f}", f"{row['pagedkv_ms']:.2f}", f"{row['speedup']:.2f}x",
+                         f"{weight_bytes / med['pagedkv'] / 1e9:.1f}",
+                         f"{flops_per_row * m / med['pagedkv'] / 1e9:.0f}"])
+            print(f"{group} M={m}: {row['speedup']:.2f}x", file=sys.stderr)
+        title = ("the default model's 120 layer GEMMs (30 layers x qkv 576->960, o 576->576, gate_up 576->3072, "
+                 "down 1536->576)" if group == "layers" else "the LM head 576->49152")
+        lines += [f"## {title}", "", markdown_table(
+            ["rows", "oneDNN ms", "pagedkv ms", "oneDNN / pagedkv", "pagedkv weights GB/s", "pagedkv GFLOP/s"],
+            rows), ""]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        write_results(args.out, report, data)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 48, 256])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--kernels", action="store_true", help="pagedkv's GEMM vs oneDNN on one step's weights (above)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--kernels: the dtype")
+    p.add_argument("--out", help="--kernels: write STEM.md and STEM.json")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernels:
+        return compare_kernels(args)
     info = machine_info()
     info["mkldnn_bf16_supported"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     gen = torch.Generator().manual_seed(0)

@@ -13,7 +13,14 @@ request and token throughput.
 The servers: --base-url targets one that is already running; --launch
 pagedkv,vllm starts each in turn (never both at once: they would share the
 cores), waits for /health, sends --warmup untimed requests, runs every rate,
-and stops it:
+and stops it. With --rounds R (R > 1) every launched server is started first
+and kept warm, idle while another is measured, and each rate runs R times per
+server, interleaved (round r runs the servers in order, round r + 1 in reverse,
+and round r's requests are drawn from seed + r, the same for every server): on
+a shared VM whose speed drifts by tens of percent from minute to minute, one
+server run after the other measures the drift as much as the servers. Each
+cell then pools the R rounds' requests, and the comparison with vLLM gives
+each round's ratio beside the pooled one:
 
   pagedkv  python -m pagedkv.cli serve MODEL --kv-cache-memory 4GiB (this python)
   vllm     V/bin/python -m vllm.entrypoints.openai.api_server --model MODEL --dtype float32 with
@@ -25,6 +32,8 @@ off for both (random prompts share nothing).
 Usage:
     python3 bench/bench_serving.py --launch pagedkv,vllm --request-rate 1 2 4 inf \\
         --json bench/results/serving_cpu.json --out bench/results/serving_cpu.md --plot bench/results/serving_cpu.png
+    python3 bench/bench_serving.py --launch pagedkv,vllm-allcores --rounds 3 --request-rate 1 2 inf \
+        --out bench/results/serving_interleaved_cpu.md
     python3 bench/bench_serving.py --base-url http://127.0.0.1:8000 --num-requests 4 --output-len 8
 Stdout is the markdown table; progress goes to stderr.
 """
@@ -271,26 +280,44 @@ def served_model(base_url: str, api_key: str | None) -> str:
     return r.json()["data"][0]["id"]
 
 
-def bench_server(label: str, base_url: str, args: argparse.Namespace) -> list[dict]:
-    """Warm-up, then one run per request rate against a healthy server; one row per rate."""
-    model = args.model or served_model(base_url, args.api_key)
-    prompts = make_prompts(args.num_requests, args.input_len, args.seed, *args.token_range)
+def warm_up(label: str, base_url: str, model: str, args: argparse.Namespace) -> None:
     if args.warmup:
         warm = make_prompts(args.warmup, args.input_len, args.seed + 100, *args.token_range)
         results, _ = asyncio.run(run_load(base_url, model, warm, args.output_len, math.inf, None, args.seed,
                                           args.api_key))
         log(f"{label}: warm-up {sum(r.success for r in results)}/{len(results)} ok")
-    rows = []
-    for rate in args.request_rate:
-        log(f"{label}: {args.num_requests} requests at {rate} req/s ...")
-        results, duration = asyncio.run(run_load(base_url, model, prompts, args.output_len, rate,
-                                                 args.max_concurrency, args.seed, args.api_key))
-        summary = summarize(results, duration)
-        log(f"{label} @ {rate}: {summary['completed']} ok, {summary['failed']} failed, TTFT mean "
-            f"{summary['mean_ttft_ms']:.0f} ms, TPOT mean {summary['mean_tpot_ms']:.1f} ms")
-        rows.append({"system": label, "request_rate": rate, "model": model, **summary,
-                     "texts": [r.text for r in results]})
-    return rows
+
+
+def measure(label: str, base_url: str, model: str, rate: float, seed: int,
+            args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+    """One run: --num-requests prompts drawn from `seed`, arriving at `rate`; the results and the wall time."""
+    prompts = make_prompts(args.num_requests, args.input_len, seed, *args.token_range)
+    log(f"{label}: {args.num_requests} requests at {rate} req/s ...")
+    results, duration = asyncio.run(run_load(base_url, model, prompts, args.output_len, rate,
+                                             args.max_concurrency, seed, args.api_key))
+    summary = summarize(results, duration)
+    log(f"{label} @ {rate}: {summary['completed']} ok, {summary['failed']} failed, TTFT mean "
+        f"{summary['mean_ttft_ms']:.0f} ms, TPOT mean {summary['mean_tpot_ms']:.1f} ms")
+    return results, duration
+
+
+def result_row(label: str, model: str, rate: float, runs: list[tuple[list[RequestResult], float]]) -> dict:
+    """One table column: the runs' requests pooled (durations added), each run's mean TTFT / TPOT kept."""
+    results = [r for run, _ in runs for r in run]
+    row = {"system": label, "request_rate": rate, "model": model,
+           **summarize(results, sum(duration for _, duration in runs)), "texts": [r.text for r in results]}
+    if len(runs) > 1:
+        per_round = [summarize(run, duration) for run, duration in runs]
+        row["rounds"] = [{"mean_ttft_ms": r["mean_ttft_ms"], "mean_tpot_ms": r["mean_tpot_ms"]} for r in per_round]
+    return row
+
+
+def bench_server(label: str, base_url: str, args: argparse.Namespace) -> list[dict]:
+    """Warm-up, then one run per request rate against a healthy server; one row per rate."""
+    model = args.model or served_model(base_url, args.api_key)
+    warm_up(label, base_url, model, args)
+    return [result_row(label, model, rate, [measure(label, base_url, model, rate, args.seed, args)])
+            for rate in args.request_rate]
 
 
 def run_launched(system: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> list[dict]:
@@ -310,6 +337,44 @@ def run_launched(system: str, args: argparse.Namespace, model_dir: Path, log_dir
         server.stop()
 
 
+def run_interleaved(systems: list[str], args: argparse.Namespace, model_dir: Path, log_dir: Path) -> list[dict]:
+    """--rounds: every server started and warmed first, then round r runs each rate on each server (the
+    servers in order for even r, reversed for odd r, requests from seed + r); one pooled row per system and
+    rate."""
+    servers: dict[str, LaunchedServer] = {}
+    startup: dict[str, float] = {}
+    rows: list[dict] = []
+    try:
+        for system in systems:
+            if system.startswith("vllm") and not Path(args.vllm_python).exists():
+                log(f"{system}: skipped, no venv python at {args.vllm_python}")
+                rows += [{"system": system, "request_rate": r, "skipped": f"no vLLM python at {args.vllm_python}"}
+                         for r in args.request_rate]
+                continue
+            server = LaunchedServer(system, args, model_dir, log_dir)
+            servers[system] = server
+            startup[system] = server.wait_ready(args.startup_timeout_s)
+            log(f"{system}: healthy after {startup[system]:.0f} s")
+        models = {system: args.model or served_model(s.base_url, args.api_key) for system, s in servers.items()}
+        for system, server in servers.items():
+            warm_up(system, server.base_url, models[system], args)
+        runs: dict[tuple[str, float], list] = {(system, rate): [] for system in servers for rate in args.request_rate}
+        for r in range(args.rounds):
+            order = list(servers) if r % 2 == 0 else list(reversed(servers))
+            for rate in args.request_rate:
+                for system in order:
+                    runs[system, rate].append(measure(f"{system} (round {r + 1})", servers[system].base_url,
+                                                      models[system], rate, args.seed + r, args))
+        for system in servers:
+            for rate in args.request_rate:
+                rows.append(result_row(system, models[system], rate, runs[system, rate]) |
+                            {"startup_s": startup[system]})
+        return rows
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 # --- report -------------------------------------------------------------------------------------------------------
 
 METRIC_ROWS = [("completed", "successful requests", "{:.0f}"), ("failed", "failed requests", "{:.0f}"),
@@ -325,7 +390,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [f"Serving benchmark: {args.num_requests} requests, {args.input_len} tokens in / {args.output_len} out "
              f"(random ids, greedy, ignore_eos, streamed), max concurrency {args.max_concurrency or 'unlimited'}, "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-             f"{os.cpu_count()} CPUs.", ""]
+             f"{os.cpu_count()} CPUs."
+             + (f" {args.rounds} interleaved rounds per cell (requests pooled)." if args.rounds > 1 else ""), ""]
     if cols:
         lines.append("| metric | " + " | ".join(f"{r['system']} @ {r['request_rate']} req/s" for r in cols) + " |")
         lines.append("|---|" + "---:|" * len(cols))
@@ -351,8 +417,12 @@ def _versus_vllm(cols: list[dict]) -> list[str]:
         parts = []
         for key, name in (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT")):
             best = min(peers, key=lambda c, k=key: c[k])
-            parts.append(f"{name} {r[key]:.0f} vs {best[key]:.0f} ms ({best['system']}): "
-                         f"vLLM/pagedkv {best[key] / max(r[key], 1e-9):.2f}x")
+            part = (f"{name} {r[key]:.0f} vs {best[key]:.0f} ms ({best['system']}): "
+                    f"vLLM/pagedkv {best[key] / max(r[key], 1e-9):.2f}x")
+            if "rounds" in r and "rounds" in best:
+                ratios = [b[key] / max(a[key], 1e-9) for a, b in zip(r["rounds"], best["rounds"], strict=True)]
+                part += f" (rounds {', '.join(f'{x:.2f}' for x in ratios)})"
+            parts.append(part)
         same = sum(a == b for a, b in zip(r["texts"], peers[0]["texts"], strict=True))
         lines.append(f"\n{r['system']} @ {r['request_rate']}: {'; '.join(parts)}; {same} of {len(r['texts'])} "
                      f"outputs identical to {peers[0]['system']}'s (greedy)")
@@ -403,6 +473,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests/s of the Poisson arrivals; several values run one after another; inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
     p.add_argument("--warmup", type=int, default=4, help="untimed requests sent first (0: none)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --launch: start every server first and run each rate this many times per server, "
+                        "interleaved (see above)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-range", type=int, nargs=2, default=[100, 40000], metavar=("LO", "HI"),
                    help="prompt token ids are drawn from [LO, HI)")
@@ -425,6 +498,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = set(args.launch) - set(SYSTEMS)
         if unknown:
             p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    if args.rounds < 1 or (args.rounds > 1 and not args.launch):
+        p.error("--rounds takes a count >= 1, and more than 1 only with --launch")
     return args
 
 
@@ -438,7 +513,14 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = ensure_default_model()
         rows = []
         with tempfile.TemporaryDirectory(prefix="pagedkv-serving-") as tmp:
-            for system in args.launch:
+            if args.rounds > 1:
+                try:
+                    rows = run_interleaved(args.launch, args, model_dir, Path(tmp))
+                except (RuntimeError, TimeoutError) as e:
+                    log(f"interleaved run: {e}")
+                    rows = [{"system": system, "request_rate": r, "skipped": str(e)}
+                            for system in args.launch for r in args.request_rate]
+            for system in args.launch if args.rounds == 1 else []:
                 try:
                     rows += run_launched(system, args, model_dir, Path(tmp))
                 except (RuntimeError, TimeoutError) as e:

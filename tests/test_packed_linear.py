@@ -17,8 +17,11 @@ from pagedkv.model import cpu_linear, layers
 VARIANTS = [v for v in ("default", "avx2", "avx512", "avx512_bf16") if ops.cpu_capability_runs(v)]
 DTYPES = [torch.float32, torch.bfloat16]
 # (M rows, N out, K in): one row; odd everything; N < one panel; K past a chunk (512 pair rows of bf16
-# = K 1024, 512 rows of fp32); rows past a task's 256-row block and the 64-row split.
-SHAPES = [(1, 48, 64), (5, 97, 7), (3, 1, 1), (9, 50, 1201), (300, 100, 64), (17, 576, 2049)]
+# = K 1024, 512 rows of fp32 on AVX-512, 128 on AVX2), and exactly one AVX2 chunk; rows past a task's 256-row
+# block and the 64-row split, and one row past a block (equal blocks of 88 rows and a last one of 81); rows
+# that leave 1-3 past the AVX2 4-row tiles.
+SHAPES = [(1, 48, 64), (5, 97, 7), (3, 1, 1), (9, 50, 1201), (300, 100, 64), (17, 576, 2049), (257, 97, 33),
+          (6, 49, 129), (4, 96, 128), (7, 145, 257)]
 
 
 @pytest.fixture
@@ -181,7 +184,7 @@ def test_auto_kernel_follows_the_cpu(monkeypatch):
     monkeypatch.setenv("PAGEDKV_CPU_LINEAR_KERNEL", "auto")
     capability = ops.cpu_capability()
     bf16 = "pagedkv" if capability == "avx512_bf16" else "onednn"
-    fp32 = "pagedkv" if capability in ("avx512", "avx512_bf16") else "onednn"
+    fp32 = "pagedkv" if capability in ("avx2", "avx512", "avx512_bf16") else "onednn"
     assert cpu_linear.linear_kernel(torch.bfloat16) == bf16
     assert cpu_linear.linear_kernel(torch.float32) == fp32
     monkeypatch.setenv("PAGEDKV_CPU_LINEAR_KERNEL", "mkl")

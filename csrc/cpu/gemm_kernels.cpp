@@ -1,17 +1,19 @@
 // The CPU linear layer on packed weights (layout in gemm_kernels.h), compiled once per
 // CPU_CAPABILITY. A task owns one panel of 48 output features and a block of input
-// rows; it walks the panel's K rows in order, 8 input rows at a time (AVX-512) with
-// the 8 x 48 sums in registers, so each weight is loaded once per 8 rows and the
-// panel streams from memory once. All arithmetic in fp32; bf16 runs on vdpbf16ps
-// (32 products per instruction) where the CPU has AVX512-BF16, elsewhere on its
-// pairs widened to fp32 (exact: a bf16 is the top half of an fp32).
+// rows; it walks the panel's K rows in order, several input rows at a time with their
+// sums in registers (8 x 48 on AVX-512, 4 x 24 on AVX2: see max_tile_rows), so each
+// weight is loaded once per tile of rows and the panel streams from memory once. All
+// arithmetic in fp32; bf16 runs on vdpbf16ps (32 products per instruction) where the
+// CPU has AVX512-BF16, elsewhere on its pairs widened to fp32 (exact: a bf16 is the
+// top half of an fp32).
 //
 // Why not oneDNN: decoding multiplies a handful of rows by every weight of the model
 // once per step, so the weights' read rate is the step's speed. oneDNN's packed GEMM
 // read them at 16-21 GB/s for 1-8 rows where this loop reads ~30 GB/s (the box's read
 // rate), and it kept ahead at every row count measured, prefill sizes included (the
 // default model's 120 layer GEMMs with cold weights, interleaved, AMD Zen 4, 2026-12-03:
-// bf16 1.64-1.88x at 1-8 rows, 1.32x at 27-64, 1.15x at 512; fp32 1.50-1.59x, 1.13-1.20x, 1.08x).
+// bf16 1.64-1.88x at 1-8 rows, 1.32x at 27-64, 1.15x at 512; fp32 1.50-1.59x, 1.13-1.20x, 1.08x;
+// AVX2 AMD Zen 3, 2026-12-04, fp32: 1.2-1.4x at 1-64 rows, 1.03-1.06x at 256-512).
 #include "cpu/gemm_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -43,28 +45,63 @@ static_assert(kPanelWidth % kW == 0, "a panel row is whole vectors");
 template <typename T>
 constexpr int64_t kPerRow = std::is_same_v<T, float> ? 1 : 2;
 
-// Panel rows per K chunk: 96 KiB of a panel (512 rows of 48 fp32 or of 48 bf16 pairs)
-// stay in L2 while every row block of the task passes over them. Only weights with
-// more rows are chunked; their partial sums wait in a per-thread scratch between chunks.
+// Panel rows per K chunk, kept in cache while every row tile of the task passes over
+// them: on AVX-512 96 KiB of a panel (512 rows of 48 fp32 or of 48 bf16 pairs) in L2; on
+// AVX2 24 KiB (128 rows) in L1, since there a tile of 4 rows loads a weight vector for
+// every 4 FMAs and L2 could not feed that (with 512-row chunks in L2 the 64-row product
+// ran at 0.76x oneDNN, with 128 at 1.2x; Zen 3, 2026-12-04). Only weights with more rows
+// are chunked; their partial sums wait in a per-thread scratch between chunks.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kChunkRows = 128;
+#else
 constexpr int64_t kChunkRows = 512;
+#endif
 // Input rows per task at most: the scratch of one task is kRowBlock x 48 floats.
 constexpr int64_t kRowBlock = 256;
 
-// Input rows per register tile: as many as the registers hold beside the weights.
+// The register tile: input rows x vectors of a panel row, as many as the registers
+// hold beside the operands.
+//   AVX-512: 8 rows x the whole row (3 vectors); 6 rows for widened bf16, whose even
+//            and odd weights take 6 registers more.
+//   AVX2:    fp32 4 rows x half a row (3 of its 6 vectors): 12 sums, and the 3 weight
+//            vectors held while each row's broadcast passes over them, fill the 16
+//            registers. Each weight serves 4 rows: 2 x 6 (each weight serving 2) ran
+//            the 64- and 512-row products at 0.75x / 0.8x of this shape.
+//            Widened bf16: 1 row x the whole row.
+//   default: 1 row x the whole row.
 template <typename T>
 constexpr int max_tile_rows() {
 #if defined(CPU_CAPABILITY_AVX512)
-  // 8 x 3 accumulators; widened bf16 needs 6 more registers for a row's even and odd weights.
 #if defined(CPU_CAPABILITY_AVX512_BF16)
   return 8;
 #else
   return std::is_same_v<T, float> ? 8 : 6;
 #endif
 #elif defined(CPU_CAPABILITY_AVX2)
-  // 16 registers: 2 x 6 accumulators (fp32), or 1 x 6 beside the widened pairs (bf16).
-  return std::is_same_v<T, float> ? 2 : 1;
+  return std::is_same_v<T, float> ? 4 : 1;
 #else
   return 1;
+#endif
+}
+
+template <typename T>
+constexpr int tile_vectors() {
+#if defined(CPU_CAPABILITY_AVX2)
+  return std::is_same_v<T, float> ? kNV / 2 : kNV;
+#else
+  return kNV;
+#endif
+}
+
+// Whether a tile loads its weight vectors into registers first and then broadcasts one
+// row at a time (AVX2 fp32: fewer registers than sums + rows + a weight) rather than
+// broadcasting every row first and streaming the weights past them.
+template <typename T>
+constexpr bool weights_held() {
+#if defined(CPU_CAPABILITY_AVX2)
+  return std::is_same_v<T, float>;
+#else
+  return false;
 #endif
 }
 
@@ -88,43 +125,54 @@ inline XOperand<T> x_operand(const T* x, int64_t j, bool lone) {
   }
 }
 
-// R input rows x 48 outputs of fp32 sums, in registers.
+// R input rows x tile_vectors<T>() vectors of outputs: fp32 sums in registers.
 template <typename T, int R>
 struct Tile {
-  Vec acc[R][kNV];
+  static constexpr int kTV = tile_vectors<T>();
+  Vec acc[R][kTV];
 
-  void load(const float* src) {  // src [R][48], or nullptr: zero
+  void load(const float* src) {  // src: rows kPanelWidth apart, or nullptr: zero
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kNV; ++v) acc[r][v] = src ? Vec::loadu(src + r * kPanelWidth + v * kW) : Vec(0.f);
+      for (int v = 0; v < kTV; ++v) acc[r][v] = src ? Vec::loadu(src + r * kPanelWidth + v * kW) : Vec(0.f);
   }
 
   void store(float* dst) const {
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kNV; ++v) acc[r][v].store(dst + r * kPanelWidth + v * kW);
+      for (int v = 0; v < kTV; ++v) acc[r][v].store(dst + r * kPanelWidth + v * kW);
   }
 
-  // acc[r] += x[r] * w for one panel row w (48 weights, or 48 pairs).
+  // acc[r] += x[r] * w for the tile's part w of one panel row (kTV vectors of weights, or of pairs).
   inline void step(const T* w, const XOperand<T> (&x)[R]) {
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (weights_held<T>()) {
+      Vec wv[kTV];
+#pragma GCC unroll 6
+      for (int v = 0; v < kTV; ++v) wv[v] = Vec::loadu(w + v * kW);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const Vec xs(x[r]);
+#pragma GCC unroll 6
+        for (int v = 0; v < kTV; ++v) acc[r][v] = at::vec::fmadd(xs, wv[v], acc[r][v]);
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
       Vec xs[R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) xs[r] = Vec(x[r]);
 #pragma GCC unroll 6
-      for (int v = 0; v < kNV; ++v) {
+      for (int v = 0; v < kTV; ++v) {
         const Vec wv = Vec::loadu(w + v * kW);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) acc[r][v] = at::vec::fmadd(xs[r], wv, acc[r][v]);
       }
     } else {
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-      __m512bh wv[kNV];
+      __m512bh wv[kTV];
 #pragma GCC unroll 3
-      for (int v = 0; v < kNV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * 2 * kW);
+      for (int v = 0; v < kTV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * 2 * kW);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r]));
 #pragma GCC unroll 3
-        for (int v = 0; v < kNV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+        for (int v = 0; v < kTV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
       }
 #else
       // A pair word holds element 2j in its low half: as fp32, word << 16 and word & 0xFFFF0000.
@@ -136,7 +184,7 @@ struct Tile {
         xo[r] = Vec(bits_to_float(x[r] & 0xFFFF0000u));
       }
 #pragma GCC unroll 6
-      for (int v = 0; v < kNV; ++v) {
+      for (int v = 0; v < kTV; ++v) {
         const IVec pairs = IVec::loadu(w + v * 2 * kW);
         const Vec we = at::vec::cast<float>(pairs << IVec(16)), wo = at::vec::cast<float>(pairs & high);
 #pragma GCC unroll 8
@@ -158,11 +206,11 @@ template <typename T>
 struct TileJob {
   const T* x;          // the tile's first input row
   int64_t x_stride;
-  const T* panel;      // the panel's row 0
+  const T* panel;      // the panel's row 0, at the tile's first column
   int64_t j0, j1;      // panel rows of the chunk
   bool lone_last;      // bf16 with K odd and j1 the panel's end: the last row's pair is half
-  const float* carry;  // [R][48] partial sums of the earlier chunks, or nullptr (first chunk)
-  float* sums;         // [R][48] where the sums go
+  const float* carry;  // [R][48] partial sums of the earlier chunks (at the tile's first column), or nullptr
+  float* sums;         // [R][48] where the sums go (likewise)
 };
 
 template <typename T, int R>
@@ -215,21 +263,26 @@ struct TaskGrid {
   int64_t panels, row_block, row_blocks;
 };
 
-// Whole rows per task unless there are few panels for the threads: then rows are split too
-// (in multiples of 8, at least 64 rows a task, so each weight still serves many rows).
+// Whole rows per task up to kRowBlock, cut into row blocks of equal size (a multiple of 8
+// rows), and into more blocks of at least 64 rows when there are few panels for the
+// threads. Equal blocks matter: parallel_for hands each thread a contiguous run of tasks,
+// and with blocks of 256 rows a 257-row product (a prefill chunk of 256 tokens beside one
+// decode, the common step of a lightly loaded server) gave one thread every 256-row task
+// and the other the 1-row ones: the product took twice its time.
 TaskGrid task_grid(int64_t M, int64_t N) {
   const int64_t panels = (N + kPanelWidth - 1) / kPanelWidth;
   const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
-  int64_t row_block = std::min<int64_t>(std::max<int64_t>(M, 1), kRowBlock);
-  while (panels * ((M + row_block - 1) / row_block) < wanted && row_block > 64) {
-    row_block = std::max<int64_t>(64, (row_block / 2 + 7) / 8 * 8);
-  }
-  return {panels, row_block, (M + row_block - 1) / row_block};
+  const int64_t rows = std::max<int64_t>(M, 1);
+  int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  while (panels * blocks < wanted && rows / (blocks + 1) >= 64) ++blocks;
+  const int64_t row_block = ((rows + blocks - 1) / blocks + 7) / 8 * 8;
+  return {panels, row_block, (rows + row_block - 1) / row_block};
 }
 
 template <typename T>
 void packed_linear_impl(const PackedLinearParams& p) {
   constexpr int kRows = max_tile_rows<T>();
+  constexpr int64_t kTileCols = tile_vectors<T>() * kW;
   const T* input = static_cast<const T*>(p.input);
   const T* weight = static_cast<const T*>(p.weight);
   const T* bias = static_cast<const T*>(p.bias);
@@ -253,9 +306,11 @@ void packed_linear_impl(const PackedLinearParams& p) {
         for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - r0));
           float* tile_sums = scratch.data() + (chunked ? (r0 - m0) * kPanelWidth : 0);
-          const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base, j0, j1,
-                               last && odd_pairs, first ? nullptr : tile_sums, tile_sums};
-          run_tile_rows<T, kRows>(rows, job);
+          for (int64_t col = 0; col < kPanelWidth; col += kTileCols) {
+            const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base + col * kPerRow<T>, j0,
+                                 j1, last && odd_pairs, first ? nullptr : tile_sums + col, tile_sums + col};
+            run_tile_rows<T, kRows>(rows, job);
+          }
           if (last) store_rows(tile_sums, bias_f, rows, n, out + r0 * p.out_stride + n0, p.out_stride);
         }
       }
