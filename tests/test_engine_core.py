@@ -7,12 +7,15 @@ their own processes.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -70,6 +73,35 @@ REQUESTS = [
     (PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[13])),  # "." ends by its id
     (PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, min_tokens=8, stop=["Paris"])),
 ]
+
+
+def inspect_core(engine: FrontendEngine) -> dict:
+    answer: Future = Future()
+    engine.request_inspection(answer)
+    while not answer.done():
+        engine.step(0.1)
+    return answer.result()
+
+
+def test_the_tokenizers_eos_reaches_the_core(default_model_dir, tmp_path):
+    """The tokenizer loads while the core starts; its EOS, which the checkpoint may not list, follows as the
+    first message: the core stops sequences on it and beam search finishes on it."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|endoftext|>"  # id 0; the checkpoint's own EOS is <|im_end|>
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = FrontendEngine(EngineArgs(model=str(default_model_dir), tokenizer=str(tmp_path), device="cpu",
+                                       dtype="float32", kv_cache_memory=32 << 20, max_model_len=MAX_MODEL_LEN,
+                                       cpu_threads_bind="nobind"))
+    try:
+        eos = engine.tokenizer.eos_token_id
+        state = inspect_core(engine)
+        assert eos not in engine.model_config.eos_token_id
+        assert eos in state["eos_token_ids"] and state["beam_eos_token_id"] == eos
+        assert set(state["eos_token_ids"]) == engine.eos_token_ids
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("kind", [OutputKind.FINAL_ONLY, OutputKind.CUMULATIVE])

@@ -74,9 +74,11 @@ class EngineCoreClient:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
-    def start(cls, start_fields: dict) -> EngineCoreClient:
-        """Spawns the core with CoreStart(**start_fields, addresses filled in) and waits until it is ready.
-        Raises ValueError / CoreStartError with the core's own message if it could not start."""
+    def start(cls, start_fields: dict, while_starting: Callable[[], None] | None = None) -> EngineCoreClient:
+        """Spawns the core with CoreStart(**start_fields, addresses filled in), runs `while_starting` (the front
+        end's own set-up: loading the tokenizer takes seconds, as does the core's model) and waits until the
+        core is ready. Raises ValueError / CoreStartError with the core's own message if it could not start, or
+        what `while_starting` raised (the core is stopped then)."""
         folder = tempfile.mkdtemp(prefix="pagedkv-core-")  # 0700: only this user can reach the sockets
         context = zmq.Context(1)
         to_core, from_core = context.socket(zmq.PUSH), context.socket(zmq.PULL)
@@ -91,6 +93,8 @@ class EngineCoreClient:
         process.start()
         theirs.close()
         try:
+            if while_starting is not None:
+                while_starting()
             facts = _wait_ready(process, ours)
         except BaseException:
             _stop(process, 5.0)

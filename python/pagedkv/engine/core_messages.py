@@ -1,6 +1,6 @@
 """What the front end and the engine-core process say to each other, as msgspec structs over ZeroMQ.
 
-    front end --(PUSH: AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown)--> core
+    front end --(PUSH: TokenizerEos | AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown)--> core
     front end <--(PULL: StepOutputs | Inspection | CoreDied)---------------------------------- core
 
 Everything is msgpack (`msgspec.msgpack`), decoded into typed structs on the
@@ -38,6 +38,14 @@ def params_to_wire(params: SamplingParams) -> tuple:
 
 def params_from_wire(fields: tuple) -> SamplingParams:
     return SamplingParams(**dict(zip(_PARAM_FIELDS, fields, strict=True)))
+
+
+class TokenizerEos(msgspec.Struct, tag="eos", array_like=True):
+    """The EOS ids of the front end's tokenizer, which the core (no tokenizer) cannot read itself: sent once,
+    first of all messages, since the tokenizer loads while the core starts. They end sequences beside the
+    checkpoint's own, and the smallest is the EOS beam search finishes on."""
+
+    token_ids: list[int]
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -124,7 +132,7 @@ class CoreDied(msgspec.Struct, tag="died", array_like=True):
     reason: str
 
 
-ToCore = AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown
+ToCore = TokenizerEos | AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown
 FromCore = StepOutputs | Inspection | CoreDied
 
 _METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(RequestMetrics))

@@ -7,8 +7,8 @@
 
 It never waits on the front end: outputs are pushed as they come, and the
 front end detokenizes them while the next step computes. It has no
-tokenizer (prompts arrive as ids; EOS ids the tokenizer knows come with the
-start-up arguments). Its compute threads can be pinned (`cpu_binding`).
+tokenizer (prompts arrive as ids; EOS ids that only the tokenizer knows come
+in the front end's first message, TokenizerEos). Its compute threads can be pinned (`cpu_binding`).
 
 Faults: a step that fails fails its own requests (they come back with an
 error) and the loop goes on; an engine that cannot step again sends
@@ -43,6 +43,7 @@ from pagedkv.engine.core_messages import (
     SampleDelta,
     Shutdown,
     StepOutputs,
+    TokenizerEos,
     WireStats,
     encoder,
     logprobs_to_wire,
@@ -89,7 +90,6 @@ class CoreStart:
     input_address: str
     output_address: str
     parent_pid: int
-    extra_eos_token_ids: frozenset[int]
     cpu_binding: list[int] | None
     log_level: int
 
@@ -108,6 +108,10 @@ class EngineCore:
         """Applies one front-end message; False for Shutdown."""
         if isinstance(message, AddRequest):
             self._add(message)
+        elif isinstance(message, TokenizerEos):
+            self.engine.eos_token_ids.update(message.token_ids)  # the scheduler and the runner hold this set
+            if message.token_ids:
+                self.engine.beam_eos_token_id = min(message.token_ids)
         elif isinstance(message, AbortRequests):
             self.engine.abort_request(message.request_ids)
         elif isinstance(message, FinishSamples):
@@ -213,9 +217,6 @@ def run_engine_core(start: CoreStart, ready) -> None:
         inbox.connect(start.input_address)
         outbox.connect(start.output_address)
         engine = LLMEngine(replace(start.args, skip_tokenizer_init=True))
-        engine.eos_token_ids |= start.extra_eos_token_ids  # the runner holds the same set
-        if start.extra_eos_token_ids:  # the front end's tokenizer's EOS: what beam search finishes on
-            engine.beam_eos_token_id = min(start.extra_eos_token_ids)
         ready.send(("ready", CoreFacts(
             engine.model_name, engine.model_config, engine.scheduler_config, engine.cache_config,
             dict(engine.default_sampling), set(engine.eos_token_ids), str(engine.dtype), str(engine.device),

@@ -34,6 +34,7 @@ from pagedkv.engine.core_messages import (
     Inspect,
     Inspection,
     StepOutputs,
+    TokenizerEos,
     pack_ids,
     params_to_wire,
 )
@@ -57,17 +58,24 @@ class FrontendEngine:
         tensor parallelism, whose ranks split the CPUs themselves)."""
         self.args = args
         source = resolve_model(args.model)
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.tokenizer = None
         binding = cpu_binding or self._plan_binding(args)
         self.cpu_binding = binding
-        self.client = EngineCoreClient.start(dict(
-            args=args, extra_eos_token_ids=frozenset([] if eos is None else [eos]),
-            cpu_binding=list(binding.core) if binding.core else None, log_level=logging.getLogger().level))
+
+        def load_tokenizer_meanwhile() -> None:  # ~3 s for the default model: the core starts beside it
+            if not args.skip_tokenizer_init:
+                self.tokenizer = load_tokenizer(source, args.tokenizer)
+
+        self.client = EngineCoreClient.start(
+            dict(args=args, cpu_binding=list(binding.core) if binding.core else None,
+                 log_level=logging.getLogger().level), while_starting=load_tokenizer_meanwhile)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.client.send(TokenizerEos([] if eos is None else [eos]))
         facts = self.client.facts
         self.model_name, self.model_config = facts.model_name, facts.model_config
         self.scheduler_config, self.cache_config = facts.scheduler_config, facts.cache_config
-        self.default_sampling, self.eos_token_ids = facts.default_sampling, facts.eos_token_ids
+        self.default_sampling = facts.default_sampling
+        self.eos_token_ids = facts.eos_token_ids | ({eos} if eos is not None else set())
         self.dtype = getattr(torch, facts.dtype.removeprefix("torch."))
         self.device = torch.device(facts.device)
         self.kv_spec = facts.kv_spec

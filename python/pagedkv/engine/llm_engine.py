@@ -443,7 +443,8 @@ class LLMEngine:
     def inspect(self) -> dict[str, Any]:
         """What the engine holds right now, for tests and debugging (plain values, so it crosses a process
         boundary): requests, queues, per-request prompt progress, the block manager's sequences and blocks,
-        per-sequence prefix-cache state, and whether the block manager's invariants hold."""
+        per-sequence prefix-cache state, the EOS ids it stops on, and whether the block manager's invariants
+        hold."""
         bm, sched = self.block_manager, self.scheduler
         try:
             bm.check_invariants()
@@ -458,6 +459,7 @@ class LLMEngine:
                 "used_blocks": bm.num_used_gpu_blocks, "prefix_cache_seqs": bm.num_prefix_cache_seqs,
                 # Table entries the sliding window released (0 without one): held blocks = tables - these.
                 "dropped_blocks": sum(bm.num_dropped_blocks(s) for s in bm.seq_ids()),
+                "eos_token_ids": sorted(self.eos_token_ids), "beam_eos_token_id": self.beam_eos_token_id,
                 "invariants_error": invariants}
 
     def _publish_kv_events(self) -> None:
