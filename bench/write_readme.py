@@ -64,6 +64,31 @@ redraws it from an earlier `--json` without running anything."""),
 vLLM's serving benchmark, run against `pagedkv serve` and vLLM's OpenAI server from its CPU backend on the
 same requests (random token ids, streamed, greedy, ignore_eos) at several Poisson rates: TTFT, TPOT, ITL and
 end-to-end latency. The client runs on the same 2 cores as the server."""),
+    ("Serving on an AVX2 CPU, interleaved rounds (`bench/bench_serving.py --rounds 3`)",
+     "serving_interleaved_avx2_cpu.md", [], """\
+The serving benchmark with both servers started first and kept warm, each rate run three times per server,
+alternating which server goes first, with each round's requests drawn from their own seed: on this VM the same
+server's mean TTFT moved by up to 1.5x between back-to-back runs, so one server run after the other measures the
+VM as much as the server. Each cell pools the three rounds' 96 requests; the comparison gives each round's ratio.
+2-core AMD EPYC Zen 3 (AVX2, no AVX-512), fp32, vLLM CPU 0.32.0 given both cores (`VLLM_CPU_OMP_THREADS_BIND=0,1`),
+the client on the same cores. With the AVX2 GEMM of `packed_linear` and its equal row blocks (with the new
+tile but before the equal blocks, a run made the same way gave pagedkv's TTFT 0.61x / 0.82x / 0.99x vLLM's at
+1 / 2 / unbounded req/s, TPOT 0.86x / 1.21x / 1.17x). What bounds both servers here: a 256-token prefill is about 55 GFLOP, and the layer
+GEMMs of both run near the cores' fp32 FMA peak (~150 GFLOP/s measured on this box), so at 2 req/s and above
+both are saturated and TTFT is queueing on the same arithmetic; at 1 req/s the busier of the two queues longer.
+Idle TTFT of one request (interleaved, medians of 6): 256-token prompt pagedkv 505 ms vs vLLM 533 ms, 512
+tokens 1104 vs 1293 ms, 1024 tokens 2323 vs 2527 ms."""),
+    ("Offline throughput on an AVX2 CPU (`bench/bench_throughput.py`)", "throughput_avx2_cpu.md", [], """\
+The offline workload on the same Zen 3 box in fp32 (its dtype "auto"), vLLM CPU given both cores, after the
+AVX2 GEMM of `packed_linear`. Three paired runs of the core-process engine, oneDNN's GEMM against pagedkv's
+(`PAGEDKV_CPU_LINEAR_KERNEL`), gave 34.99 / 31.37 s, 32.95 / 29.93 s and 30.83 / 27.13 s (1.10-1.14x)."""),
+    ("The linear layers' GEMM on an AVX2 CPU (`bench/bench_cpu_linear.py --kernels`)",
+     "cpu_linear_kernels_avx2_cpu.md", [], """\
+pagedkv's `packed_linear` against oneDNN's prepacked GEMM on one engine step's weights, interleaved call by call.
+On AVX2 the kernel's register tile is 4 rows x 24 outputs (the 3 weight vectors held while each row's broadcast
+passes over them) over K chunks of 128 rows that stay in L1; before, a 2 x 48 tile over 512-row chunks in L2
+ran 0.76-0.81x oneDNN from 64 rows up. The row blocks are now of equal size: with blocks of 256 rows a 257-row
+product (a prefill chunk beside one decode) gave one thread all the work, on every CPU."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine
@@ -162,7 +187,10 @@ int8 about 1.1x at head size 128 and fp8 0-5%."""),
     ("The same on an AVX2 CPU (no AVX-512, no bf16 dot products)", "kernels_quantized_avx2_cpu.md", [], """\
 `bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
-includes the query and output rotation of its rotated rows."""),
+includes the query and output rotation of its rotated rows. On AVX2 the compute dtype is fp32 (dtype "auto"):
+there the 8-bit caches decode 1.36-1.63x faster than the fp32 cache at batch 32 x 2048. With bf16 compute they
+gain only 1.01-1.20x over the bf16 cache, whose own decode is bound by widening bf16 to fp32 (it reads half the
+bytes of the fp32 cache in about the same time)."""),
     ("The same on a Zen 5 CPU (AVX-512, AVX512-BF16, full-width vector units)", "kernels_quantized_zen5_cpu.md", [],
      """\
 `bench/bench_kernels.py --quantized --no-vllm` on a 2-core AMD Zen 5 (family 26, 2026-12-02; vLLM was not installed
