@@ -8,7 +8,8 @@
 It never waits on the front end: outputs are pushed as they come, and the
 front end detokenizes them while the next step computes. It has no
 tokenizer (prompts arrive as ids; EOS ids that only the tokenizer knows come
-in the front end's first message, TokenizerEos). Its compute threads can be pinned (`cpu_binding`).
+in the front end's first message, TokenizerEos). Its compute threads can be
+pinned (`cpu_binding`).
 
 Faults: a step that fails fails its own requests (they come back with an
 error) and the loop goes on; an engine that cannot step again sends
