@@ -189,8 +189,8 @@ int8 about 1.1x at head size 128 and fp8 0-5%."""),
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
 includes the query and output rotation of its rotated rows. On AVX2 the compute dtype is fp32 (dtype "auto"):
 there the 8-bit caches decode 1.36-1.63x faster than the fp32 cache at batch 32 x 2048. With bf16 compute they
-gain only 1.01-1.20x over the bf16 cache, whose own decode is bound by widening bf16 to fp32 (it reads half the
-bytes of the fp32 cache in about the same time)."""),
+gain only 1.01-1.20x over the bf16 cache, which read half the fp32 cache's bytes in about the same time (the bf16
+and fp32 rows run minutes apart, and this VM's speed drifted up to 2x within minutes: compare within a row)."""),
     ("The same on a Zen 5 CPU (AVX-512, AVX512-BF16, full-width vector units)", "kernels_quantized_zen5_cpu.md", [],
      """\
 `bench/bench_kernels.py --quantized --no-vllm` on a 2-core AMD Zen 5 (family 26, 2026-12-02; vLLM was not installed
