@@ -73,9 +73,10 @@ VM as much as the server. Each cell pools the three rounds' 96 requests; the com
 2-core AMD EPYC Zen 3 (AVX2, no AVX-512), fp32, vLLM CPU 0.32.0 given both cores (`VLLM_CPU_OMP_THREADS_BIND=0,1`),
 the client on the same cores. With the AVX2 GEMM of `packed_linear` and its equal row blocks (with the new
 tile but before the equal blocks, a run made the same way gave pagedkv's TTFT 0.61x / 0.82x / 0.99x vLLM's at
-1 / 2 / unbounded req/s, TPOT 0.86x / 1.21x / 1.17x). What bounds both servers here: a 256-token prefill is about 55 GFLOP, and the layer
-GEMMs of both run near the cores' fp32 FMA peak (~150 GFLOP/s measured on this box), so at 2 req/s and above
-both are saturated and TTFT is queueing on the same arithmetic; at 1 req/s the busier of the two queues longer.
+1 / 2 / unbounded req/s, TPOT 0.86x / 1.21x / 1.17x). What bounds both servers here: a 256-token prefill
+is about 55 GFLOP, and the layer GEMMs of both run near the cores' fp32 FMA peak (~150 GFLOP/s measured on
+this box), so at 2 req/s and above both are saturated and TTFT is queueing on the same arithmetic; at 1 req/s
+the busier of the two queues longer.
 Idle TTFT of one request (interleaved, medians of 6): 256-token prompt pagedkv 505 ms vs vLLM 533 ms, 512
 tokens 1104 vs 1293 ms, 1024 tokens 2323 vs 2527 ms."""),
     ("Offline throughput on an AVX2 CPU (`bench/bench_throughput.py`)", "throughput_avx2_cpu.md", [], """\
@@ -89,6 +90,14 @@ On AVX2 the kernel's register tile is 4 rows x 24 outputs (the 3 weight vectors 
 passes over them) over K chunks of 128 rows that stay in L1; before, a 2 x 48 tile over 512-row chunks in L2
 ran 0.76-0.81x oneDNN from 64 rows up. The row blocks are now of equal size: with blocks of 256 rows a 257-row
 product (a prefill chunk beside one decode) gave one thread all the work, on every CPU."""),
+    ("The linear layers' GEMM in bf16 on an AVX2 CPU (`bench/bench_cpu_linear.py --kernels --dtype bfloat16`)",
+     "cpu_linear_kernels_bf16_avx2_cpu.md", [], """\
+The same on bf16 weights. oneDNN has no bf16 GEMM on AVX2, so its side is the fp32 GEMM on the weights' exact
+upcast (twice the memory); pagedkv keeps them in bf16 and widens the pairs to fp32 in registers: 4 rows x 16
+outputs with the input rows widened once per call, and from 32 rows per task each 24 KiB chunk of the panel
+widened once into fp32 for the fp32 tiles. Before the latter the 257-512-row products ran at 0.58-0.78x oneDNN.
+With this, dtype bfloat16 on AVX2 packs for pagedkv's GEMM; offline bf16 generation (24 requests, paired runs)
+gave 116.5 vs 87.8 and 104.7 vs 98.4 output tok/s against oneDNN's."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine

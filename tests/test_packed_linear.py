@@ -19,9 +19,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 # (M rows, N out, K in): one row; odd everything; N < one panel; K past a chunk (512 pair rows of bf16
 # = K 1024, 512 rows of fp32 on AVX-512, 128 on AVX2), and exactly one AVX2 chunk; rows past a task's 256-row
 # block and the 64-row split, and one row past a block (equal blocks of 88 rows and a last one of 81); rows
-# that leave 1-3 past the AVX2 4-row tiles.
+# that leave 1-3 past the AVX2 4-row tiles; 40 rows of bf16, which on AVX2 widen the panel (from 32 rows),
+# with an odd K past three of its 64-pair chunks.
 SHAPES = [(1, 48, 64), (5, 97, 7), (3, 1, 1), (9, 50, 1201), (300, 100, 64), (17, 576, 2049), (257, 97, 33),
-          (6, 49, 129), (4, 96, 128), (7, 145, 257)]
+          (6, 49, 129), (4, 96, 128), (7, 145, 257), (40, 50, 301)]
 
 
 @pytest.fixture
@@ -183,7 +184,7 @@ def test_a_packed_layer_matches_its_unpacked_self(monkeypatch, kernel, dtype):
 def test_auto_kernel_follows_the_cpu(monkeypatch):
     monkeypatch.setenv("PAGEDKV_CPU_LINEAR_KERNEL", "auto")
     capability = ops.cpu_capability()
-    bf16 = "pagedkv" if capability == "avx512_bf16" else "onednn"
+    bf16 = "pagedkv" if capability in ("avx512_bf16", "avx2") else "onednn"
     fp32 = "pagedkv" if capability in ("avx2", "avx512", "avx512_bf16") else "onednn"
     assert cpu_linear.linear_kernel(torch.bfloat16) == bf16
     assert cpu_linear.linear_kernel(torch.float32) == fp32

@@ -13,7 +13,9 @@
 // rate), and it kept ahead at every row count measured, prefill sizes included (the
 // default model's 120 layer GEMMs with cold weights, interleaved, AMD Zen 4, 2026-12-03:
 // bf16 1.64-1.88x at 1-8 rows, 1.32x at 27-64, 1.15x at 512; fp32 1.50-1.59x, 1.13-1.20x, 1.08x;
-// AVX2 AMD Zen 3, 2026-12-04, fp32: 1.2-1.4x at 1-64 rows, 1.03-1.06x at 256-512).
+// AVX2 AMD Zen 3, 2026-12-04, fp32: 1.2-1.4x at 1-64 rows, 1.03-1.06x at 256-512; bf16
+// against oneDNN's fp32 GEMM on the weights' upcast, oneDNN having no bf16 GEMM there:
+// 1.9-2.3x at 1-8 rows, 1.1-1.2x at 32-64, 0.94-0.99x at 257-2048).
 #include "cpu/gemm_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -51,11 +53,16 @@ constexpr int64_t kPerRow = std::is_same_v<T, float> ? 1 : 2;
 // every 4 FMAs and L2 could not feed that (with 512-row chunks in L2 the 64-row product
 // ran at 0.76x oneDNN, with 128 at 1.2x; Zen 3, 2026-12-04). Only weights with more rows
 // are chunked; their partial sums wait in a per-thread scratch between chunks.
+// bf16 on AVX2 takes half as many pairs: a chunk widened to fp32 (widened_panel) is
+// 2 x 64 rows x 48 floats, the same 24 KiB.
+template <typename T>
+constexpr int64_t chunk_rows() {
 #if defined(CPU_CAPABILITY_AVX2)
-constexpr int64_t kChunkRows = 128;
+  return std::is_same_v<T, float> ? 128 : 64;
 #else
-constexpr int64_t kChunkRows = 512;
+  return 512;
 #endif
+}
 // Input rows per task at most: the scratch of one task is kRowBlock x 48 floats.
 constexpr int64_t kRowBlock = 256;
 
@@ -67,7 +74,9 @@ constexpr int64_t kRowBlock = 256;
 //            vectors held while each row's broadcast passes over them, fill the 16
 //            registers. Each weight serves 4 rows: 2 x 6 (each weight serving 2) ran
 //            the 64- and 512-row products at 0.75x / 0.8x of this shape.
-//            Widened bf16: 1 row x the whole row.
+//            bf16: 4 rows x a third of a row (2 vectors of pairs, held widened as 4 fp32
+//            vectors of even and odd weights, beside 8 sums and a row's 2 broadcasts;
+//            see widened_input).
 //   default: 1 row x the whole row.
 template <typename T>
 constexpr int max_tile_rows() {
@@ -78,7 +87,7 @@ constexpr int max_tile_rows() {
   return std::is_same_v<T, float> ? 8 : 6;
 #endif
 #elif defined(CPU_CAPABILITY_AVX2)
-  return std::is_same_v<T, float> ? 4 : 1;
+  return 4;
 #else
   return 1;
 #endif
@@ -87,7 +96,7 @@ constexpr int max_tile_rows() {
 template <typename T>
 constexpr int tile_vectors() {
 #if defined(CPU_CAPABILITY_AVX2)
-  return std::is_same_v<T, float> ? kNV / 2 : kNV;
+  return std::is_same_v<T, float> ? kNV / 2 : kNV / 3;
 #else
   return kNV;
 #endif
@@ -103,6 +112,41 @@ constexpr bool weights_held() {
 #else
   return false;
 #endif
+}
+
+// Whether bf16 input rows are widened to fp32 once per call, so a tile holds its weights
+// widened (even and odd elements) and broadcasts each row's pair straight from memory
+// (AVX2): building the pair from its bf16 word in registers took two scalar operations
+// and two shuffles per row and panel row, which ran the 32-512-row products at 0.6-0.8x
+// oneDNN's fp32 GEMM on the weights' upcast.
+template <typename T>
+constexpr bool widened_input() {
+#if defined(CPU_CAPABILITY_AVX2)
+  return !std::is_same_v<T, float>;
+#else
+  return false;
+#endif
+}
+
+// Input rows per task from which bf16 (widened_input) widens each K chunk of the panel to
+// fp32 once and runs the fp32 tiles over it: the widening is paid once per chunk instead
+// of once per tile of 4 rows, and the fp32 tile does 3 FMAs per broadcast where the
+// widened-pair tile does 2. Below this the weights' read rate sets the speed and the
+// pair tile, which reads the bf16 panel once, is ahead.
+constexpr int64_t kWidenedPanelRows = 32;
+
+// Panel rows [0, pairs) of bf16 pairs widened to fp32 rows: dst row 2j is every column's
+// element 2j, row 2j + 1 its element 2j + 1; [2 pairs][48] floats.
+inline void widen_pairs(const BFloat16* src, int64_t pairs, float* dst) {
+  const IVec high(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t j = 0; j < pairs; ++j, src += 2 * kPanelWidth, dst += 2 * kPanelWidth) {
+#pragma GCC unroll 6
+    for (int v = 0; v < kNV; ++v) {
+      const IVec pair = IVec::loadu(src + v * 2 * kW);
+      at::vec::cast<float>(pair << IVec(16)).store(dst + v * kW);
+      at::vec::cast<float>(pair & high).store(dst + kPanelWidth + v * kW);
+    }
+  }
 }
 
 // An input row's operand for one panel row: its fp32 element, or its pair of bf16 as one word.
@@ -194,6 +238,25 @@ struct Tile {
     }
   }
 
+  // The same for bf16 weight pairs with the input rows widened to fp32 (widened_input):
+  // xr[r] + 2 j is row r's pair for panel row j, broadcast straight from memory.
+  inline void step_widened(const T* w, const float* const (&xr)[R], int64_t j) {
+    const IVec high(static_cast<int32_t>(0xFFFF0000u));
+    Vec we[kTV], wo[kTV];
+#pragma GCC unroll 3
+    for (int v = 0; v < kTV; ++v) {
+      const IVec pairs = IVec::loadu(w + v * 2 * kW);
+      we[v] = at::vec::cast<float>(pairs << IVec(16));
+      wo[v] = at::vec::cast<float>(pairs & high);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const Vec xe(xr[r][2 * j]), xo(xr[r][2 * j + 1]);
+#pragma GCC unroll 3
+      for (int v = 0; v < kTV; ++v) acc[r][v] = at::vec::fmadd(xo, wo[v], at::vec::fmadd(xe, we[v], acc[r][v]));
+    }
+  }
+
   static float bits_to_float(uint32_t bits) {
     float f;
     std::memcpy(&f, &bits, sizeof(f));
@@ -211,12 +274,22 @@ struct TileJob {
   bool lone_last;      // bf16 with K odd and j1 the panel's end: the last row's pair is half
   const float* carry;  // [R][48] partial sums of the earlier chunks (at the tile's first column), or nullptr
   float* sums;         // [R][48] where the sums go (likewise)
+  const float* xf;     // widened_input: the tile's first input row in fp32 (pairs padded to even), else unused
+  int64_t xf_stride;
 };
 
 template <typename T, int R>
 void run_tile(const TileJob<T>& job) {
   Tile<T, R> tile;
   tile.load(job.carry);
+  if constexpr (widened_input<T>()) {
+    const float* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = job.xf + r * job.xf_stride;
+    const T* w = job.panel + job.j0 * kPanelWidth * kPerRow<T>;
+    for (int64_t j = job.j0; j < job.j1; ++j, w += kPanelWidth * kPerRow<T>) tile.step_widened(w, xr, j);
+    tile.store(job.sums);
+    return;
+  }
   const int64_t full_end = job.lone_last ? job.j1 - 1 : job.j1;
   XOperand<T> x[R];
   const T* w = job.panel + job.j0 * kPanelWidth * kPerRow<T>;
@@ -282,7 +355,9 @@ TaskGrid task_grid(int64_t M, int64_t N) {
 template <typename T>
 void packed_linear_impl(const PackedLinearParams& p) {
   constexpr int kRows = max_tile_rows<T>();
-  constexpr int64_t kTileCols = tile_vectors<T>() * kW;
+  constexpr int64_t kTileCols = tile_vectors<T>() * kW, kFloatTileCols = tile_vectors<float>() * kW;
+  constexpr int64_t kChunk = chunk_rows<T>();
+  static_assert(max_tile_rows<float>() >= kRows, "a widened panel's fp32 tiles take a tile's rows");
   const T* input = static_cast<const T*>(p.input);
   const T* weight = static_cast<const T*>(p.weight);
   const T* bias = static_cast<const T*>(p.bias);
@@ -290,26 +365,53 @@ void packed_linear_impl(const PackedLinearParams& p) {
   const int64_t panel_rows = (p.K + kPerRow<T> - 1) / kPerRow<T>;
   const bool odd_pairs = kPerRow<T> == 2 && p.K % 2 == 1;
   const TaskGrid grid = task_grid(p.M, p.N);
-  const bool chunked = panel_rows > kChunkRows;
+  const bool chunked = panel_rows > kChunk;
+  // widened_input: every input row in fp32, K padded to whole pairs with zeros.
+  const int64_t xf_stride = widened_input<T>() ? 2 * panel_rows : 0;
+  std::vector<float> xf(static_cast<size_t>(p.M * xf_stride));
+  if constexpr (widened_input<T>()) {
+    at::parallel_for(0, p.M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        at::vec::convert(input + m * p.input_stride, xf.data() + m * xf_stride, p.K);
+        std::fill(xf.data() + m * xf_stride + p.K, xf.data() + (m + 1) * xf_stride, 0.f);
+      }
+    });
+  }
   at::parallel_for(0, grid.panels * grid.row_blocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scratch(static_cast<size_t>((chunked ? grid.row_block : kRows) * kPanelWidth));
+    std::vector<float> panel_f(widened_input<T>() ? static_cast<size_t>(2 * kChunk * kPanelWidth) : 0);
     alignas(64) float bias_f[kPanelWidth];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t panel = t % grid.panels, m0 = (t / grid.panels) * grid.row_block;
       const int64_t m1 = std::min(p.M, m0 + grid.row_block);
       const int64_t n0 = panel * kPanelWidth, n = std::min(kPanelWidth, p.N - n0);
+      const bool widened_panel = widened_input<T>() && m1 - m0 >= kWidenedPanelRows;
       for (int64_t c = 0; c < kPanelWidth; ++c) bias_f[c] = bias && c < n ? static_cast<float>(bias[n0 + c]) : 0.f;
       const T* panel_base = weight + panel * panel_rows * kPanelWidth * kPerRow<T>;
-      for (int64_t j0 = 0; j0 < panel_rows; j0 += kChunkRows) {
-        const int64_t j1 = std::min(panel_rows, j0 + kChunkRows);
+      for (int64_t j0 = 0; j0 < panel_rows; j0 += kChunk) {
+        const int64_t j1 = std::min(panel_rows, j0 + kChunk);
         const bool first = j0 == 0, last = j1 == panel_rows;
+        if constexpr (widened_input<T>()) {
+          if (widened_panel) widen_pairs(panel_base + j0 * kPanelWidth * 2, j1 - j0, panel_f.data());
+        }
         for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - r0));
           float* tile_sums = scratch.data() + (chunked ? (r0 - m0) * kPanelWidth : 0);
-          for (int64_t col = 0; col < kPanelWidth; col += kTileCols) {
-            const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base + col * kPerRow<T>, j0,
-                                 j1, last && odd_pairs, first ? nullptr : tile_sums + col, tile_sums + col};
-            run_tile_rows<T, kRows>(rows, job);
+          if (widened_panel) {
+            // fp32 tiles over the widened chunk; its K rows [2 j0, 2 j1) of the fp32 inputs.
+            for (int64_t col = 0; col < kPanelWidth; col += kFloatTileCols) {
+              const TileJob<float> job{xf.data() + r0 * xf_stride + 2 * j0, xf_stride, panel_f.data() + col, 0,
+                                       2 * (j1 - j0), false, first ? nullptr : tile_sums + col, tile_sums + col,
+                                       nullptr, 0};
+              run_tile_rows<float, max_tile_rows<float>()>(rows, job);
+            }
+          } else {
+            for (int64_t col = 0; col < kPanelWidth; col += kTileCols) {
+              const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base + col * kPerRow<T>, j0,
+                                   j1, last && odd_pairs, first ? nullptr : tile_sums + col, tile_sums + col,
+                                   xf.data() + r0 * xf_stride, xf_stride};
+              run_tile_rows<T, kRows>(rows, job);
+            }
           }
           if (last) store_rows(tile_sums, bias_f, rows, n, out + r0 * p.out_stride + n0, p.out_stride);
         }

@@ -6,10 +6,13 @@ rate at which a GEMM reads its weights is the step's speed. pagedkv's own kernel
 input rows, bf16 on AVX512-BF16 dot products) read the default model's weights at ~30 GB/s for
 1-8 rows where oneDNN's prepacked GEMM read 16-21 GB/s, and stayed ahead at every row
 count up to prefill's (AMD Zen 4, 2026-12-03: bf16 1.64-1.88x at 1-8 rows, 1.15x at 512;
-fp32 1.50-1.59x and 1.08x; on an AVX2 Zen 3, 2026-12-04, fp32 1.2-1.4x at 1-64 rows, 1.04x at
-512; see csrc/cpu/gemm_kernels.cpp). It runs on every CPU, but where it is not the measured
-faster one (bf16 without AVX512-BF16, where its pairs are widened to fp32 one row at a time)
-oneDNN stays the default.
+fp32 1.50-1.59x and 1.08x; see csrc/cpu/gemm_kernels.cpp). On an AVX2 Zen 3 (2026-12-04) it is
+ahead where decoding lives and level to 0.9x at prefill sizes: fp32 1.2-1.4x at 1-64 rows;
+bf16, its pairs widened to fp32 in registers, 1.7-1.9x at 1-8 rows against oneDNN's fp32 GEMM
+on the weights' upcast (oneDNN has no bf16 GEMM there), 0.9x at 257-512, and it keeps the
+weights in bf16 (half the memory); offline bf16 generation ran 1.06-1.33x faster on it.
+It runs on every CPU; where it is not the measured faster one (bf16 on AVX-512 without
+AVX512-BF16, not measured) oneDNN stays the default.
 
 Which one: PAGEDKV_CPU_LINEAR_KERNEL = auto (the above) | pagedkv | onednn, read when a
 weight is packed. PAGEDKV_CPU_PACKED_LINEAR=0 turns packing off (plain F.linear).
@@ -78,7 +81,7 @@ def linear_kernel(dtype: torch.dtype) -> str:
     if choice != "auto":
         return choice
     capability = ops.cpu_capability()
-    if capability == "avx512_bf16" or (capability in ("avx2", "avx512") and dtype == torch.float32):
+    if capability in ("avx512_bf16", "avx2") or (capability == "avx512" and dtype == torch.float32):
         return "pagedkv"
     return "onednn"
 
