@@ -1,7 +1,8 @@
 // The CPU linear layer on packed weights (layout in gemm_kernels.h), compiled once per
 // CPU_CAPABILITY. A task owns one panel of 48 output features and a block of input
 // rows; it walks the panel's K rows in order, several input rows at a time with their
-// sums in registers (8 x 48 on AVX-512, 4 x 24 on AVX2: see max_tile_rows), so each
+// sums in registers (8 x 48 on AVX-512, 4 x 24 on AVX2, whose last 1-2 rows take all 48:
+// see max_tile_rows and tile_vectors), so each
 // weight is loaded once per tile of rows and the panel streams from memory once. All
 // arithmetic in fp32; bf16 runs on vdpbf16ps (32 products per instruction) where the
 // CPU has AVX512-BF16, elsewhere on its pairs widened to fp32 (exact: a bf16 is the
@@ -13,9 +14,10 @@
 // rate), and it kept ahead at every row count measured, prefill sizes included (the
 // default model's 120 layer GEMMs with cold weights, interleaved, AMD Zen 4, 2026-12-03:
 // bf16 1.64-1.88x at 1-8 rows, 1.32x at 27-64, 1.15x at 512; fp32 1.50-1.59x, 1.13-1.20x, 1.08x;
-// AVX2 AMD Zen 3, 2026-12-04, fp32: 1.2-1.4x at 1-64 rows, 1.03-1.06x at 256-512; bf16
-// against oneDNN's fp32 GEMM on the weights' upcast, oneDNN having no bf16 GEMM there:
-// 1.9-2.3x at 1-8 rows, 1.1-1.2x at 32-64, 0.94-0.99x at 257-2048).
+// AVX2 AMD Zen 3, 2026-12-04, fp32: 1.2-1.4x at 4-64 rows, 1.03-1.06x at 256-512, and since
+// the whole-row tiles of 1-2 rows (2026-12-05) 1.3x at 1-2 rows, 27 GB/s, where half rows
+// gave 1.04x; bf16 against oneDNN's fp32 GEMM on the weights' upcast, oneDNN having no
+// bf16 GEMM there: 1.9-2.3x at 1-8 rows, 1.1-1.2x at 32-64, 0.94-0.99x at 257-2048).
 #include "cpu/gemm_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -93,22 +95,30 @@ constexpr int max_tile_rows() {
 #endif
 }
 
-template <typename T>
+template <typename T, int R>
 constexpr int tile_vectors() {
 #if defined(CPU_CAPABILITY_AVX2)
-  return std::is_same_v<T, float> ? kNV / 2 : kNV / 3;
+  // Tiles of 1 or 2 rows take wider parts of the panel row (fp32: all of it, 12 sums at
+  // most, the weights streamed past the rows' broadcasts; widened bf16: all of it for one
+  // row, half for two): each panel row is then read in one or two passes where narrower
+  // tiles read it as two or three strided streams. Decode's 1-2-row products on large
+  // weights (an expert's 7168 x 1024, fp32) read them at ~11 GB/s per thread in half rows
+  // against oneDNN's ~16, and at ~17 in whole rows; the default model's layers at 1 row
+  // went from 17 to 27 GB/s in fp32 and from 13 to 21 in bf16 (2 threads, Zen 3, 2026-12-05).
+  if constexpr (std::is_same_v<T, float>) return R <= 2 ? kNV : kNV / 2;
+  return R == 1 ? kNV : R == 2 ? kNV / 2 : kNV / 3;
 #else
   return kNV;
 #endif
 }
 
 // Whether a tile loads its weight vectors into registers first and then broadcasts one
-// row at a time (AVX2 fp32: fewer registers than sums + rows + a weight) rather than
-// broadcasting every row first and streaming the weights past them.
-template <typename T>
+// row at a time (AVX2 fp32 half-row tiles: fewer registers than sums + rows + a weight)
+// rather than broadcasting every row first and streaming the weights past them.
+template <typename T, int R>
 constexpr bool weights_held() {
 #if defined(CPU_CAPABILITY_AVX2)
-  return std::is_same_v<T, float>;
+  return std::is_same_v<T, float> && tile_vectors<T, R>() < kNV;
 #else
   return false;
 #endif
@@ -169,10 +179,10 @@ inline XOperand<T> x_operand(const T* x, int64_t j, bool lone) {
   }
 }
 
-// R input rows x tile_vectors<T>() vectors of outputs: fp32 sums in registers.
+// R input rows x tile_vectors<T, R>() vectors of outputs: fp32 sums in registers.
 template <typename T, int R>
 struct Tile {
-  static constexpr int kTV = tile_vectors<T>();
+  static constexpr int kTV = tile_vectors<T, R>();
   Vec acc[R][kTV];
 
   void load(const float* src) {  // src: rows kPanelWidth apart, or nullptr: zero
@@ -187,7 +197,7 @@ struct Tile {
 
   // acc[r] += x[r] * w for the tile's part w of one panel row (kTV vectors of weights, or of pairs).
   inline void step(const T* w, const XOperand<T> (&x)[R]) {
-    if constexpr (weights_held<T>()) {
+    if constexpr (weights_held<T, R>()) {
       Vec wv[kTV];
 #pragma GCC unroll 6
       for (int v = 0; v < kTV; ++v) wv[v] = Vec::loadu(w + v * kW);
@@ -242,6 +252,18 @@ struct Tile {
   // xr[r] + 2 j is row r's pair for panel row j, broadcast straight from memory.
   inline void step_widened(const T* w, const float* const (&xr)[R], int64_t j) {
     const IVec high(static_cast<int32_t>(0xFFFF0000u));
+    if constexpr (kTV == kNV) {
+      // One row across the whole panel row: each vector of pairs widened and used at once
+      // (6 sums, the row's 2 broadcasts and one vector's even and odd weights in registers).
+      const Vec xe(xr[0][2 * j]), xo(xr[0][2 * j + 1]);
+#pragma GCC unroll 6
+      for (int v = 0; v < kTV; ++v) {
+        const IVec pairs = IVec::loadu(w + v * 2 * kW);
+        acc[0][v] = at::vec::fmadd(xo, at::vec::cast<float>(pairs & high),
+                                   at::vec::fmadd(xe, at::vec::cast<float>(pairs << IVec(16)), acc[0][v]));
+      }
+      return;
+    }
     Vec we[kTV], wo[kTV];
 #pragma GCC unroll 3
     for (int v = 0; v < kTV; ++v) {
@@ -279,7 +301,7 @@ struct TileJob {
 };
 
 template <typename T, int R>
-void run_tile(const TileJob<T>& job) {
+void run_tile_columns(const TileJob<T>& job) {
   Tile<T, R> tile;
   tile.load(job.carry);
   if constexpr (widened_input<T>()) {
@@ -303,6 +325,20 @@ void run_tile(const TileJob<T>& job) {
     tile.step(w, x);
   }
   tile.store(job.sums);
+}
+
+// The tiles of R rows across the panel's 48 columns, a tile's width at a time; job at column 0.
+template <typename T, int R>
+void run_tile(const TileJob<T>& job) {
+  constexpr int64_t width = Tile<T, R>::kTV * kW;
+  static_assert(kPanelWidth % width == 0, "tiles cover the panel row");
+  for (int64_t col = 0; col < kPanelWidth; col += width) {
+    TileJob<T> part = job;
+    part.panel += col * kPerRow<T>;
+    if (part.carry) part.carry += col;
+    part.sums += col;
+    run_tile_columns<T, R>(part);
+  }
 }
 
 // run_tile<T, rows> for 1 <= rows <= R.
@@ -355,7 +391,6 @@ TaskGrid task_grid(int64_t M, int64_t N) {
 template <typename T>
 void packed_linear_impl(const PackedLinearParams& p) {
   constexpr int kRows = max_tile_rows<T>();
-  constexpr int64_t kTileCols = tile_vectors<T>() * kW, kFloatTileCols = tile_vectors<float>() * kW;
   constexpr int64_t kChunk = chunk_rows<T>();
   static_assert(max_tile_rows<float>() >= kRows, "a widened panel's fp32 tiles take a tile's rows");
   const T* input = static_cast<const T*>(p.input);
@@ -399,19 +434,13 @@ void packed_linear_impl(const PackedLinearParams& p) {
           float* tile_sums = scratch.data() + (chunked ? (r0 - m0) * kPanelWidth : 0);
           if (widened_panel) {
             // fp32 tiles over the widened chunk; its K rows [2 j0, 2 j1) of the fp32 inputs.
-            for (int64_t col = 0; col < kPanelWidth; col += kFloatTileCols) {
-              const TileJob<float> job{xf.data() + r0 * xf_stride + 2 * j0, xf_stride, panel_f.data() + col, 0,
-                                       2 * (j1 - j0), false, first ? nullptr : tile_sums + col, tile_sums + col,
-                                       nullptr, 0};
-              run_tile_rows<float, max_tile_rows<float>()>(rows, job);
-            }
+            const TileJob<float> job{xf.data() + r0 * xf_stride + 2 * j0, xf_stride, panel_f.data(), 0, 2 * (j1 - j0),
+                                     false, first ? nullptr : tile_sums, tile_sums, nullptr, 0};
+            run_tile_rows<float, max_tile_rows<float>()>(rows, job);
           } else {
-            for (int64_t col = 0; col < kPanelWidth; col += kTileCols) {
-              const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base + col * kPerRow<T>, j0,
-                                   j1, last && odd_pairs, first ? nullptr : tile_sums + col, tile_sums + col,
-                                   xf.data() + r0 * xf_stride, xf_stride};
-              run_tile_rows<T, kRows>(rows, job);
-            }
+            const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base, j0, j1, last && odd_pairs,
+                                 first ? nullptr : tile_sums, tile_sums, xf.data() + r0 * xf_stride, xf_stride};
+            run_tile_rows<T, kRows>(rows, job);
           }
           if (last) store_rows(tile_sums, bias_f, rows, n, out + r0 * p.out_stride + n0, p.out_stride);
         }
