@@ -5,10 +5,12 @@ Contenders, on the same hidden states, weights and routing (the router itself is
               GEMMs (the loop over experts in C++, at::mm_out into preallocated slices), fp32 combine;
   hf_loop     HF's MixtralExperts / Qwen3MoeExperts forward, written out: one_hot mask, the hit
               experts from a nonzero(), per expert torch.where, index, two F.linear, scale, index_add_;
-  fused+packed the same op given each expert's weights prepacked for oneDNN
-              (`torch.ops.mkldnn._reorder_linear_weight`, as layers.py packs dense linears;
-              FusedMoE.pack_for_cpu, the layer's default): experts with >= 2 rows run on
-              oneDNN with them instead of at::mm;
+  fused+onednn the same op given each expert's weights prepacked for oneDNN
+              (`torch.ops.mkldnn._reorder_linear_weight`; bf16 only where oneDNN has a bf16
+              path): every expert with rows runs on oneDNN with them instead of at::mm;
+  fused+pagedkv the same op on weights packed for pagedkv's own GEMM (`pack_linear_weight`,
+              the kernel of the dense linear layers); FusedMoE.pack_for_cpu, the layer's
+              default, packs for the one `cpu_linear.linear_kernel` picks on this CPU ("layer");
   packed_loop (--packed-loop) hf_loop with the packed per-expert weights;
   vllm        vLLM CPU's own fused MoE op (`cpu_fused_moe`, its "vec" grouped GEMMs on weights
               prepacked by `cpu_prepack_moe_weight`), on the same weights and routing, in the vLLM
@@ -18,7 +20,8 @@ Contenders, on the same hidden states, weights and routing (the router itself is
 Shapes: Mixtral-like scaled down (H=1024, I=3584, E=8, top-2) and Qwen3-MoE-like (H=1024,
 I=768, E=64 and 128, top-8), T in {1, 16, 64, 256}, float32 and bfloat16. The contenders of
 a row run interleaved, rep after rep, each reporting its median (the box may be shared).
-Ratios > 1: the op is faster than hf_loop. Every row checks both op forms against hf_loop.
+Ratios > 1: the second contender is faster (hf_loop / fused; fused+onednn / fused+pagedkv; vllm /
+the layer's packing). Every row checks each op form against hf_loop.
 
     python bench/bench_moe.py [--reps 5] [--packed-loop] [--vllm-python PY] [--out bench/results/moe_cpu]
 """
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import header_lines, machine_info, markdown_table, write_results  # noqa: E402
 from pagedkv import ops, reference  # noqa: E402
+from pagedkv.model import cpu_linear  # noqa: E402
 
 SHAPES = [("mixtral-like", 1024, 3584, 8, 2), ("qwen3-moe-like", 1024, 768, 64, 8),
           ("qwen3-moe-like", 1024, 768, 128, 8)]
@@ -106,42 +110,64 @@ def vllm_times(vllm_python: str | None, w13, w2, cases: list[dict], reps: int) -
         return json.loads(out.read_text())["cases"]
 
 
+def expert_packs(w13, w2, pack) -> tuple[list, list] | None:
+    """Each expert's w13[e] and w2[e] packed by `pack`, or None where it cannot pack them."""
+    try:
+        return [pack(w) for w in w13], [pack(w) for w in w2]
+    except RuntimeError:
+        return None
+
+
+def fmt_ratio(times: dict, slower: str, faster: str) -> str:
+    return f"{times[slower] / times[faster]:.2f}x" if slower in times and faster in times else ""
+
+
+def fmt_ms(times: dict, name: str) -> str:
+    return f"{times[name] * 1e3:.2f}" if name in times else ""
+
+
 def bench_shape(label, H, inter, E, K, dtype, reps, with_packed_loop, gen, vllm_python=None):
     w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5).to(dtype)
     w2 = (torch.randn(E, H, inter, generator=gen) / inter ** 0.5).to(dtype)
-    packs = ([torch.ops.mkldnn._reorder_linear_weight(w13[e], 1) for e in range(E)],
-             [torch.ops.mkldnn._reorder_linear_weight(w2[e], 1) for e in range(E)])
-    rows, cases = [], []
+    packs = {"fused+onednn": expert_packs(w13, w2, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1)),
+             "fused+pagedkv": expert_packs(w13, w2, ops.pack_linear_weight)}
+    layer = f"fused+{cpu_linear.linear_kernel(dtype)}"
+    if packs[layer] is None:  # pack_for_cpu leaves such experts plain
+        layer = "fused"
+    rows, cases, layer_times = [], [], []
     for T in TOKENS:
         hidden = torch.randn(T, H, generator=gen).to(dtype)
         weights, ids = reference.moe_routing(torch.randn(T, E, generator=gen), K, renormalize=True)
         call = (hidden, weights, ids)  # bound now: the lambdas run within this iteration only
         fns = {"fused": lambda c=call: ops.fused_moe(c[0], w13, w2, c[1], c[2]),
-               "fused+packed": lambda c=call: ops.fused_moe(c[0], w13, w2, c[1], c[2], *packs),
                "hf_loop": lambda c=call: hf_loop(c[0], w13, w2, c[1], c[2])}
-        if with_packed_loop:
-            fns["packed_loop"] = lambda c=call: packed_loop(*packs, *c)
+        for name, pack in packs.items():
+            if pack is not None:
+                fns[name] = lambda c=call, p=pack: ops.fused_moe(c[0], w13, w2, c[1], c[2], *p)
+        if with_packed_loop and packs["fused+onednn"] is not None:
+            fns["packed_loop"] = lambda c=call: packed_loop(*packs["fused+onednn"], *c)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         want = fns["hf_loop"]().float()
-        ok = all(torch.allclose(fns[n]().float(), want, atol=tol, rtol=tol) for n in ("fused", "fused+packed"))
+        ok = all(torch.allclose(fns[n]().float(), want, atol=tol, rtol=tol) for n in fns if n.startswith("fused"))
         cases.append({"hidden": hidden, "weights": weights, "ids": ids, "expected": want, "tol": tol})
         t = time_interleaved(fns, reps)
-        row = [f"{label} E={E} top-{K}", str(dtype).removeprefix("torch."), T, f"{t['hf_loop'] * 1e3:.2f}",
-               f"{t['fused'] * 1e3:.2f}", f"{t['fused+packed'] * 1e3:.2f}", f"{t['hf_loop'] / t['fused']:.2f}x",
-               f"{t['hf_loop'] / t['fused+packed']:.2f}x"]
+        layer_times.append(t[layer])
+        row = [f"{label} E={E} top-{K}", str(dtype).removeprefix("torch."), T, fmt_ms(t, "hf_loop"),
+               fmt_ms(t, "fused"), fmt_ms(t, "fused+onednn"), fmt_ms(t, "fused+pagedkv"), layer.removeprefix("fused+"),
+               fmt_ratio(t, "hf_loop", "fused"), fmt_ratio(t, "hf_loop", layer),
+               fmt_ratio(t, "fused+onednn", "fused+pagedkv")]
         if with_packed_loop:
-            row += [f"{t['packed_loop'] * 1e3:.2f}"]
+            row += [fmt_ms(t, "packed_loop")]
         rows.append(row + ["ok" if ok else "MISMATCH"])
         print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
     theirs = vllm_times(vllm_python, w13, w2, cases, reps)
-    for row, case, case_times in zip(rows, cases, theirs or [None] * len(rows), strict=True):
+    for row, case, case_times, layer_s in zip(rows, cases, theirs or [None] * len(rows), layer_times, strict=True):
         if case_times is None:
             row[-1:-1] = ["", ""]
             continue
-        packed_s = float(row[5]) / 1e3
         bound = case["tol"] * (1 + case["expected"].abs().max().item())
         mark = "" if case_times["max_abs_diff"] <= bound else " (diff)"
-        row[-1:-1] = [f"{case_times['median_s'] * 1e3:.2f}{mark}", f"{case_times['median_s'] / packed_s:.2f}x"]
+        row[-1:-1] = [f"{case_times['median_s'] * 1e3:.2f}{mark}", f"{case_times['median_s'] / layer_s:.2f}x"]
     return rows
 
 
@@ -156,11 +182,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe_cpu"))
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    header = ["shape (H=1024)", "dtype", "T", "hf_loop ms", "fused ms", "fused+packed ms", "hf_loop / fused",
-              "hf_loop / fused+packed"]
+    header = ["shape (H=1024)", "dtype", "T", "hf_loop ms", "fused ms", "fused+onednn ms", "fused+pagedkv ms",
+              "layer", "hf_loop / fused", "hf_loop / layer", "onednn / pagedkv"]
     if args.packed_loop:
         header += ["packed_loop ms"]
-    header += ["vllm ms", "vllm / fused+packed", "check"]
+    header += ["vllm ms", "vllm / layer", "check"]
     rows = []
     with torch.no_grad():
         for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:

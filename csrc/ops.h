@@ -79,8 +79,9 @@ void rotary_embedding_and_cache_cpu(const at::Tensor& positions, at::Tensor& que
 // w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], both hidden's dtype;
 // topk_weights [T, K] float32 or hidden's dtype; topk_ids int32/int64 [T, K] in [0, E).
 // Returns out [T, H] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]).
-// w13_packed / w2_packed: optional, one weight per expert from mkldnn._reorder_linear_weight
-// (w13[e] / w2[e] packed); used for the experts with several rows.
+// w13_packed / w2_packed: optional, one weight per expert (w13[e] / w2[e] packed), each
+// either pagedkv's (pack_linear_weight) or oneDNN's (mkldnn._reorder_linear_weight); every
+// expert with rows then runs on its packed weight and the plain one is not read.
 at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                          const std::optional<at::TensorList>& w13_packed,
@@ -89,6 +90,8 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
 // The CPU linear layer (csrc/cpu/gemm.cpp): weight [N, K] float32 / bfloat16 -> its packed
 // form; out [M, N] <- input [M, K] @ weight^T (+ bias [N]), all one dtype, rows dense.
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight);
+// The shape pack_linear_weight gives a [N, K] weight of dtype t (float32 / bfloat16).
+std::vector<int64_t> packed_linear_weight_shape(int64_t N, int64_t K, c10::ScalarType t);
 void packed_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                        const std::optional<at::Tensor>& bias);
 

@@ -51,7 +51,7 @@ def _assert_close(got, want, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,E,K,H,inter", [(1, 8, 2, 64, 48), (37, 8, 2, 64, 56), (37, 16, 4, 96, 40),
-                                       (5, 16, 4, 32, 17), (64, 4, 1, 48, 30)])
+                                       (5, 16, 4, 32, 17), (64, 4, 1, 48, 30), (6, 4, 2, 1024, 24)])
 def test_op_matches_reference(T, E, K, H, inter, dtype):
     args = _inputs(T, E, K, H, inter, dtype, seed=T * 100 + E)
     _assert_close(ops.fused_moe(*args), reference.fused_moe(*args), dtype)
@@ -76,27 +76,75 @@ def test_int32_ids_bf16_weights_and_non_contiguous_hidden():
     _assert_close(got, want, torch.bfloat16)
 
 
-def _packed(w):
-    return [torch.ops.mkldnn._reorder_linear_weight(w[e], 1) for e in range(w.shape[0])]
+PACKERS = {"onednn": lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1), "pagedkv": ops.pack_linear_weight}
+VARIANTS = [v for v in ("default", "avx2", "avx512", "avx512_bf16") if ops.cpu_capability_runs(v)]
 
 
+def _packed(w, kernel="onednn"):
+    return [PACKERS[kernel](w[e]) for e in range(w.shape[0])]
+
+
+def _skip_without_onednn_bf16(kernel, dtype):
+    if kernel == "onednn" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN packs bf16 weights only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "pagedkv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,E,K", [(1, 8, 2), (37, 8, 2), (37, 16, 4)])
-def test_op_with_packed_weights_matches_reference(T, E, K, dtype):
-    """Experts with one row take the plain weight, the others oneDNN's packed one: both must agree."""
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("oneDNN packs bf16 weights only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
+def test_op_with_packed_weights_matches_reference(T, E, K, dtype, kernel):
+    """Every expert with rows runs on its packed weight; the plain ones are zero placeholders, never read."""
+    _skip_without_onednn_bf16(kernel, dtype)
     hidden, w13, w2, weights, ids = _inputs(T, E, K, 64, 40, dtype, seed=T + E)
-    got = ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w13), _packed(w2))
-    _assert_close(got, reference.fused_moe(hidden, w13, w2, weights, ids), dtype)
+    want = reference.fused_moe(hidden, w13, w2, weights, ids)
+    packs = _packed(w13, kernel), _packed(w2, kernel)
+    placeholders = [w.new_zeros(()).expand(w.shape) for w in (w13, w2)]
+    _assert_close(ops.fused_moe(hidden, *placeholders, weights, ids, *packs), want, dtype)
 
 
-def test_packed_weights_must_be_one_per_expert():
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,K,H,inter", [(37, 8, 2, 72, 53), (300, 4, 1, 50, 31)])
+def test_op_on_pagedkv_packed_weights_under_every_variant(variant, dtype, T, E, K, H, inter):
+    """pagedkv's GEMM in each CPU variant, odd sizes (a last panel and bf16 pair half empty); experts side by
+    side on one thread each (T=37: few rows each) and one after the other on all threads (T=150: > 64 rows)."""
+    hidden, w13, w2, weights, ids = _inputs(T, E, K, H, inter, dtype, seed=T + H)
+    want = reference.fused_moe(hidden, w13, w2, weights, ids)
+    previous = ops.set_cpu_capability(variant)
+    try:
+        got = ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w13, "pagedkv"), _packed(w2, "pagedkv"))
+    finally:
+        ops.set_cpu_capability(previous)
+    _assert_close(got, want, dtype)
+
+
+def test_mixed_packings_and_plain_agree():
+    """oneDNN-packed w13 with pagedkv-packed w2, and the reverse, give the plain op's result."""
+    args = _inputs(23, 8, 2, 48, 40, torch.float32, seed=7)
+    hidden, w13, w2, weights, ids = args
+    want = ops.fused_moe(*args)
+    for kernels in (("onednn", "pagedkv"), ("pagedkv", "onednn")):
+        got = ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w13, kernels[0]), _packed(w2, kernels[1]))
+        _assert_close(got, want, torch.float32)
+
+
+def test_packed_weights_must_be_one_per_expert_and_fit():
     hidden, w13, w2, weights, ids = _inputs(9, 8, 2, 32, 24, torch.float32)
     with pytest.raises(RuntimeError, match=r"w13_packed must hold one packed weight per expert \(8\), got 2"):
         ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w13)[:2], _packed(w2))
     with pytest.raises(RuntimeError, match=r"every w2_packed entry must be a CPU Float tensor"):
         ops.fused_moe(hidden, w13, w2, weights, ids, None, [w.to(torch.bfloat16) for w in w2])
+    # w2's packing given as w13's: the wrong weight shape for either packing.
+    with pytest.raises(RuntimeError, match=r"w13_packed\[0\] must be a \[48, 32\] expert weight packed by "
+                                           r"pack_linear_weight \(shape \[1, 32, 48\], contiguous\).*got shape "
+                                           r"\[1, 24, 48\]"):
+        ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w2, "pagedkv"), None)
+    with pytest.raises(RuntimeError, match=r"w2_packed\[0\] must be a \[32, 24\] expert weight.*"
+                                           r"_reorder_linear_weight \(shape \[32, 24\]\), got shape \[48, 32\]"):
+        ops.fused_moe(hidden, w13, w2, weights, ids, None, [w.clone() for w in w13])
+    strided = [torch.cat([p, p], dim=-1)[..., :48] for p in _packed(w13, "pagedkv")]  # rows of 96, not 48
+    with pytest.raises(RuntimeError, match=r"w13_packed\[0\] must be .*contiguous"):
+        ops.fused_moe(hidden, w13, w2, weights, ids, strided, None)
 
 
 def test_zero_tokens():
@@ -220,16 +268,18 @@ def _stacked_names(block) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("names", ["per_expert", "stacked"])
-@pytest.mark.parametrize("path", ["fused", "fused+packed", "loop"])
+@pytest.mark.parametrize("path", ["fused", "fused+pagedkv", "fused+onednn", "loop"])
 def test_layer_matches_hf_block(kind, names, path, monkeypatch):
     monkeypatch.setattr(moe_mod, "_fused_moe", path != "loop")
+    monkeypatch.setenv("PAGEDKV_CPU_LINEAR_KERNEL", path.removeprefix("fused+") if "+" in path else "auto")
     block, cfg = _hf_block(kind)
     layer = _layer_for(kind, cfg)
     tensors = _per_expert_names(kind, block) if names == "per_expert" else _stacked_names(block)
     assert all(layer.load_expert_weight(n, t) for n, t in tensors.items())
-    if path == "fused+packed":
+    if "+" in path:
         layer.pack_for_cpu()
         assert layer.packed is not None and len(layer.packed[0]) == layer.num_experts
+        assert layer.packed[0][0].dim() == (2 if path == "fused+onednn" else 3)  # oneDNN keeps [out, in]
     for T in (1, 37):
         x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
         with torch.no_grad():

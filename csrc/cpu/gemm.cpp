@@ -16,14 +16,6 @@ bool is_packable(c10::ScalarType t) { return t == at::kFloat || t == at::kBFloat
 // Input elements per packed panel row of a weight of dtype t: one fp32, or a pair of bf16.
 int64_t per_row(c10::ScalarType t) { return t == at::kBFloat16 ? 2 : 1; }
 
-// The packed shape of a [N, K] weight of dtype t (gemm_kernels.h).
-std::vector<int64_t> packed_shape(int64_t N, int64_t K, c10::ScalarType t) {
-  const int64_t panels = (N + cpu::kPanelWidth - 1) / cpu::kPanelWidth;
-  const int64_t rows = (K + per_row(t) - 1) / per_row(t);
-  if (t == at::kBFloat16) return {panels, rows, cpu::kPanelWidth, 2};
-  return {panels, rows, cpu::kPanelWidth};
-}
-
 void check_dense_rows(const char* op, const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, op, ": ", name,
               " rows must be dense (stride 1 along the last dim), got strides ", t.strides());
@@ -46,7 +38,7 @@ void check_packed_linear_inputs(const char* op, const at::Tensor& out, const at:
   TORCH_CHECK(packed.scalar_type() == dtype, op, ": packed_weight dtype ", packed.scalar_type(),
               " differs from input dtype ", dtype);
   TORCH_CHECK(packed.is_cpu(), op, ": packed_weight is on ", packed.device(), " but input is on the CPU");
-  const std::vector<int64_t> expected = packed_shape(out.size(1), input.size(1), dtype);
+  const std::vector<int64_t> expected = packed_linear_weight_shape(out.size(1), input.size(1), dtype);
   TORCH_CHECK(packed.sizes() == c10::IntArrayRef(expected), op, ": packed_weight must have shape ",
               c10::IntArrayRef(expected), " (pack_linear_weight of a [", out.size(1), ", ", input.size(1),
               "] ", dtype, " weight), got ", packed.sizes());
@@ -67,6 +59,14 @@ void check_packed_linear_inputs(const char* op, const at::Tensor& out, const at:
 
 }  // namespace
 
+// The layout of gemm_kernels.h.
+std::vector<int64_t> packed_linear_weight_shape(int64_t N, int64_t K, c10::ScalarType t) {
+  const int64_t panels = (N + cpu::kPanelWidth - 1) / cpu::kPanelWidth;
+  const int64_t rows = (K + per_row(t) - 1) / per_row(t);
+  if (t == at::kBFloat16) return {panels, rows, cpu::kPanelWidth, 2};
+  return {panels, rows, cpu::kPanelWidth};
+}
+
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   constexpr const char* op = "pack_linear_weight";
   TORCH_CHECK(weight.defined() && weight.dim() == 2, op, ": weight must be 2-D [out_features, in_features], got ",
@@ -76,7 +76,7 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   TORCH_CHECK(weight.is_cpu(), op, ": weight must be a CPU tensor, got one on ", weight.device());
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(N > 0 && K > 0, op, ": weight must not be empty, got shape ", weight.sizes());
-  const std::vector<int64_t> shape = packed_shape(N, K, weight.scalar_type());
+  const std::vector<int64_t> shape = packed_linear_weight_shape(N, K, weight.scalar_type());
   const int64_t panels = shape[0], rows = shape[1], step = per_row(weight.scalar_type());
   // Zero padding: the last panel's missing features and bf16's missing pair element of an odd K.
   at::Tensor padded = at::zeros({panels * cpu::kPanelWidth, rows * step}, weight.options());

@@ -10,11 +10,13 @@
 //      few rows, as in decode; else one after the other with all threads in each GEMM);
 //   6. per token: out[t] = sum_k weight[t, k] * y[position of (t, k)], in fp32.
 // The GEMMs go through at::mm_out (oneDNN / BLAS, which parallelize inside), or
-// through oneDNN with the weights prepacked per expert when the caller passes them
-// (w13_packed / w2_packed: fp32 small-M GEMMs run 1.3-2x faster that way than
-// through MKL's sgemm on a Zen 4, one-row decode GEMVs included; then the plain
-// w13 / w2 give only the shapes and are never read, so a caller may drop their
-// storage, e.g. pass zero-stride views). The
+// on weights prepacked per expert when the caller passes them (w13_packed /
+// w2_packed), for pagedkv's own GEMM (pack_linear_weight, csrc/cpu/gemm.cpp) or for
+// oneDNN's (mkldnn._reorder_linear_weight): an expert's few rows in decode are the
+// small-M products where prepacked weights gain most (oneDNN's fp32 1.3-2x over MKL's
+// sgemm on a Zen 4, one-row GEMVs included; pagedkv's, bench/results/moe_cpu.md, more).
+// Then the plain w13 / w2 give only the shapes and are never read, so a caller may
+// drop their storage, e.g. pass zero-stride views. The
 // combine gathers instead of scattering, so each token is written once, by one
 // thread, in a fixed order: no atomics and the result does not depend on threads.
 #include <ATen/ATen.h>
@@ -116,20 +118,36 @@ ExpertGroups group_by_expert(const at::Tensor& topk_ids, int64_t num_experts) {
   return g;
 }
 
+// Whether an expert's packed weight is pagedkv's (pack_linear_weight: 3-D fp32, 4-D bf16
+// panels) rather than oneDNN's (the weight's own 2-D shape); check_packed checked which.
+bool is_pagedkv_packed(const at::Tensor& packed) { return packed.dim() != 2; }
+
+// Each entry: a CPU tensor of hidden's dtype, either pagedkv's packing of an [out, in]
+// weight or oneDNN's (shape [out, in]).
 void check_packed(const char* name, const std::optional<at::TensorList>& packed, const at::Tensor& hidden,
-                  int64_t num_experts) {
+                  int64_t num_experts, int64_t out, int64_t in) {
   if (!packed.has_value()) return;
   TORCH_CHECK(static_cast<int64_t>(packed->size()) == num_experts, kOp, ": ", name, " must hold one packed weight "
               "per expert (", num_experts, "), got ", packed->size());
-  for (const at::Tensor& t : *packed) {
-    TORCH_CHECK(t.defined() && t.is_cpu() && t.scalar_type() == hidden.scalar_type(), kOp, ": every ", name,
-                " entry must be a CPU ", hidden.scalar_type(), " tensor from torch.ops.mkldnn._reorder_linear_weight");
+  const c10::ScalarType dtype = hidden.scalar_type();
+  const bool packable = dtype == at::kFloat || dtype == at::kBFloat16;  // pack_linear_weight's dtypes
+  const std::vector<int64_t> pagedkv_shape =
+      packable ? packed_linear_weight_shape(out, in, dtype) : std::vector<int64_t>{};
+  for (size_t e = 0; e < packed->size(); ++e) {
+    const at::Tensor& t = (*packed)[e];
+    TORCH_CHECK(t.defined() && t.is_cpu() && t.scalar_type() == dtype, kOp, ": every ", name, " entry must be a CPU ",
+                dtype, " tensor from pack_linear_weight or torch.ops.mkldnn._reorder_linear_weight");
+    const bool fits = t.sizes() == c10::IntArrayRef({out, in}) ||
+                      (!pagedkv_shape.empty() && t.sizes() == c10::IntArrayRef(pagedkv_shape) && t.is_contiguous());
+    TORCH_CHECK(fits, kOp, ": ", name, "[", e, "] must be a [", out, ", ", in, "] expert weight packed by "
+                "pack_linear_weight (shape ", c10::IntArrayRef(pagedkv_shape), ", contiguous) or by "
+                "torch.ops.mkldnn._reorder_linear_weight (shape [", out, ", ", in, "]), got shape ", t.sizes());
   }
 }
 
 // x [M, in] times a weight packed by torch.ops.mkldnn._reorder_linear_weight -> [M, out].
 // Called through the dispatcher, boxed: the op is torch's, its C++ signature is not API.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, c10::IValue(), c10::IValue(std::string("none")),
@@ -145,8 +163,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
 constexpr int64_t kExpertsInParallelMaxRows = 64;
 
 // For each expert with rows: `emit(e, begin, rows, in[rows] x w[e]^T)`, the product handed over as a
-// tensor (packed) or written into `scratch` rows (plain) first. Experts with few rows run in parallel,
-// so `emit` must touch only its own rows.
+// tensor (oneDNN-packed) or written into `scratch` rows first (plain, pagedkv-packed). Experts with few
+// rows run in parallel, so `emit` must touch only its own rows; pagedkv's GEMM then runs on the task's
+// thread alone (at::parallel_for inside a parallel region runs inline).
 template <typename Emit>
 void grouped_mm(const at::Tensor& in, const at::Tensor& w, const std::optional<at::TensorList>& packed,
                 const std::vector<int64_t>& offsets, at::Tensor& scratch, const Emit& emit) {
@@ -161,13 +180,17 @@ void grouped_mm(const at::Tensor& in, const at::Tensor& w, const std::optional<a
   auto run = [&](int64_t e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
     const at::Tensor in_rows = in.narrow(0, begin, rows);
-    if (packed.has_value()) {
-      emit(e, begin, rows, packed_linear(in_rows, (*packed)[e]));
-    } else {
-      at::Tensor out_rows = scratch.narrow(0, begin, rows);
-      at::mm_out(out_rows, in_rows, w[e].t());
-      emit(e, begin, rows, out_rows);
+    if (packed.has_value() && !is_pagedkv_packed((*packed)[e])) {
+      emit(e, begin, rows, onednn_linear(in_rows, (*packed)[e]));
+      return;
     }
+    at::Tensor out_rows = scratch.narrow(0, begin, rows);
+    if (packed.has_value()) {
+      packed_linear_cpu(out_rows, in_rows, (*packed)[e], std::nullopt);
+    } else {
+      at::mm_out(out_rows, in_rows, w[e].t());
+    }
+    emit(e, begin, rows, out_rows);
   };
   const int64_t n = static_cast<int64_t>(experts.size());
   const int64_t threads = at::get_num_threads();
@@ -231,8 +254,8 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
                          const std::optional<at::TensorList>& w13_packed,
                          const std::optional<at::TensorList>& w2_packed) {
   const MoeDims d = check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids);
-  check_packed("w13_packed", w13_packed, hidden, d.num_experts);
-  check_packed("w2_packed", w2_packed, hidden, d.num_experts);
+  check_packed("w13_packed", w13_packed, hidden, d.num_experts, 2 * d.intermediate, d.hidden);
+  check_packed("w2_packed", w2_packed, hidden, d.num_experts, d.hidden, d.intermediate);
   at::Tensor out = at::empty({d.num_tokens, d.hidden}, hidden.options());
   if (d.num_tokens == 0 || d.hidden == 0) return out;
   const ExpertGroups g = topk_ids.scalar_type() == at::kInt ? group_by_expert<int32_t>(topk_ids, d.num_experts)
@@ -247,7 +270,8 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
   // silu(gate) * up per expert, straight from its GEMM's output, with ATen's kernels; in
   // 16-bit dtypes both steps round to the dtype, as HF's act_fn(gate) * up does.
   const int64_t inter = d.intermediate;
-  at::Tensor gate_up = w13_packed.has_value() ? at::Tensor() : at::empty({n, 2 * inter}, hidden.options());
+  // The plain and pagedkv-packed GEMMs write here; oneDNN's return their own tensors.
+  at::Tensor gate_up = at::empty({n, 2 * inter}, hidden.options());
   at::Tensor act = at::empty({n, inter}, hidden.options());
   grouped_mm(x, w13_c, w13_packed, g.offsets, gate_up,
              [&](int64_t, int64_t begin, int64_t rows, const at::Tensor& gu) {
@@ -258,7 +282,8 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
 
   at::Tensor y = at::empty({n, d.hidden}, hidden.options());
   grouped_mm(act, w2_c, w2_packed, g.offsets, y, [&](int64_t, int64_t begin, int64_t rows, const at::Tensor& out) {
-    if (w2_packed.has_value()) y.narrow(0, begin, rows).copy_(out);
+    at::Tensor y_rows = y.narrow(0, begin, rows);
+    if (out.const_data_ptr() != y_rows.const_data_ptr()) y_rows.copy_(out);  // oneDNN's own tensor
   });
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "fused_moe_combine", [&] {

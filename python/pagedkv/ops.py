@@ -373,10 +373,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     the weighted sum in float32. CPU only (`pagedkv.model.moe` falls back to a
     PyTorch loop elsewhere).
 
-    w13_packed / w2_packed: optionally, each expert's w13[e] / w2[e] packed by
-    `torch.ops.mkldnn._reorder_linear_weight` (`cpu_linear.pack_onednn_weight`); the
-    experts with two or more rows then run on oneDNN with them (one row stays a
-    GEMV on the plain weight). Both are read-only views of the same values.
+    w13_packed / w2_packed: optionally, each expert's w13[e] / w2[e] packed, for
+    pagedkv's GEMM by `pack_linear_weight` or for oneDNN's by
+    `torch.ops.mkldnn._reorder_linear_weight` (`cpu_linear.pack_expert_weight` picks);
+    every expert with rows then runs on its packed weight, and the plain w13 / w2
+    only give the shapes (they may be zero-stride placeholders).
     """
     return _ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_packed, w2_packed)
 

@@ -106,6 +106,20 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return None if data is None else PackedWeight(data, weight.shape[0], kernel)
 
 
+def pack_expert_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """One MoE expert's CPU weight [out, in] packed for `linear_kernel(weight.dtype)` as
+    `ops.fused_moe` takes it (w13_packed / w2_packed), or None where it cannot be packed.
+
+    Unlike `pack_weight`, oneDNN's packing stays in the weight's dtype (the op multiplies in
+    hidden's dtype), so a bf16 expert on a CPU without oneDNN's bf16 path has none there.
+    """
+    if weight.device.type != "cpu" or not packing_enabled() or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if linear_kernel(weight.dtype) == "pagedkv":
+        return ops.pack_linear_weight(weight.detach())
+    return pack_onednn_weight(weight)
+
+
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) -> [..., out_features] in x's dtype, on the kernel the weight was packed for."""
     if packed.kernel == "onednn":

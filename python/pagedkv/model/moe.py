@@ -29,12 +29,14 @@ rounds them to the model dtype first: a difference of one bf16 rounding).
 On the CPU the experts run in `torch.ops.pagedkv.fused_moe` (grouped GEMMs);
 elsewhere in a PyTorch loop over the experts that have tokens. `pack_for_cpu()`
 (the loader calls it after loading) swaps each expert's float32 or bfloat16
-weights for oneDNN-packed ones, which the op uses for every expert: the
-small-M GEMMs (one-row decode GEMVs included) run 1.3-2x faster on them than
-through at::mm (MKL's sgemm, or oneDNN without prepacking) on the machine
-measured (bench/results/moe_cpu.md). The plain parameters keep their shapes
-as zero-stride placeholders, so the experts' memory is not doubled;
-PAGEDKV_CPU_PACKED_MOE=0 (or PAGEDKV_CPU_PACKED_LINEAR=0) turns it off.
+weights for packed ones, which the op uses for every expert with rows: for
+pagedkv's own GEMM or oneDNN's, whichever the linear layers use on this CPU
+(`cpu_linear.linear_kernel`, PAGEDKV_CPU_LINEAR_KERNEL). An expert's few rows
+in decode are the small-M products where packing gains most: against at::mm
+(MKL's sgemm, or oneDNN without prepacking) and between the two packings, see
+bench/results/moe_cpu.md. The plain parameters keep their shapes as zero-stride
+placeholders, so the experts' memory is not doubled; PAGEDKV_CPU_PACKED_MOE=0
+(or PAGEDKV_CPU_PACKED_LINEAR=0) turns it off.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv import ops
-from pagedkv.model.cpu_linear import pack_onednn_weight
+from pagedkv.model.cpu_linear import pack_expert_weight
 from pagedkv.model.layers import _check_dim, _divide, _set_loader, default_weight_loader
 from pagedkv.model.parallel_state import all_reduce, get_tp_rank, get_tp_size
 
@@ -150,17 +152,18 @@ class FusedMoE(nn.Module):
         return all_reduce(fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.packed))
 
     def pack_for_cpu(self) -> None:
-        """Swaps each expert's weights for oneDNN-packed ones (module docstring); call after loading.
+        """Swaps each expert's weights for packed ones (module docstring); call after loading.
 
-        float32 and bfloat16 (where the CPU has oneDNN's bf16 path: `cpu_linear.pack_onednn_weight`).
-        The plain w13 / w2 then become zero-stride placeholders of the same shape (the op
-        reads only the packed weights), so packing does not double the experts' memory.
+        float32 and bfloat16, for the GEMM `cpu_linear.pack_expert_weight` picks (a bf16 expert
+        meant for oneDNN stays plain where the CPU lacks oneDNN's bf16 path). The plain w13 / w2
+        then become zero-stride placeholders of the same shape (the op reads only the packed
+        weights), so packing does not double the experts' memory.
         """
         if (self.w13.dtype not in (torch.float32, torch.bfloat16) or self.w13.device.type != "cpu"
                 or os.environ.get("PAGEDKV_CPU_PACKED_MOE", "1") == "0" or not _fused_moe):
             return
-        w13 = [pack_onednn_weight(w) for w in self.w13.data]
-        w2 = [pack_onednn_weight(w) for w in self.w2.data]
+        w13 = [pack_expert_weight(w) for w in self.w13.data]
+        w2 = [pack_expert_weight(w) for w in self.w2.data]
         if any(p is None for p in w13 + w2):
             return
         self.packed = (w13, w2)
