@@ -83,13 +83,23 @@ tokens 1104 vs 1293 ms, 1024 tokens 2323 vs 2527 ms."""),
 The offline workload on the same Zen 3 box in fp32 (its dtype "auto"), vLLM CPU given both cores, after the
 AVX2 GEMM of `packed_linear`. Three paired runs of the core-process engine, oneDNN's GEMM against pagedkv's
 (`PAGEDKV_CPU_LINEAR_KERNEL`), gave 34.99 / 31.37 s, 32.95 / 29.93 s and 30.83 / 27.13 s (1.10-1.14x)."""),
+    ("Offline throughput in bf16 on an AVX2 CPU (`bench/bench_throughput.py --dtype bfloat16`)",
+     "throughput_avx2_bf16_cpu.md", [], """\
+The same workload in bf16 on the same Zen 3, vLLM CPU given both cores. Neither oneDNN nor vLLM has a bf16 GEMM
+there; pagedkv keeps the weights in bf16 for its own GEMM, which widens them in registers. Before that GEMM
+(2026-12-02) pagedkv ran 96.6 output tok/s here against vLLM's 16.4. bf16 against fp32 for pagedkv alone, paired
+runs on 2026-12-05: 148.5 vs 133.8 and 134.4 vs 137.3 tok/s (1.11x, 0.98x), within this box's noise, so dtype
+"auto" stays fp32 on AVX2 (bf16 outputs part from fp32's at near-ties: 26 of 48 identical)."""),
     ("The linear layers' GEMM on an AVX2 CPU (`bench/bench_cpu_linear.py --kernels`)",
      "cpu_linear_kernels_avx2_cpu.md", [], """\
 pagedkv's `packed_linear` against oneDNN's prepacked GEMM on one engine step's weights, interleaved call by call.
 On AVX2 the kernel's register tile is 4 rows x 24 outputs (the 3 weight vectors held while each row's broadcast
 passes over them) over K chunks of 128 rows that stay in L1; before, a 2 x 48 tile over 512-row chunks in L2
 ran 0.76-0.81x oneDNN from 64 rows up. The row blocks are now of equal size: with blocks of 256 rows a 257-row
-product (a prefill chunk beside one decode) gave one thread all the work, on every CPU."""),
+product (a prefill chunk beside one decode) gave one thread all the work, on every CPU. The last 1-2 rows of a
+block take the whole panel row in one tile (12 sums at most), so decode's 1-2-row products read each panel row
+once in order instead of in two strided half-row passes: 1 row went from 1.04x oneDNN (16.8 GB/s) to 1.50x
+(20.8 GB/s) between the 2026-12-04 and 2026-12-05 runs."""),
     ("The linear layers' GEMM in bf16 on an AVX2 CPU (`bench/bench_cpu_linear.py --kernels --dtype bfloat16`)",
      "cpu_linear_kernels_bf16_avx2_cpu.md", [], """\
 The same on bf16 weights. oneDNN has no bf16 GEMM on AVX2, so its side is the fp32 GEMM on the weights' exact
@@ -97,7 +107,9 @@ upcast (twice the memory); pagedkv keeps them in bf16 and widens the pairs to fp
 outputs with the input rows widened once per call, and from 32 rows per task each 24 KiB chunk of the panel
 widened once into fp32 for the fp32 tiles. Before the latter the 257-512-row products ran at 0.58-0.78x oneDNN.
 With this, dtype bfloat16 on AVX2 packs for pagedkv's GEMM; offline bf16 generation (24 requests, paired runs)
-gave 116.5 vs 87.8 and 104.7 vs 98.4 output tok/s against oneDNN's."""),
+gave 116.5 vs 87.8 and 104.7 vs 98.4 output tok/s against oneDNN's. One row takes the whole panel row and two
+rows half of it (three passes before): 1 row went from 13.0 to 18.3 GB/s of bf16 weights (2.27x to 2.38x
+oneDNN, whose own rate moved too)."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine
@@ -149,14 +161,18 @@ gather-through-the-block-table + SDPA and vLLM CPU's own decode kernel (the last
 every call), the issue-10 target rows (`--targets`) and paged prefill vs causal SDPA (`--prefill`). Full
 tables, bandwidths and notes: [kernels_cpu.md](results/kernels_cpu.md)
 (`--plot PATH` draws the picture, `--replot JSON --plot PATH` redraws it from a `--json` file)."""),
-    ("Mixture of experts (`bench/bench_moe.py`)", "moe_cpu.md", [], """\
+    ("Mixture of experts (`bench/bench_moe.py`)", "moe_avx2_cpu.md", [], """\
 `torch.ops.pagedkv.fused_moe` (counting sort by expert, grouped GEMMs, fp32 combine) against HF's per-expert
 Python loop on the same weights and routing, Mixtral-like (E=8, top-2) and Qwen3-MoE-like (E=64/128, top-8)
-shapes at H=1024; "fused+packed" is the op given oneDNN-packed per-expert weights (what
-`FusedMoE.pack_for_cpu` sets up, the layer's default on the CPU). Contenders interleaved, medians. "vllm" is
-vLLM CPU's own `cpu_fused_moe` on the same weights and routing, in its venv (timed after ours, in its process):
-it leads in fp32 and at small T in bf16 (its hand-written small-M GEMMs read the experts' weights about twice as
-fast as oneDNN's per-expert calls do), pagedkv leads in bf16 from T=64 (1.15-2.1x)."""),
+shapes at H=1024, on an AVX2 Zen 3: "fused" multiplies with at::mm, "fused+onednn" on oneDNN-packed experts
+(fp32 only there: oneDNN has no bf16 GEMM on AVX2), "fused+pagedkv" on experts packed for pagedkv's own GEMM,
+the kernel of the dense layers; "layer" names the one `FusedMoE.pack_for_cpu` picks on that CPU. Contenders
+interleaved, medians. pagedkv's packing runs 1.1-1.6x oneDNN's in fp32 and 2-7x the unpacked op in bf16.
+"vllm" is vLLM CPU's own `cpu_fused_moe` on the same weights and routing, in its venv (timed after ours, in its
+process, so its ratio carries the box's drift): it leads at 1-16 tokens (to 64 in fp32), where it reads the
+experts' weights at ~31 GB/s against pagedkv's ~21 (one expert per thread at a token), and pagedkv leads at 256
+in bf16 (1.2-1.6x) and is level in fp32. The AVX-512 (Zen 4) run before pagedkv's packing, with oneDNN's only:
+[moe_cpu.md](results/moe_cpu.md)."""),
     ("Model families against vLLM: a Mixtral (`bench/family_checkpoints.py mixtral`)", "throughput_mixtral_cpu.md",
      [], """\
 The throughput workload on a random Mixtral checkpoint (8 layers, hidden 512, 8 experts of width 1024, top-2,
@@ -199,7 +215,14 @@ and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's f
 includes the query and output rotation of its rotated rows. On AVX2 the compute dtype is fp32 (dtype "auto"):
 there the 8-bit caches decode 1.36-1.63x faster than the fp32 cache at batch 32 x 2048. With bf16 compute they
 gain only 1.01-1.20x over the bf16 cache, which read half the fp32 cache's bytes in about the same time (the bf16
-and fp32 rows run minutes apart, and this VM's speed drifted up to 2x within minutes: compare within a row)."""),
+and fp32 rows run minutes apart, and this VM's speed drifted up to 2x within minutes: compare within a row).
+Why, measured on 2026-12-05: on AVX2 an fp8 or int8 row runs the same fp32 code whatever the query's dtype (bf16
+and fp32 queries on one cache, interleaved: 14527 vs 14533 us e4m3, 13867 vs 13708 int8, B32 x 2048 32/8x128);
+the batch-32 decode takes the same time per token with its K/V in cache as from memory (ctx 256 in L3 against
+ctx 2048 flushed), so it is bound by arithmetic, not by bytes, for the bf16 cache too; and a cheaper fp8
+widening (integer shifts into fp32 in place of fp16's vcvtph2ps, tried and dropped) moved nothing. Without bf16
+or integer dot products (AVX512-BF16, AVX512-VNNI) every format pays one fp32 FMA per element, so a smaller
+cache cannot buy the 1.3x that the AVX-512 machines come close to."""),
     ("The same on a Zen 5 CPU (AVX-512, AVX512-BF16, full-width vector units)", "kernels_quantized_zen5_cpu.md", [],
      """\
 `bench/bench_kernels.py --quantized --no-vllm` on a 2-core AMD Zen 5 (family 26, 2026-12-02; vLLM was not installed
