@@ -1355,7 +1355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantized", action="store_true",
                    help="only decode on quantized KV caches (--kv-cache-dtypes) vs the compute-dtype cache and vs "
                         "vLLM CPU's fp8 cache, on the target shapes (not part of --all)")
-    p.add_argument("--cpu-variants", nargs="+", choices=["default", "avx2", "avx512", "avx512_bf16"],
+    p.add_argument("--cpu-variants", nargs="+", choices=ops.CPU_CAPABILITIES,
                    help="only the batch-32 bf16 target rows on every cache format, timed under each of these CPU "
                         "kernel variants (the older first), interleaved (not part of --all)")
     p.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES[1:], default=QUANTIZED_KV_DTYPES,

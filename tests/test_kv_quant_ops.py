@@ -22,20 +22,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCES = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def _variants() -> list[str]:
-    """Every CPU kernel variant this machine runs."""
-    names = []
-    for name in ("default", "avx2", "avx512", "avx512_bf16"):
-        try:
-            previous = ops.set_cpu_capability(name)
-        except RuntimeError:
-            continue
-        ops.set_cpu_capability(previous)
-        names.append(name)
-    return names
 
 
-VARIANTS = _variants()
+VARIANTS = ops.runnable_cpu_capabilities()
 
 
 @pytest.fixture(params=VARIANTS)

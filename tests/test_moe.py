@@ -77,7 +77,7 @@ def test_int32_ids_bf16_weights_and_non_contiguous_hidden():
 
 
 PACKERS = {"onednn": lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1), "pagedkv": ops.pack_linear_weight}
-VARIANTS = [v for v in ("default", "avx2", "avx512", "avx512_bf16") if ops.cpu_capability_runs(v)]
+VARIANTS = ops.runnable_cpu_capabilities()
 
 
 def _packed(w, kernel="onednn"):
@@ -107,7 +107,7 @@ def test_op_with_packed_weights_matches_reference(T, E, K, dtype, kernel):
 @pytest.mark.parametrize("T,E,K,H,inter", [(37, 8, 2, 72, 53), (300, 4, 1, 50, 31)])
 def test_op_on_pagedkv_packed_weights_under_every_variant(variant, dtype, T, E, K, H, inter):
     """pagedkv's GEMM in each CPU variant, odd sizes (a last panel and bf16 pair half empty); experts side by
-    side on one thread each (T=37: few rows each) and one after the other on all threads (T=150: > 64 rows)."""
+    side on one thread each (T=37: few rows each) and one after the other on all threads (T=300: > 64 rows)."""
     hidden, w13, w2, weights, ids = _inputs(T, E, K, H, inter, dtype, seed=T + H)
     want = reference.fused_moe(hidden, w13, w2, weights, ids)
     previous = ops.set_cpu_capability(variant)

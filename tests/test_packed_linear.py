@@ -14,7 +14,7 @@ import torch
 from pagedkv import ops, reference
 from pagedkv.model import cpu_linear, layers
 
-VARIANTS = [v for v in ("default", "avx2", "avx512", "avx512_bf16") if ops.cpu_capability_runs(v)]
+VARIANTS = ops.runnable_cpu_capabilities()
 DTYPES = [torch.float32, torch.bfloat16]
 # (M rows, N out, K in): one row; odd everything; N < one panel; K past a chunk (512 pair rows of bf16
 # = K 1024, 512 rows of fp32 on AVX-512, 128 on AVX2), and exactly one AVX2 chunk; rows past a task's 256-row

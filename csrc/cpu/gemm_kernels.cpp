@@ -15,9 +15,10 @@
 // default model's 120 layer GEMMs with cold weights, interleaved, AMD Zen 4, 2026-12-03:
 // bf16 1.64-1.88x at 1-8 rows, 1.32x at 27-64, 1.15x at 512; fp32 1.50-1.59x, 1.13-1.20x, 1.08x;
 // AVX2 AMD Zen 3, 2026-12-04, fp32: 1.2-1.4x at 4-64 rows, 1.03-1.06x at 256-512, and since
-// the whole-row tiles of 1-2 rows (2026-12-05) 1.3x at 1-2 rows, 27 GB/s, where half rows
-// gave 1.04x; bf16 against oneDNN's fp32 GEMM on the weights' upcast, oneDNN having no
-// bf16 GEMM there: 1.9-2.3x at 1-8 rows, 1.1-1.2x at 32-64, 0.94-0.99x at 257-2048).
+// the whole-row tiles of 1-2 rows (2026-12-05) 1.35-1.50x at 1-2 rows, where half rows gave
+// 1.04x; bf16 against oneDNN's fp32 GEMM on the weights' upcast, oneDNN having no bf16 GEMM
+// there: 2.1-2.4x at 1-2 rows, 1.7-2.1x at 4-16, 1.04-1.35x at 32-2048; see
+// bench/results/cpu_linear_kernels_*avx2_cpu.md).
 #include "cpu/gemm_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -104,7 +105,8 @@ constexpr int tile_vectors() {
   // tiles read it as two or three strided streams. Decode's 1-2-row products on large
   // weights (an expert's 7168 x 1024, fp32) read them at ~11 GB/s per thread in half rows
   // against oneDNN's ~16, and at ~17 in whole rows; the default model's layers at 1 row
-  // went from 17 to 27 GB/s in fp32 and from 13 to 21 in bf16 (2 threads, Zen 3, 2026-12-05).
+  // went from 16.8 to 20.8 GB/s in fp32 and from 13.0 to 18.3 in bf16 (2 threads, Zen 3,
+  // 2026-12-04 against 2026-12-05).
   if constexpr (std::is_same_v<T, float>) return R <= 2 ? kNV : kNV / 2;
   return R == 1 ? kNV : R == 2 ? kNV / 2 : kNV / 3;
 #else

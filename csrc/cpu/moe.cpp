@@ -14,7 +14,8 @@
 // w2_packed), for pagedkv's own GEMM (pack_linear_weight, csrc/cpu/gemm.cpp) or for
 // oneDNN's (mkldnn._reorder_linear_weight): an expert's few rows in decode are the
 // small-M products where prepacked weights gain most (oneDNN's fp32 1.3-2x over MKL's
-// sgemm on a Zen 4, one-row GEMVs included; pagedkv's, bench/results/moe_cpu.md, more).
+// sgemm on a Zen 4, one-row GEMVs included; pagedkv's 1.1-1.6x oneDNN's on an AVX2 Zen 3,
+// bench/results/moe_avx2_cpu.md).
 // Then the plain w13 / w2 give only the shapes and are never read, so a caller may
 // drop their storage, e.g. pass zero-stride views. The
 // combine gathers instead of scattering, so each token is written once, by one

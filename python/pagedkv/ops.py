@@ -262,8 +262,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     _ops.swap_blocks(src, dst, block_mapping)
 
 
+# The CPU kernel variants, from the baseline up (csrc/cpu/cpu_capability.h).
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16")
+
+
 def cpu_capability() -> str:
-    """The CPU kernel variant in use: "default", "avx2", "avx512" or "avx512_bf16"."""
+    """The CPU kernel variant in use: one of CPU_CAPABILITIES."""
     return _ops.cpu_capability()
 
 
@@ -284,6 +288,11 @@ def cpu_capability_runs(name: str) -> bool:
         return False
     _ops.set_cpu_capability(previous)
     return True
+
+
+def runnable_cpu_capabilities() -> list[str]:
+    """The CPU kernel variants this CPU runs, from the baseline up."""
+    return [name for name in CPU_CAPABILITIES if cpu_capability_runs(name)]
 
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:

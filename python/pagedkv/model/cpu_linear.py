@@ -95,9 +95,14 @@ class PackedWeight:
     kernel: str
 
 
+def packable(weight: torch.Tensor) -> bool:
+    """Whether a weight is packed at all: a CPU float32 / bfloat16 tensor, packing not turned off."""
+    return weight.device.type == "cpu" and packing_enabled() and weight.dtype in (torch.float32, torch.bfloat16)
+
+
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """A CPU float32 / bfloat16 weight packed for `linear_kernel(weight.dtype)`, or None (stays plain)."""
-    if weight.device.type != "cpu" or not packing_enabled() or weight.dtype not in (torch.float32, torch.bfloat16):
+    if not packable(weight):
         return None
     kernel = linear_kernel(weight.dtype)
     if kernel == "pagedkv":
@@ -113,7 +118,7 @@ def pack_expert_weight(weight: torch.Tensor) -> torch.Tensor | None:
     Unlike `pack_weight`, oneDNN's packing stays in the weight's dtype (the op multiplies in
     hidden's dtype), so a bf16 expert on a CPU without oneDNN's bf16 path has none there.
     """
-    if weight.device.type != "cpu" or not packing_enabled() or weight.dtype not in (torch.float32, torch.bfloat16):
+    if not packable(weight):
         return None
     if linear_kernel(weight.dtype) == "pagedkv":
         return ops.pack_linear_weight(weight.detach())

@@ -34,7 +34,7 @@ pagedkv's own GEMM or oneDNN's, whichever the linear layers use on this CPU
 (`cpu_linear.linear_kernel`, PAGEDKV_CPU_LINEAR_KERNEL). An expert's few rows
 in decode are the small-M products where packing gains most: against at::mm
 (MKL's sgemm, or oneDNN without prepacking) and between the two packings, see
-bench/results/moe_cpu.md. The plain parameters keep their shapes as zero-stride
+bench/results/moe_avx2_cpu.md. The plain parameters keep their shapes as zero-stride
 placeholders, so the experts' memory is not doubled; PAGEDKV_CPU_PACKED_MOE=0
 (or PAGEDKV_CPU_PACKED_LINEAR=0) turns it off.
 """
