@@ -9,8 +9,9 @@ Contenders, on the same hidden states, weights and routing (the router itself is
               (`torch.ops.mkldnn._reorder_linear_weight`; bf16 only where oneDNN has a bf16
               path): every expert with rows runs on oneDNN with them instead of at::mm;
   fused+pagedkv the same op on weights packed for pagedkv's own GEMM (`pack_linear_weight`,
-              the kernel of the dense linear layers); FusedMoE.pack_for_cpu, the layer's
-              default, packs for the one `cpu_linear.linear_kernel` picks on this CPU ("layer");
+              the kernel of the dense linear layers; every expert's product in one grouped
+              call); FusedMoE.pack_for_cpu, the layer's default, packs for the one
+              `cpu_linear.linear_kernel` picks on this CPU ("layer");
   packed_loop (--packed-loop) hf_loop with the packed per-expert weights;
   vllm        vLLM CPU's own fused MoE op (`cpu_fused_moe`, its "vec" grouped GEMMs on weights
               prepacked by `cpu_prepack_moe_weight`), on the same weights and routing, in the vLLM
@@ -19,7 +20,9 @@ Contenders, on the same hidden states, weights and routing (the router itself is
               both cores (VLLM_CPU_OMP_THREADS_BIND=all).
 Shapes: Mixtral-like scaled down (H=1024, I=3584, E=8, top-2) and Qwen3-MoE-like (H=1024,
 I=768, E=64 and 128, top-8), T in {1, 16, 64, 256}, float32 and bfloat16. The contenders of
-a row run interleaved, rep after rep, each reporting its median (the box may be shared).
+a row run interleaved, rep after rep, each reporting its median (the box may be shared); every
+timed call, vLLM's too, comes after a 96 MiB read that flushes the last-level cache, as a model's
+layers find their experts in memory (a model's experts are far more than the cache holds).
 Ratios > 1: the second contender is faster (hf_loop / fused; fused+onednn / fused+pagedkv; vllm /
 the layer's packing). Every row checks each op form against hf_loop.
 
@@ -80,13 +83,20 @@ def packed_loop(packed13, packed2, hidden, topk_weights, topk_ids):
     return out
 
 
+# Read before every timed call, here and in vllm_moe_runner.py: a model's experts are far more
+# than the last-level cache holds, so in a forward pass each layer finds its experts in memory.
+FLUSH_BYTES = 96 << 20
+_flush_buffer = torch.ones(FLUSH_BYTES // 4)
+
+
 def time_interleaved(fns: dict, reps: int) -> dict[str, float]:
-    """Median seconds of each callable, run round-robin after one warm-up each."""
+    """Median seconds of each callable, run round-robin after one warm-up each, the LLC flushed before each call."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            _flush_buffer.sum()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -99,7 +109,7 @@ def vllm_times(vllm_python: str | None, w13, w2, cases: list[dict], reps: int) -
         return None
     with tempfile.TemporaryDirectory(prefix="pagedkv-moe-") as tmp:
         inputs, out = Path(tmp) / "in.pt", Path(tmp) / "out.json"
-        torch.save({"w13": w13, "w2": w2, "cases": cases}, inputs)
+        torch.save({"w13": w13, "w2": w2, "cases": cases, "flush_bytes": FLUSH_BYTES}, inputs)
         env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "all"}
         runner = Path(__file__).resolve().parent / "vllm_moe_runner.py"
         proc = subprocess.run([vllm_python, str(runner), str(inputs), str(out), str(reps)], env=env,

@@ -6,10 +6,11 @@ and the standard library only, never pagedkv.
     vllm_moe_runner.py INPUT.pt OUTPUT.json REPS
 
 INPUT.pt: a torch.save'd dict {"w13" [E, 2I, H], "w2" [E, H, I], "cases": [{"hidden" [T, H],
-"weights" float32 [T, K], "ids" [T, K], "expected" [T, H]}]} with the parent's weights, routing
-and its HF-loop output. Each case: the weights prepacked once (vLLM's cpu_prepack_moe_weight,
-as its layer does after loading), one warm-up call, then REPS timed calls into a preallocated
-output; OUTPUT.json gets per case the median seconds and max |vLLM - expected|.
+"weights" float32 [T, K], "ids" [T, K], "expected" [T, H]}], "flush_bytes": N} with the parent's
+weights, routing and its HF-loop output. Each case: the weights prepacked once (vLLM's
+cpu_prepack_moe_weight, as its layer does after loading), one warm-up call, then REPS timed
+calls into a preallocated output, each after reading flush_bytes (the LLC flush the parent
+does before its own calls); OUTPUT.json gets per case the median seconds and max |vLLM - expected|.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     isa = "vec"  # vLLM's portable x86 path (its AMX path needs AMX, absent on the CPUs we measure)
     w13 = vllm_ops.cpu_prepack_moe_weight(data["w13"], isa)
     w2 = vllm_ops.cpu_prepack_moe_weight(data["w2"], isa)
+    flush_buffer = torch.ones(int(data.get("flush_bytes", 0)) // 4)
     results = []
     for case in data["cases"]:
         hidden, weights, ids = case["hidden"], case["weights"], case["ids"].to(torch.int32)
@@ -43,6 +45,7 @@ def main() -> None:
         diff = (out.float() - case["expected"].float()).abs().max().item()
         times = []
         for _ in range(reps):
+            flush_buffer.sum()
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)

@@ -99,7 +99,10 @@ ran 0.76-0.81x oneDNN from 64 rows up. The row blocks are now of equal size: wit
 product (a prefill chunk beside one decode) gave one thread all the work, on every CPU. The last 1-2 rows of a
 block take the whole panel row in one tile (12 sums at most), so decode's 1-2-row products read each panel row
 once in order instead of in two strided half-row passes: 1 row went from 1.04x oneDNN (16.8 GB/s) to 1.50x
-(20.8 GB/s) between the 2026-12-04 and 2026-12-05 runs."""),
+(20.8 GB/s) between the 2026-12-04 and 2026-12-05 runs. Products of up to a tile of rows now read each panel as
+4 segments side by side (a core reads ~1.5x faster from four streams than from one); against the previous
+kernel, both builds alternated process by process on the same weights (2 threads, medians of 3): 1.09-1.31x at
+1 row, 1.12x at 2, 1.14-1.25x at 4, 0.98-1.02x from 16 rows up, where the rows stay in order."""),
     ("The linear layers' GEMM in bf16 on an AVX2 CPU (`bench/bench_cpu_linear.py --kernels --dtype bfloat16`)",
      "cpu_linear_kernels_bf16_avx2_cpu.md", [], """\
 The same on bf16 weights. oneDNN has no bf16 GEMM on AVX2, so its side is the fp32 GEMM on the weights' exact
@@ -109,7 +112,9 @@ widened once into fp32 for the fp32 tiles. Before the latter the 257-512-row pro
 With this, dtype bfloat16 on AVX2 packs for pagedkv's GEMM; offline bf16 generation (24 requests, paired runs)
 gave 116.5 vs 87.8 and 104.7 vs 98.4 output tok/s against oneDNN's. One row takes the whole panel row and two
 rows half of it (three passes before): 1 row went from 13.0 to 18.3 GB/s of bf16 weights (2.27x to 2.38x
-oneDNN, whose own rate moved too)."""),
+oneDNN, whose own rate moved too). One row now reads each panel as 4 segments side by side: 1.06-1.28x the
+previous kernel in alternated runs; 2-4 rows, whose tiles are a third of a panel row, stay in order (0.92-1.0x
+in segments)."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine
@@ -167,11 +172,15 @@ Python loop on the same weights and routing, Mixtral-like (E=8, top-2) and Qwen3
 shapes at H=1024, on an AVX2 Zen 3: "fused" multiplies with at::mm, "fused+onednn" on oneDNN-packed experts
 (fp32 only there: oneDNN has no bf16 GEMM on AVX2), "fused+pagedkv" on experts packed for pagedkv's own GEMM,
 the kernel of the dense layers; "layer" names the one `FusedMoE.pack_for_cpu` picks on that CPU. Contenders
-interleaved, medians. pagedkv's packing runs 1.1-1.6x oneDNN's in fp32 and 2-7x the unpacked op in bf16.
-"vllm" is vLLM CPU's own `cpu_fused_moe` on the same weights and routing, in its venv (timed after ours, in its
-process, so its ratio carries the box's drift): it leads at 1-16 tokens (to 64 in fp32), where it reads the
-experts' weights at ~31 GB/s against pagedkv's ~21 (one expert per thread at a token), and pagedkv leads at 256
-in bf16 (1.2-1.6x) and is level in fp32. The AVX-512 (Zen 4) run before pagedkv's packing, with oneDNN's only:
+interleaved, medians, the last-level cache flushed before every call (vLLM's too: before, its calls ran back to
+back and found part of the experts in cache). pagedkv-packed experts run as one grouped product: every thread
+streams panels of every expert, in runs of equal estimated cost, with no barrier between experts. pagedkv's
+packing runs 1.1-1.6x oneDNN's in fp32 and 2-8x the unpacked op in bf16. "vllm" is vLLM CPU's own
+`cpu_fused_moe` on the same weights and routing, in its venv (timed after ours, in its process, so its ratio
+carries the box's drift): Mixtral-like, pagedkv is level with it at 1 token (0.94-0.99x), behind at 16
+(0.79-0.92x) and ahead from 64 in bf16 (1.3-1.6x) and at 256 in fp32 (1.35x); Qwen3-MoE-like in fp32 (64-128
+experts of 9 MB, 1-8 rows each) vLLM leads at 1-64 tokens (0.5-0.73x), in bf16 it is level at 16-64 and
+pagedkv leads at 256 (1.36-1.5x). The AVX-512 (Zen 4) run before pagedkv's packing, with oneDNN's only:
 [moe_cpu.md](results/moe_cpu.md)."""),
     ("Model families against vLLM: a Mixtral (`bench/family_checkpoints.py mixtral`)", "throughput_mixtral_cpu.md",
      [], """\

@@ -94,6 +94,11 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight);
 std::vector<int64_t> packed_linear_weight_shape(int64_t N, int64_t K, c10::ScalarType t);
 void packed_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                        const std::optional<at::Tensor>& bias);
+// Products of row groups on their own packed weights, in one parallel region: rows
+// [offsets[g], offsets[g + 1]) of input times packed_weights[g] into the same rows of out,
+// for each g in groups (fused_moe's experts). Each group is checked as packed_linear checks.
+void packed_linear_grouped_cpu(at::Tensor& out, const at::Tensor& input, at::TensorList packed_weights,
+                               const std::vector<int64_t>& groups, const std::vector<int64_t>& offsets);
 
 // ---- Device-generic -------------------------------------------------------------
 // Allocates the output (and v2 scratch) and picks v1 or v2 (paged_attention_select.cpp).

@@ -7,8 +7,10 @@ line, and the linker keeps one copy for all callers: if that copy came from an A
 object, baseline code calling it stops an AVX2 CPU with SIGILL (as the fused-MoE combine
 once did). This test disassembles the built module and checks that every function outside
 the variants' own namespaces is free of VEX / EVEX instructions (AVX and later): the
-copies kept are baseline ones. TU-local clones ("[clone .constprop.0]" and the like) are
-private to the variant that made them and are not checked.
+copies kept are baseline ones (CMakeLists.txt's link order, and the explicit instantiations
+in csrc/cpu/cpu_capability.cpp for the containers the variants use). TU-local clones
+("[clone .constprop.0]" and the like) are private to the variant that made them and are not
+checked.
 """
 
 from __future__ import annotations

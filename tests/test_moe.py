@@ -106,8 +106,8 @@ def test_op_with_packed_weights_matches_reference(T, E, K, dtype, kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,E,K,H,inter", [(37, 8, 2, 72, 53), (300, 4, 1, 50, 31)])
 def test_op_on_pagedkv_packed_weights_under_every_variant(variant, dtype, T, E, K, H, inter):
-    """pagedkv's GEMM in each CPU variant, odd sizes (a last panel and bf16 pair half empty); experts side by
-    side on one thread each (T=37: few rows each) and one after the other on all threads (T=300: > 64 rows)."""
+    """pagedkv's GEMM in each CPU variant, odd sizes (a last panel and bf16 pair half empty); the experts as one
+    grouped product with few rows each (T=37) and with row blocks of their own (T=300: 75 rows an expert)."""
     hidden, w13, w2, weights, ids = _inputs(T, E, K, H, inter, dtype, seed=T + H)
     want = reference.fused_moe(hidden, w13, w2, weights, ids)
     previous = ops.set_cpu_capability(variant)
@@ -116,6 +116,32 @@ def test_op_on_pagedkv_packed_weights_under_every_variant(variant, dtype, T, E, 
     finally:
         ops.set_cpu_capability(previous)
     _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_with_uneven_rows(dtype):
+    """The grouped product deals tasks of very different cost to the threads: one expert has every token
+    (259 rows: two row blocks; bf16 widens its panels), the others a few rows each, three none."""
+    T, E = 259, 16
+    slot0 = torch.full((T,), 11)
+    slot1 = torch.arange(T) % 5                  # experts 0-4
+    slot2 = (torch.arange(T) * 7) % 8 + 5       # experts 5-12, 11 among them
+    slot2 = torch.where(slot2 == 11, 12, slot2)  # a token's slots name distinct experts
+    hidden, w13, w2, weights, ids = _inputs(T, E, 3, 40, 29, dtype, ids=torch.stack([slot0, slot1, slot2], dim=1))
+    want = reference.fused_moe(hidden, w13, w2, weights, ids)
+    got = ops.fused_moe(hidden, w13, w2, weights, ids, _packed(w13, "pagedkv"), _packed(w2, "pagedkv"))
+    _assert_close(got, want, dtype)
+
+
+def test_packings_mixed_within_one_list():
+    """Experts packed for pagedkv (run as one grouped product) beside experts packed by oneDNN (run one by one)
+    in the same list give the plain op's result."""
+    args = _inputs(29, 8, 2, 48, 40, torch.float32, seed=11)
+    hidden, w13, w2, weights, ids = args
+    onednn = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1)  # noqa: E731
+    mixed13 = [onednn(w13[e]) if e % 2 else ops.pack_linear_weight(w13[e]) for e in range(8)]
+    mixed2 = [ops.pack_linear_weight(w2[e]) if e % 3 else onednn(w2[e]) for e in range(8)]
+    _assert_close(ops.fused_moe(hidden, w13, w2, weights, ids, mixed13, mixed2), ops.fused_moe(*args), torch.float32)
 
 
 def test_mixed_packings_and_plain_agree():

@@ -61,6 +61,23 @@ def test_packed_linear_matches_reference(variant, dtype, m, n, k):
 
 @pytest.mark.parametrize("variant", VARIANTS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_gets_the_same_bits_in_any_large_batch(variant, dtype):
+    """Products of more than a tile of rows sum in one order: a row in a batch of 40 (bf16 on AVX2: widened
+    panels), of 100 (the K rows visited in order) or of 300 (several row blocks) gives bit-identical outputs,
+    as prefill chunks of different sizes need for a prompt's bits not to depend on how it was cut. Products
+    of a few rows sum their K rows in interleaved segments (kStreams): within the tolerance of the order."""
+    x, w, bias = _case(300, 61, 301, dtype, 13)
+    packed = ops.pack_linear_weight(w)
+    full = ops.packed_linear(x, packed, bias, out_features=61)
+    assert torch.equal(ops.packed_linear(x[:40], packed, bias, out_features=61), full[:40])
+    assert torch.equal(ops.packed_linear(x[100:200], packed, bias, out_features=61), full[100:200])
+    for m in (1, 2, 3, 4):
+        torch.testing.assert_close(ops.packed_linear(x[:m], packed, bias, out_features=61).float(),
+                                   full[:m].float(), **_tolerance(dtype, 301))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_packed_linear_strided_rows_and_out(variant, dtype):
     x, w, bias = _case(7, 130, 90, dtype, 5)
     wide = torch.randn(7, 200).to(dtype)
@@ -79,7 +96,7 @@ def test_packed_linear_zero_rows():
 
 
 def test_variants_agree_on_fp32():
-    """fp32 has one summation order per K row in every variant (a panel row at a time): equal results."""
+    """fp32 has one summation order over K in every variant (gemm_kernels.cpp, kStreams): equal results."""
     x, w, bias = _case(11, 70, 33, torch.float32, 8)
     packed = ops.pack_linear_weight(w)
     outs = []

@@ -3,8 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace pagedkv::cpu {
 namespace {
@@ -80,3 +82,12 @@ std::string set_cpu_capability_op(const std::string& name) {
 }
 
 }  // namespace pagedkv::cpu
+
+// Baseline copies of the containers the kernel variants use. The variants' objects, compiled
+// with -mavx2 ... -mavx512bf16, share std::vector's inline members with the rest of the
+// module, and the linker keeps the first copy it meets; CMakeLists.txt links the variants
+// after the baseline objects so that copy is a baseline one, but only if some baseline object
+// emitted it, which depends on what the compiler chose to inline there. Instantiating them
+// here makes one always exist (tests/test_cpu_variant_link.py checks the module).
+template class std::vector<float>;
+template class std::vector<int64_t>;

@@ -86,23 +86,57 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   return packed.view(shape);
 }
 
-void packed_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
-                       const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = "packed_linear";
-  check_packed_linear_inputs(op, out, input, packed_weight, bias);
+namespace {
+
+// The kernel's parameters for out = input @ W^T (+ bias), the tensors already checked.
+cpu::PackedLinearParams linear_params(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
+                                      const void* bias) {
   cpu::PackedLinearParams p;
   p.dtype = input.scalar_type();
   p.input = input.const_data_ptr();
   p.input_stride = input.stride(0);
   p.weight = packed_weight.const_data_ptr();
-  p.bias = bias.has_value() && bias->defined() ? bias->const_data_ptr() : nullptr;
+  p.bias = bias;
   p.out = out.data_ptr();
   p.out_stride = out.stride(0);
   p.M = input.size(0);
   p.N = out.size(1);
   p.K = input.size(1);
-  cpu::run_variant(p, cpu::AVX512_BF16::packed_linear, cpu::AVX512::packed_linear, cpu::AVX2::packed_linear,
+  return p;
+}
+
+void run_batch(const std::vector<cpu::PackedLinearParams>& problems) {
+  const cpu::PackedLinearBatch batch{problems.data(), static_cast<int64_t>(problems.size())};
+  cpu::run_variant(batch, cpu::AVX512_BF16::packed_linear, cpu::AVX512::packed_linear, cpu::AVX2::packed_linear,
                    cpu::DEFAULT::packed_linear);
+}
+
+}  // namespace
+
+void packed_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
+                       const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "packed_linear";
+  check_packed_linear_inputs(op, out, input, packed_weight, bias);
+  run_batch({linear_params(out, input, packed_weight,
+                           bias.has_value() && bias->defined() ? bias->const_data_ptr() : nullptr)});
+}
+
+void packed_linear_grouped_cpu(at::Tensor& out, const at::Tensor& input, at::TensorList packed_weights,
+                               const std::vector<int64_t>& groups, const std::vector<int64_t>& offsets) {
+  constexpr const char* op = "packed_linear (grouped)";
+  std::vector<cpu::PackedLinearParams> problems;
+  problems.reserve(groups.size());
+  for (int64_t g : groups) {
+    TORCH_CHECK(g >= 0 && g + 1 < static_cast<int64_t>(offsets.size()) && g < static_cast<int64_t>(packed_weights.size()),
+                op, ": group ", g, " is out of range (", offsets.size() - 1, " groups of rows, ", packed_weights.size(),
+                " weights)");
+    const int64_t begin = offsets[g], rows = offsets[g + 1] - offsets[g];
+    at::Tensor out_rows = out.narrow(0, begin, rows);
+    const at::Tensor in_rows = input.narrow(0, begin, rows);
+    check_packed_linear_inputs(op, out_rows, in_rows, packed_weights[g], std::nullopt);
+    problems.push_back(linear_params(out_rows, in_rows, packed_weights[g], nullptr));
+  }
+  run_batch(problems);
 }
 
 }  // namespace pagedkv

@@ -1,8 +1,8 @@
 // The CPU linear layer on packed weights (layout in gemm_kernels.h), compiled once per
 // CPU_CAPABILITY. A task owns one panel of 48 output features and a block of input
-// rows; it walks the panel's K rows in order, several input rows at a time with their
-// sums in registers (8 x 48 on AVX-512, 4 x 24 on AVX2, whose last 1-2 rows take all 48:
-// see max_tile_rows and tile_vectors), so each
+// rows; it walks the panel's K rows (as kStreams segments side by side, see there),
+// several input rows at a time with their sums in registers (8 x 48 on AVX-512, 4 x 24
+// on AVX2, whose last 1-2 rows take all 48: see max_tile_rows and tile_vectors), so each
 // weight is loaded once per tile of rows and the panel streams from memory once. All
 // arithmetic in fp32; bf16 runs on vdpbf16ps (32 products per instruction) where the
 // CPU has AVX512-BF16, elsewhere on its pairs widened to fp32 (exact: a bf16 is the
@@ -288,50 +288,119 @@ struct Tile {
   }
 };
 
-// One register tile's pass over panel rows [j0, j1) of one K chunk.
+// The order of a panel's K rows. A product of a tile of rows or fewer (decode's, an
+// expert's few rows in fused_moe) reads each weight for one tile only, so its speed is the
+// rate it reads the panel at, and a core reads faster the more streams it has open (one
+// thread, Zen 3, 2026-12-05: 22 GB/s from one stream, 29 from two, 33 from four, 31 from
+// eight). Its panel rows split into kStreams equal segments, walked side by side, a row of
+// each in turn into the same sums, then the few rows left over (and bf16's lone last pair) in
+// order: 1.1-1.4x the single stream's rate at 1-4 rows on one or two threads. Larger
+// products are bound by the FMAs and walk the rows in order: there the segments' pointers
+// spilled the 4-row tiles' registers and ran prefill's products 3-7% slower.
+// So the summation order is one per regime: a row's bits can differ between a product of
+// few rows and one of many (as with oneDNN's), and, at 2-8 rows, between CPU variants whose
+// tiles hold different row counts; products of more rows sum alike on every variant.
+constexpr int kStreams = 4;
+
+// Products of at most this many rows read their panels in kStreams segments: fp32 up to a
+// whole tile (2 threads: 1.31x at 1 row, 1.25x at 4); bf16 one row (1.13-1.19x), its 2-4-row
+// tiles, a third of a panel row wide and holding widened weights, ran 0.92-1.0x in segments.
+template <typename T>
+constexpr int64_t max_streamed_rows() {
+  return std::is_same_v<T, float> ? max_tile_rows<T>() : 1;
+}
+
+// One register tile's pass over part of the panel: `steps` rows (of G panel rows each) of
+// NSEG segments, segment s's rows w_seg elements after segment 0's in the weights and
+// x_seg after them in the inputs.
 template <typename T>
 struct TileJob {
   const T* x;          // the tile's first input row
   int64_t x_stride;
-  const T* panel;      // the panel's row 0, at the tile's first column
-  int64_t j0, j1;      // panel rows of the chunk
-  bool lone_last;      // bf16 with K odd and j1 the panel's end: the last row's pair is half
-  const float* carry;  // [R][48] partial sums of the earlier chunks (at the tile's first column), or nullptr
+  const T* panel;      // segment 0's first panel row of the pass, at the tile's first column
+  int64_t steps;       // rows of each segment in the pass, in steps of G panel rows
+  int64_t w_seg;       // weight elements from a segment's row to the next segment's
+  int64_t x_seg;       // input index from a segment's row to the next segment's (panel rows)
+  int64_t xj0;         // input index (panel row) of segment 0's first row
+  bool lone_last;      // bf16 with K odd, in the tail pass: the pass's last row is a half pair
+  const float* carry;  // [R][48] partial sums of the earlier passes (at the tile's first column), or nullptr
   float* sums;         // [R][48] where the sums go (likewise)
   const float* xf;     // widened_input: the tile's first input row in fp32 (pairs padded to even), else unused
   int64_t xf_stride;
 };
 
-template <typename T, int R>
+// NSEG: kStreams for the segments of a few-row product, 1 for rows in order. G: panel rows per
+// step of a segment, 2 for the fp32 tiles over a widened bf16 panel, whose pair j is rows 2j and
+// 2j + 1 (so the sums take a pair's two products in a row, as the pair tiles do).
+template <typename T, int R, int NSEG, int G>
 void run_tile_columns(const TileJob<T>& job) {
+  constexpr int64_t kRowLen = kPanelWidth * kPerRow<T>;
   Tile<T, R> tile;
   tile.load(job.carry);
+  const T* w[NSEG];
+  int64_t xj[NSEG];
+  for (int s = 0; s < NSEG; ++s) {
+    w[s] = job.panel + s * job.w_seg;
+    xj[s] = job.xj0 + s * job.x_seg;
+  }
   if constexpr (widened_input<T>()) {
     const float* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = job.xf + r * job.xf_stride;
-    const T* w = job.panel + job.j0 * kPanelWidth * kPerRow<T>;
-    for (int64_t j = job.j0; j < job.j1; ++j, w += kPanelWidth * kPerRow<T>) tile.step_widened(w, xr, j);
+    // The widened inputs are padded to whole pairs: a lone half pair runs as a whole one.
+    const int64_t steps = job.steps + (job.lone_last ? 1 : 0);
+    if constexpr (NSEG == 1) {
+      const T* wr = job.panel;
+      for (int64_t j = job.xj0; j < job.xj0 + steps; ++j, wr += kRowLen) tile.step_widened(wr, xr, j);
+      tile.store(job.sums);
+      return;
+    }
+    for (int64_t i = 0; i < steps; ++i) {
+#pragma GCC unroll 4
+      for (int s = 0; s < NSEG; ++s) {
+        tile.step_widened(w[s], xr, xj[s]);
+        w[s] += kRowLen;
+        ++xj[s];
+      }
+    }
     tile.store(job.sums);
     return;
   }
-  const int64_t full_end = job.lone_last ? job.j1 - 1 : job.j1;
   XOperand<T> x[R];
-  const T* w = job.panel + job.j0 * kPanelWidth * kPerRow<T>;
-  for (int64_t j = job.j0; j < full_end; ++j, w += kPanelWidth * kPerRow<T>) {
+  if constexpr (NSEG == 1) {
+    // Rows in order: one pointer and one index, as few registers as the tile leaves.
+    const T* wr = job.panel;
+    const int64_t end = job.xj0 + job.steps * G;
+    for (int64_t j = job.xj0; j < end; ++j, wr += kRowLen) {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) x[r] = x_operand(job.x + r * job.x_stride, j, false);
-    tile.step(w, x);
+      for (int r = 0; r < R; ++r) x[r] = x_operand(job.x + r * job.x_stride, j, false);
+      tile.step(wr, x);
+    }
+    if (job.lone_last) {
+      for (int r = 0; r < R; ++r) x[r] = x_operand(job.x + r * job.x_stride, end, true);
+      tile.step(wr, x);
+    }
+    tile.store(job.sums);
+    return;
   }
-  if (job.lone_last) {
-    for (int r = 0; r < R; ++r) x[r] = x_operand(job.x + r * job.x_stride, full_end, true);
-    tile.step(w, x);
+  for (int64_t i = 0; i < job.steps; ++i) {
+#pragma GCC unroll 4
+    for (int s = 0; s < NSEG; ++s) {
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g, w[s] += kRowLen, ++xj[s]) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) x[r] = x_operand(job.x + r * job.x_stride, xj[s], false);
+        tile.step(w[s], x);
+      }
+    }
   }
-  tile.store(job.sums);
+  tile.store(job.sums);  // the lone half pair is always in the tail, which runs in order
 }
 
 // The tiles of R rows across the panel's 48 columns, a tile's width at a time; job at column 0.
-template <typename T, int R>
-void run_tile(const TileJob<T>& job) {
+// Kept out of line: inlined into the task loop, the 4-row tiles lost a held weight vector to
+// the loop's registers and read it from L1 at every FMA (bf16's prefill products 0.85x).
+template <typename T, int R, int NSEG, int G>
+__attribute__((noinline)) void run_tile(const TileJob<T>& job) {
   constexpr int64_t width = Tile<T, R>::kTV * kW;
   static_assert(kPanelWidth % width == 0, "tiles cover the panel row");
   for (int64_t col = 0; col < kPanelWidth; col += width) {
@@ -339,17 +408,17 @@ void run_tile(const TileJob<T>& job) {
     part.panel += col * kPerRow<T>;
     if (part.carry) part.carry += col;
     part.sums += col;
-    run_tile_columns<T, R>(part);
+    run_tile_columns<T, R, NSEG, G>(part);
   }
 }
 
-// run_tile<T, rows> for 1 <= rows <= R.
-template <typename T, int R>
+// run_tile<T, rows, NSEG, G> for 1 <= rows <= R.
+template <typename T, int R, int NSEG, int G>
 void run_tile_rows(int rows, const TileJob<T>& job) {
   if constexpr (R > 1) {
-    if (rows < R) return run_tile_rows<T, R - 1>(rows, job);
+    if (rows < R) return run_tile_rows<T, R - 1, NSEG, G>(rows, job);
   }
-  run_tile<T, R>(job);
+  run_tile<T, R, NSEG, G>(job);
 }
 
 // out[r][0, n) = sums[r] + bias, rounded to T, for `rows` rows.
@@ -390,78 +459,199 @@ TaskGrid task_grid(int64_t M, int64_t N) {
   return {panels, row_block, (rows + row_block - 1) / row_block};
 }
 
+// The passes of a task over one panel (see kStreams): the segments a piece at a time (each
+// pass kChunk rows, kChunk / streams of each segment, kept in cache while every row tile of
+// the task passes over them), then the tail. Rows are panel rows: fp32 rows or bf16 pairs.
+// With one stream the single segment is every row but bf16's lone half pair.
+struct PanelPasses {
+  int64_t streams;     // kStreams (a product of at most one tile of rows) or 1
+  int64_t seg;         // rows per segment
+  int64_t tail0;       // streams * seg: the tail's first row
+  int64_t rows;        // the panel's rows
+  bool odd_pairs;      // bf16 with K odd: the last row is a lone half pair (always in the tail)
+  int64_t piece;       // segment rows per pass
+  int64_t seg_passes;  // passes over the segments
+  int64_t count;       // passes in all: seg_passes, plus one for a tail
+
+  PanelPasses(int64_t panel_rows, bool odd, int64_t chunk, int64_t num_streams)
+      : streams(num_streams), seg((panel_rows - odd) / streams), tail0(streams * seg), rows(panel_rows),
+        odd_pairs(odd), piece(chunk / streams), seg_passes((seg + piece - 1) / piece),
+        count(seg_passes + (tail0 < rows)) {}
+};
+
+// One product of a batch: its passes, its tasks and, for widened_input, its rows in fp32.
 template <typename T>
-void packed_linear_impl(const PackedLinearParams& p) {
+struct Problem {
+  const PackedLinearParams* p;
+  PanelPasses passes;
+  TaskGrid grid;
+  int64_t first_task;  // its first task's index among the batch's
+  float* xf;           // widened_input: [M][xf_stride] fp32 rows, K padded to whole pairs with zeros
+  int64_t xf_stride;
+};
+
+// Estimated cost of a task of `rows` input rows over a panel of `panel_rows` rows: reading
+// the panel weighs as much as ~10 rows of FMAs (decode's 1-4-row products are bound by the
+// read, 64-row ones by the FMAs at ~6x the read's time; Zen 3, 2026-12-05).
+inline int64_t task_cost(int64_t rows, int64_t panel_rows) { return panel_rows * (rows + 10); }
+
+// The batch's tasks cut into `parts` contiguous runs of about equal cost: bounds[i] is run i's
+// first task (bounds has parts + 1 entries).
+template <typename T>
+std::vector<int64_t> balanced_runs(const std::vector<Problem<T>>& problems, int64_t num_tasks, int64_t parts) {
+  std::vector<int64_t> cost_before(num_tasks + 1, 0);
+  for (const Problem<T>& pr : problems) {
+    for (int64_t t = 0; t < pr.grid.panels * pr.grid.row_blocks; ++t) {
+      const int64_t m0 = (t / pr.grid.panels) * pr.grid.row_block;
+      const int64_t rows = std::min(pr.p->M, m0 + pr.grid.row_block) - m0;
+      const int64_t i = pr.first_task + t;
+      cost_before[i + 1] = cost_before[i] + task_cost(rows, pr.passes.rows);
+    }
+  }
+  std::vector<int64_t> bounds(parts + 1, num_tasks);
+  bounds[0] = 0;
+  for (int64_t i = 1; i < parts; ++i) {
+    // The first task that starts at or past i / parts of the total cost.
+    const int64_t target = cost_before[num_tasks] * i / parts;
+    bounds[i] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, target) - cost_before.begin();
+  }
+  return bounds;
+}
+
+// Task t of one product: panel t % panels over row block t / panels.
+template <typename T>
+void run_task(const Problem<T>& pr, int64_t t, std::vector<float>& scratch, std::vector<float>& panel_f) {
+  constexpr int kRows = max_tile_rows<T>();
+  constexpr int64_t kRowLen = kPanelWidth * kPerRow<T>;
+  const PackedLinearParams& p = *pr.p;
+  const PanelPasses& passes = pr.passes;
+  const T* input = static_cast<const T*>(p.input);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out);
+  const bool chunked = passes.count > 1;
+  const int64_t panel = t % pr.grid.panels, m0 = (t / pr.grid.panels) * pr.grid.row_block;
+  const int64_t m1 = std::min(p.M, m0 + pr.grid.row_block);
+  const int64_t n0 = panel * kPanelWidth, n = std::min(kPanelWidth, p.N - n0);
+  const bool widened_panel = widened_input<T>() && m1 - m0 >= kWidenedPanelRows;
+  alignas(64) float bias_f[kPanelWidth];
+  for (int64_t c = 0; c < kPanelWidth; ++c) bias_f[c] = bias && c < n ? static_cast<float>(bias[n0 + c]) : 0.f;
+  const T* panel_base = static_cast<const T*>(p.weight) + panel * passes.rows * kRowLen;
+  for (int64_t pass = 0; pass < passes.count; ++pass) {
+    const bool tail = pass == passes.seg_passes, first = pass == 0, last = pass + 1 == passes.count;
+    // The pass's first row of segment 0 and its rows per segment (the tail: one segment).
+    const int64_t j0 = tail ? passes.tail0 : pass * passes.piece;
+    const int64_t steps = tail ? passes.rows - passes.tail0 : std::min(passes.piece, passes.seg - j0);
+    const int num_segments = tail ? 1 : static_cast<int>(passes.streams);
+    const bool in_order = num_segments == 1;
+    if constexpr (widened_input<T>()) {
+      if (widened_panel) {
+        for (int s = 0; s < num_segments; ++s) {
+          widen_pairs(panel_base + (j0 + s * passes.seg) * kRowLen, steps, panel_f.data() + s * steps * 2 * kPanelWidth);
+        }
+      }
+    }
+    for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - r0));
+      float* tile_sums = scratch.data() + (chunked ? (r0 - m0) * kPanelWidth : 0);
+      const float* carry = first ? nullptr : tile_sums;
+      if (widened_panel) {
+        // fp32 tiles over the widened pass: segment s's pairs are 2 * steps rows of panel_f, its
+        // inputs the fp32 elements from 2 (j0 + s * seg); the lone half pair is whole, its zeros padded.
+        const TileJob<float> job{pr.xf + r0 * pr.xf_stride, pr.xf_stride, panel_f.data(), steps,
+                                 2 * steps * kPanelWidth, 2 * passes.seg, 2 * j0, false, carry, tile_sums, nullptr, 0};
+        if (in_order) {
+          run_tile_rows<float, max_tile_rows<float>(), 1, 2>(rows, job);
+        } else {
+          run_tile_rows<float, max_tile_rows<float>(), kStreams, 2>(rows, job);
+        }
+      } else {
+        const bool lone = tail && passes.odd_pairs;
+        const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base + j0 * kRowLen, steps - lone,
+                             passes.seg * kRowLen, passes.seg, j0, lone, carry, tile_sums,
+                             pr.xf + r0 * pr.xf_stride, pr.xf_stride};
+        if (in_order) {
+          run_tile_rows<T, kRows, 1, 1>(rows, job);
+        } else {
+          run_tile_rows<T, kRows, kStreams, 1>(rows, job);
+        }
+      }
+      if (last) store_rows(tile_sums, bias_f, rows, n, out + r0 * p.out_stride + n0, p.out_stride);
+    }
+  }
+}
+
+template <typename T>
+void packed_linear_impl(const PackedLinearBatch& batch) {
   constexpr int kRows = max_tile_rows<T>();
   constexpr int64_t kChunk = chunk_rows<T>();
   static_assert(max_tile_rows<float>() >= kRows, "a widened panel's fp32 tiles take a tile's rows");
-  const T* input = static_cast<const T*>(p.input);
-  const T* weight = static_cast<const T*>(p.weight);
-  const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out);
-  const int64_t panel_rows = (p.K + kPerRow<T> - 1) / kPerRow<T>;
-  const bool odd_pairs = kPerRow<T> == 2 && p.K % 2 == 1;
-  const TaskGrid grid = task_grid(p.M, p.N);
-  const bool chunked = panel_rows > kChunk;
-  // widened_input: every input row in fp32, K padded to whole pairs with zeros.
-  const int64_t xf_stride = widened_input<T>() ? 2 * panel_rows : 0;
-  std::vector<float> xf(static_cast<size_t>(p.M * xf_stride));
+  static_assert(kChunk % kStreams == 0, "a pass takes as many rows of every segment");
+  std::vector<Problem<T>> problems;
+  problems.reserve(batch.count);
+  int64_t num_tasks = 0, xf_size = 0, scratch_rows = kRows;
+  std::vector<int64_t> rows_before{0};  // input rows of the problems before each
+  for (int64_t i = 0; i < batch.count; ++i) {
+    const PackedLinearParams& p = batch.problems[i];
+    if (p.M == 0 || p.N == 0) continue;
+    const int64_t streams = p.M <= max_streamed_rows<T>() ? kStreams : 1;
+    const PanelPasses passes((p.K + kPerRow<T> - 1) / kPerRow<T>, kPerRow<T> == 2 && p.K % 2 == 1, kChunk, streams);
+    const TaskGrid grid = task_grid(p.M, p.N);
+    const int64_t xf_stride = widened_input<T>() ? 2 * passes.rows : 0;
+    problems.push_back({&p, passes, grid, num_tasks, nullptr, xf_stride});
+    num_tasks += grid.panels * grid.row_blocks;
+    xf_size += p.M * xf_stride;
+    rows_before.push_back(rows_before.back() + p.M);
+    if (passes.count > 1) scratch_rows = std::max(scratch_rows, grid.row_block);
+  }
+  if (problems.empty()) return;
+  std::vector<float> xf(static_cast<size_t>(xf_size));
   if constexpr (widened_input<T>()) {
-    at::parallel_for(0, p.M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        at::vec::convert(input + m * p.input_stride, xf.data() + m * xf_stride, p.K);
-        std::fill(xf.data() + m * xf_stride + p.K, xf.data() + (m + 1) * xf_stride, 0.f);
+    float* next = xf.data();
+    for (Problem<T>& pr : problems) {
+      pr.xf = next;
+      next += pr.p->M * pr.xf_stride;
+    }
+    // Every input row of every problem, widened once.
+    at::parallel_for(0, rows_before.back(), 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const size_t i = std::upper_bound(rows_before.begin(), rows_before.end(), r) - rows_before.begin() - 1;
+        const Problem<T>& pr = problems[i];
+        const int64_t m = r - rows_before[i];
+        at::vec::convert(static_cast<const T*>(pr.p->input) + m * pr.p->input_stride, pr.xf + m * pr.xf_stride,
+                         pr.p->K);
+        std::fill(pr.xf + m * pr.xf_stride + pr.p->K, pr.xf + (m + 1) * pr.xf_stride, 0.f);
       }
     });
   }
-  at::parallel_for(0, grid.panels * grid.row_blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scratch(static_cast<size_t>((chunked ? grid.row_block : kRows) * kPanelWidth));
-    std::vector<float> panel_f(widened_input<T>() ? static_cast<size_t>(2 * kChunk * kPanelWidth) : 0);
-    alignas(64) float bias_f[kPanelWidth];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t panel = t % grid.panels, m0 = (t / grid.panels) * grid.row_block;
-      const int64_t m1 = std::min(p.M, m0 + grid.row_block);
-      const int64_t n0 = panel * kPanelWidth, n = std::min(kPanelWidth, p.N - n0);
-      const bool widened_panel = widened_input<T>() && m1 - m0 >= kWidenedPanelRows;
-      for (int64_t c = 0; c < kPanelWidth; ++c) bias_f[c] = bias && c < n ? static_cast<float>(bias[n0 + c]) : 0.f;
-      const T* panel_base = weight + panel * panel_rows * kPanelWidth * kPerRow<T>;
-      for (int64_t j0 = 0; j0 < panel_rows; j0 += kChunk) {
-        const int64_t j1 = std::min(panel_rows, j0 + kChunk);
-        const bool first = j0 == 0, last = j1 == panel_rows;
-        if constexpr (widened_input<T>()) {
-          if (widened_panel) widen_pairs(panel_base + j0 * kPanelWidth * 2, j1 - j0, panel_f.data());
-        }
-        for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - r0));
-          float* tile_sums = scratch.data() + (chunked ? (r0 - m0) * kPanelWidth : 0);
-          if (widened_panel) {
-            // fp32 tiles over the widened chunk; its K rows [2 j0, 2 j1) of the fp32 inputs.
-            const TileJob<float> job{xf.data() + r0 * xf_stride + 2 * j0, xf_stride, panel_f.data(), 0, 2 * (j1 - j0),
-                                     false, first ? nullptr : tile_sums, tile_sums, nullptr, 0};
-            run_tile_rows<float, max_tile_rows<float>()>(rows, job);
-          } else {
-            const TileJob<T> job{input + r0 * p.input_stride, p.input_stride, panel_base, j0, j1, last && odd_pairs,
-                                 first ? nullptr : tile_sums, tile_sums, xf.data() + r0 * xf_stride, xf_stride};
-            run_tile_rows<T, kRows>(rows, job);
-          }
-          if (last) store_rows(tile_sums, bias_f, rows, n, out + r0 * p.out_stride + n0, p.out_stride);
-        }
-      }
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const std::vector<int64_t> bounds = balanced_runs(problems, num_tasks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scratch(static_cast<size_t>(scratch_rows * kPanelWidth));
+    std::vector<float> panel_f(widened_input<T>() ? static_cast<size_t>(2 * kChunk * kStreams * kPanelWidth) : 0);
+    size_t i = 0;
+    for (int64_t t = bounds[w0]; t < bounds[w1]; ++t) {
+      while (i + 1 < problems.size() && problems[i + 1].first_task <= t) ++i;
+      run_task(problems[i], t - problems[i].first_task, scratch, panel_f);
     }
   });
 }
 
 }  // namespace
 
-void packed_linear(const PackedLinearParams& p) {
-  if (p.M == 0 || p.N == 0) return;
-  switch (p.dtype) {
+void packed_linear(const PackedLinearBatch& batch) {
+  if (batch.count == 0) return;
+  const c10::ScalarType dtype = batch.problems[0].dtype;
+  for (int64_t i = 1; i < batch.count; ++i) {
+    TORCH_CHECK(batch.problems[i].dtype == dtype, "packed_linear: a batch's products must share one dtype, got ",
+                dtype, " and ", batch.problems[i].dtype);
+  }
+  switch (dtype) {
     case c10::ScalarType::Float:
-      return packed_linear_impl<float>(p);
+      return packed_linear_impl<float>(batch);
     case c10::ScalarType::BFloat16:
-      return packed_linear_impl<BFloat16>(p);
+      return packed_linear_impl<BFloat16>(batch);
     default:
-      TORCH_CHECK(false, "packed_linear: expected float32 or bfloat16, got ", p.dtype);
+      TORCH_CHECK(false, "packed_linear: expected float32 or bfloat16, got ", dtype);
   }
 }
 

@@ -35,9 +35,18 @@ struct PackedLinearParams {
   int64_t M, N, K;
 };
 
+// Products run together in one parallel region, all of one dtype: a mixture-of-experts
+// layer's experts, each on its own rows of a gathered buffer. Their tasks (panels x row
+// blocks) are dealt to the threads in contiguous runs of equal estimated cost, so no thread
+// waits at a barrier between products and few-row products keep every thread streaming.
+struct PackedLinearBatch {
+  const PackedLinearParams* problems;
+  int64_t count;
+};
+
 #define PAGEDKV_DECLARE_CPU_GEMM_KERNELS(capability) \
   namespace capability {                            \
-  void packed_linear(const PackedLinearParams& params); \
+  void packed_linear(const PackedLinearBatch& batch); \
   }
 
 PAGEDKV_DECLARE_CPU_GEMM_KERNELS(DEFAULT)

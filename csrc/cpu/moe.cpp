@@ -3,11 +3,12 @@
 //   1. counting sort of the T*K (token, slot) pairs by expert: expert e owns rows
 //      [offsets[e], offsets[e+1]) of one gathered buffer;
 //   2. gather the hidden rows of those pairs into that buffer, in sorted order;
-//   3. per expert with rows: [rows, H] x w13[e]^T -> [rows, 2I], then silu(gate) * up of
-//      those rows into a preallocated slice (ATen's vectorized kernels);
-//   4. per expert: [rows, I] x w2[e]^T -> [rows, H], into a slice;
-//   5. (steps 3-4 run the experts side by side, one thread each, when every expert has
-//      few rows, as in decode; else one after the other with all threads in each GEMM);
+//   3. per expert with rows: [rows, H] x w13[e]^T -> [rows, 2I] into its rows of one buffer,
+//      then silu(gate) * up over the whole buffer (ATen's vectorized kernels);
+//   4. per expert: [rows, I] x w2[e]^T -> [rows, H], into its rows;
+//   5. (steps 3-4 run pagedkv-packed experts as one grouped product over all threads; other
+//      experts side by side, one thread each, when every expert has few rows, as in decode,
+//      else one after the other with all threads in each GEMM);
 //   6. per token: out[t] = sum_k weight[t, k] * y[position of (t, k)], in fp32.
 // The GEMMs go through at::mm_out (oneDNN / BLAS, which parallelize inside), or
 // on weights prepacked per expert when the caller passes them (w13_packed /
@@ -160,38 +161,39 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 // Experts with at most this many rows each run side by side, one per thread, each GEMM
 // single-threaded: a decode step gives every expert a few rows, and one small GEMM
 // split over all threads spends more on its barriers than on its FLOPs. Above it the
-// experts run one after the other, each GEMM on every thread (prefill chunks).
+// experts run one after the other, each GEMM on every thread (prefill chunks). Experts
+// packed for pagedkv's GEMM skip both: they run as one grouped product.
 constexpr int64_t kExpertsInParallelMaxRows = 64;
 
-// For each expert with rows: `emit(e, begin, rows, in[rows] x w[e]^T)`, the product handed over as a
-// tensor (oneDNN-packed) or written into `scratch` rows first (plain, pagedkv-packed). Experts with few
-// rows run in parallel, so `emit` must touch only its own rows; pagedkv's GEMM then runs on the task's
-// thread alone (at::parallel_for inside a parallel region runs inline).
-template <typename Emit>
+// For each expert e with rows: out rows [offsets[e], offsets[e + 1]) = in's same rows x w[e]^T.
+// pagedkv-packed experts go in one grouped call (packed_linear_grouped_cpu: every thread streams
+// the panels of every expert, no barrier between experts, so one or two busy experts keep every
+// thread reading); the others (plain weights, oneDNN's packing) one GEMM per expert, experts with
+// few rows side by side.
 void grouped_mm(const at::Tensor& in, const at::Tensor& w, const std::optional<at::TensorList>& packed,
-                const std::vector<int64_t>& offsets, at::Tensor& scratch, const Emit& emit) {
-  std::vector<int64_t> experts;
+                const std::vector<int64_t>& offsets, at::Tensor& out) {
+  std::vector<int64_t> grouped, experts;
   int64_t max_rows = 0;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;  // most experts get no rows in decode
+    if (packed.has_value() && is_pagedkv_packed((*packed)[e])) {
+      grouped.push_back(static_cast<int64_t>(e));
+      continue;
+    }
     experts.push_back(static_cast<int64_t>(e));
     max_rows = std::max(max_rows, rows);
   }
+  if (!grouped.empty()) packed_linear_grouped_cpu(out, in, *packed, grouped, offsets);
   auto run = [&](int64_t e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
     const at::Tensor in_rows = in.narrow(0, begin, rows);
-    if (packed.has_value() && !is_pagedkv_packed((*packed)[e])) {
-      emit(e, begin, rows, onednn_linear(in_rows, (*packed)[e]));
-      return;
-    }
-    at::Tensor out_rows = scratch.narrow(0, begin, rows);
+    at::Tensor out_rows = out.narrow(0, begin, rows);
     if (packed.has_value()) {
-      packed_linear_cpu(out_rows, in_rows, (*packed)[e], std::nullopt);
+      out_rows.copy_(onednn_linear(in_rows, (*packed)[e]));  // oneDNN returns its own tensor
     } else {
       at::mm_out(out_rows, in_rows, w[e].t());
     }
-    emit(e, begin, rows, out_rows);
   };
   const int64_t n = static_cast<int64_t>(experts.size());
   const int64_t threads = at::get_num_threads();
@@ -268,24 +270,16 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
   const at::Tensor w13_c = w13_packed.has_value() ? w13 : w13.contiguous();
   const at::Tensor w2_c = w2_packed.has_value() ? w2 : w2.contiguous();
 
-  // silu(gate) * up per expert, straight from its GEMM's output, with ATen's kernels; in
-  // 16-bit dtypes both steps round to the dtype, as HF's act_fn(gate) * up does.
+  // Every expert's gate and up products, then silu(gate) * up over all rows at once with
+  // ATen's kernels; in 16-bit dtypes both steps round to the dtype, as HF's act_fn(gate) * up does.
   const int64_t inter = d.intermediate;
-  // The plain and pagedkv-packed GEMMs write here; oneDNN's return their own tensors.
   at::Tensor gate_up = at::empty({n, 2 * inter}, hidden.options());
-  at::Tensor act = at::empty({n, inter}, hidden.options());
-  grouped_mm(x, w13_c, w13_packed, g.offsets, gate_up,
-             [&](int64_t, int64_t begin, int64_t rows, const at::Tensor& gu) {
-               at::Tensor act_rows = act.narrow(0, begin, rows);
-               at::silu_out(act_rows, gu.narrow(1, 0, inter));
-               act_rows.mul_(gu.narrow(1, inter, inter));
-             });
+  grouped_mm(x, w13_c, w13_packed, g.offsets, gate_up);
+  at::Tensor act = at::silu(gate_up.narrow(1, 0, inter));
+  act.mul_(gate_up.narrow(1, inter, inter));
 
   at::Tensor y = at::empty({n, d.hidden}, hidden.options());
-  grouped_mm(act, w2_c, w2_packed, g.offsets, y, [&](int64_t, int64_t begin, int64_t rows, const at::Tensor& out) {
-    at::Tensor y_rows = y.narrow(0, begin, rows);
-    if (out.const_data_ptr() != y_rows.const_data_ptr()) y_rows.copy_(out);  // oneDNN's own tensor
-  });
+  grouped_mm(act, w2_c, w2_packed, g.offsets, y);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "fused_moe_combine", [&] {
     if (topk_weights.scalar_type() == at::kFloat) {
