@@ -56,6 +56,9 @@ TORCH_LIBRARY(pagedkv, m) {
   // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
   m.def("set_cpu_capability(str name) -> str", &pagedkv::cpu::set_cpu_capability_op);
+  // Whether bf16 GEMMs of many rows run on AMX tiles, and the switch (cpu_capability.h).
+  m.def("cpu_amx() -> bool", [] { return pagedkv::cpu::cpu_amx_enabled(); });
+  m.def("set_cpu_amx(bool enabled) -> bool", [](bool enabled) { return pagedkv::cpu::set_cpu_amx_op(enabled); });
   // Binds torch's OpenMP compute threads one per CPU (engine/cpu_binding.py). No tensors, no dispatch.
   m.def("bind_cpu_threads(int[] cpus) -> int[]",
         [](std::vector<int64_t> cpus) { return pagedkv::cpu::bind_cpu_threads(cpus); });

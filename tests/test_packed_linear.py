@@ -3,7 +3,9 @@
 `ops.packed_linear` is checked against `pagedkv.reference.packed_linear` (float64 on the unpacked
 weight) under every CPU kernel variant this machine runs, on fresh random inputs with odd sizes
 (N not a multiple of the 48-wide panels, odd K for the bf16 pairs, K past one 512-row chunk,
-more rows than a task's block), strided input rows, and bad inputs. Where oneDNN has no bf16 GEMM
+more rows than a task's block), strided input rows, and bad inputs. Where the CPU has AMX-BF16,
+"amx" is one more variant: avx512_bf16 with bf16 products of 2 rows or more on AMX tiles
+(csrc/cpu/gemm_amx.cpp); the others run with the tiles off. Where oneDNN has no bf16 GEMM
 (AVX2), a bf16 weight goes to oneDNN as its exact fp32 upcast: a bf16 GEMM up to summation order.
 """
 
@@ -14,7 +16,8 @@ import torch
 from pagedkv import ops, reference
 from pagedkv.model import cpu_linear, layers
 
-VARIANTS = ops.runnable_cpu_capabilities()
+AMX = ops.cpu_amx_runs()
+VARIANTS = ops.runnable_cpu_capabilities() + (["amx"] if AMX else [])
 DTYPES = [torch.float32, torch.bfloat16]
 # (M rows, N out, K in): one row; odd everything; N < one panel; K past a chunk (512 pair rows of bf16
 # = K 1024, 512 rows of fp32 on AVX-512, 128 on AVX2), and exactly one AVX2 chunk; rows past a task's 256-row
@@ -25,11 +28,24 @@ SHAPES = [(1, 48, 64), (5, 97, 7), (3, 1, 1), (9, 50, 1201), (300, 100, 64), (17
           (6, 49, 129), (4, 96, 128), (7, 145, 257), (40, 50, 301)]
 
 
+def use_variant(name: str) -> tuple[str, bool]:
+    """Runs CPU variant `name` ("amx": avx512_bf16 with the AMX tiles on, the others with them off);
+    returns what to restore."""
+    previous = ops.set_cpu_capability("avx512_bf16" if name == "amx" else name)
+    return previous, ops.set_cpu_amx(name == "amx") if AMX else False
+
+
+def restore_variant(previous: tuple[str, bool]) -> None:
+    ops.set_cpu_capability(previous[0])
+    if AMX:
+        ops.set_cpu_amx(previous[1])
+
+
 @pytest.fixture
 def variant(request):
-    previous = ops.set_cpu_capability(request.param)
+    previous = use_variant(request.param)
     yield request.param
-    ops.set_cpu_capability(previous)
+    restore_variant(previous)
 
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
@@ -101,13 +117,84 @@ def test_variants_agree_on_fp32():
     packed = ops.pack_linear_weight(w)
     outs = []
     for v in VARIANTS:
-        previous = ops.set_cpu_capability(v)
+        previous = use_variant(v)
         try:
             outs.append(ops.packed_linear(x, packed, bias, out_features=70))
         finally:
-            ops.set_cpu_capability(previous)
+            restore_variant(previous)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-6)
+
+
+amx_only = pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 tiles")
+
+
+# (M, N, K) for the AMX tiles: 2 rows (the fewest they take); whole 16-row tiles with K a multiple of
+# 32 (read in place); a partial last row tile; K of 1, odd, one short of and one past a 32-input tile
+# (the input padded, the panel's last B tile from scratch); N under one 16-feature column tile and
+# ending inside the second and third; rows past a 256-row block.
+AMX_SHAPES = [(2, 48, 32), (16, 96, 64), (33, 100, 576), (3, 1, 1), (17, 47, 31), (18, 49, 33), (5, 17, 63),
+              (64, 33, 1537), (300, 130, 96), (260, 20, 40)]
+
+
+@amx_only
+@pytest.mark.parametrize("m,n,k", AMX_SHAPES)
+def test_amx_tiles_match_the_reference_and_the_register_tiles(m, n, k):
+    x, w, bias = _case(m, n, k, torch.bfloat16, 7 * m + 3 * n + k)
+    packed = ops.pack_linear_weight(w)
+    previous = use_variant("amx")
+    try:
+        assert ops.cpu_amx()
+        amx = ops.packed_linear(x, packed, bias, out_features=n)
+        ops.set_cpu_amx(False)
+        registers = ops.packed_linear(x, packed, bias, out_features=n)
+    finally:
+        restore_variant(previous)
+    expected = reference.packed_linear(x, packed, bias, n)
+    torch.testing.assert_close(amx.float(), expected.float(), **_tolerance(torch.bfloat16, k))
+    # Both sum in fp32 from the same bf16 products: at most an ulp of bf16 apart after rounding.
+    torch.testing.assert_close(amx.float(), registers.float(), atol=1e-2, rtol=8e-3)
+
+
+@amx_only
+def test_amx_grouped_products_split_by_rows():
+    """fused_moe's experts in one grouped call: products of 1 row (register tiles) beside ones of 2 and 19
+    rows (AMX tiles), against the reference with the tiles on and off."""
+    g = torch.Generator().manual_seed(3)
+    T, E, H, inter = 11, 3, 96, 35
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, inter, generator=g) / inter ** 0.5).bfloat16()
+    # Expert 0 gets every token (11 rows), expert 1 one token, expert 2 the other ten (2 slots each).
+    ids = torch.stack([torch.zeros(T, dtype=torch.long), torch.where(torch.arange(T) == 0, 1, 2)], dim=1)
+    weights = torch.full((T, 2), 0.5)
+    want = reference.fused_moe(hidden, w13, w2, weights, ids)
+    packs = [[ops.pack_linear_weight(w[e]) for e in range(E)] for w in (w13, w2)]
+    for name in ("amx", "avx512_bf16"):
+        previous = use_variant(name)
+        try:
+            got = ops.fused_moe(hidden, w13, w2, weights, ids, *packs)
+        finally:
+            restore_variant(previous)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_amx_switch():
+    """cpu_amx() is on only with avx512_bf16 in use; set_cpu_amx(True) is refused where the CPU has no tiles."""
+    if not AMX:
+        assert not ops.cpu_amx()
+        with pytest.raises(RuntimeError, match="AMX"):
+            ops.set_cpu_amx(True)
+        return
+    previous = use_variant("amx")
+    try:
+        assert ops.cpu_amx()
+        ops.set_cpu_capability("avx512")
+        assert not ops.cpu_amx()
+        ops.set_cpu_capability("avx512_bf16")
+        assert ops.set_cpu_amx(False) is True and not ops.cpu_amx()
+    finally:
+        restore_variant(previous)
 
 
 @pytest.mark.parametrize("bad,message", [

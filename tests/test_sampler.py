@@ -21,7 +21,7 @@ import math
 
 import pytest
 import torch
-from pagedkv.model.sampler import Sampler, SamplingBatch, apply_repetition_penalty, filter_logits
+from pagedkv.model.sampler import Sampler, SamplingBatch, apply_repetition_penalty, filter_logits, greedy_tokens
 from pagedkv.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -435,3 +435,16 @@ def test_sampling_params_valid_edges():
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(temperature=0.0).greedy
     SamplingParams(top_p=1.0, min_p=1.0, top_k=5, n=3, max_tokens=None, logprobs=0, seed=0)  # all valid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_is_argmax_with_the_first_index_on_ties(dtype):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 1001, generator=g).to(dtype)
+    logits[2, [10, 500, 999]] = 50.0  # a three-way tie: the first index wins
+    logits[4, :] = -3.0               # every entry tied
+    logits[5, 77] = float("inf")
+    tokens = greedy_tokens(logits)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert tokens[2] == 10 and tokens[4] == 0 and tokens[5] == 77

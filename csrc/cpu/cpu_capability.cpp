@@ -8,6 +8,11 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace pagedkv::cpu {
 namespace {
 
@@ -56,7 +61,47 @@ std::atomic<CpuCapability>& selected() {
   return value;
 }
 
+// Whether this process may run AMX tile instructions: the CPU has them and Linux (5.16+)
+// grants the tile data state on request (without the grant the first tile load faults).
+bool amx_supported() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request an XSAVE feature
+    constexpr long kXfeatureXtiledata = 18;     // the tile data registers
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return supported;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool>& amx_selected() {
+  static std::atomic<bool> value = [] {
+    const char* env = std::getenv("PAGEDKV_CPU_AMX");
+    if (env && *env) {
+      const std::string v(env);
+      TORCH_CHECK(v == "0" || v == "1", "PAGEDKV_CPU_AMX must be 0 or 1, got '", v, "'");
+      TORCH_CHECK(v == "0" || amx_supported(), "PAGEDKV_CPU_AMX=1 but this CPU (or kernel) has no AMX-BF16 tiles");
+      return v == "1";
+    }
+    return amx_supported();
+  }();
+  return value;
+}
+
 }  // namespace
+
+bool cpu_amx_enabled() {
+  return amx_selected().load(std::memory_order_relaxed) && selected_cpu_capability() == CpuCapability::kAvx512Bf16;
+}
+
+bool set_cpu_amx_op(bool enabled) {
+  TORCH_CHECK(!enabled || amx_supported(), "set_cpu_amx(True): this CPU (or kernel) has no AMX-BF16 tiles");
+  return amx_selected().exchange(enabled);
+}
 
 const char* cpu_capability_name(CpuCapability capability) {
   switch (capability) {

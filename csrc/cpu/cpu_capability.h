@@ -32,6 +32,15 @@ std::string cpu_capability_op();
 // previous one. Not meant to be called while kernels run on other threads.
 std::string set_cpu_capability_op(const std::string& name);
 
+// Whether bf16 GEMMs of many rows run on AMX tiles (csrc/cpu/gemm_amx.cpp): the CPU has
+// AMX-TILE and AMX-BF16, Linux granted this process the tile state (arch_prctl
+// ARCH_REQ_XCOMP_PERM), the variant in use is avx512_bf16, and neither PAGEDKV_CPU_AMX=0
+// nor set_cpu_amx(false) turned it off. Backs the `cpu_amx() -> bool` op.
+bool cpu_amx_enabled();
+// Backs `set_cpu_amx(bool enabled) -> bool`: turns the AMX path on or off process-wide
+// (enabling it on a CPU without AMX is an error) and returns the previous setting.
+bool set_cpu_amx_op(bool enabled);
+
 // Runs the kernel of the variant this process selected, out of one per variant (a file
 // built without an AVX512_BF16 unit passes its AVX512 kernel twice).
 template <typename Params>

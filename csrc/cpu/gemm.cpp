@@ -105,10 +105,25 @@ cpu::PackedLinearParams linear_params(at::Tensor& out, const at::Tensor& input, 
   return p;
 }
 
-void run_batch(const std::vector<cpu::PackedLinearParams>& problems) {
+void run_variant_batch(const std::vector<cpu::PackedLinearParams>& problems) {
+  if (problems.empty()) return;
   const cpu::PackedLinearBatch batch{problems.data(), static_cast<int64_t>(problems.size())};
   cpu::run_variant(batch, cpu::AVX512_BF16::packed_linear, cpu::AVX512::packed_linear, cpu::AVX2::packed_linear,
                    cpu::DEFAULT::packed_linear);
+}
+
+// bf16 products of kAmxMinRows rows or more on AMX tiles where enabled, the rest (and every
+// product elsewhere) on the variant's register tiles.
+void run_batch(const std::vector<cpu::PackedLinearParams>& problems) {
+  if (problems.empty() || problems[0].dtype != at::kBFloat16 || !cpu::cpu_amx_enabled()) {
+    return run_variant_batch(problems);
+  }
+  std::vector<cpu::PackedLinearParams> few, many;
+  for (const cpu::PackedLinearParams& p : problems) (p.M >= cpu::kAmxMinRows ? many : few).push_back(p);
+  if (!many.empty()) {
+    cpu::AVX512_BF16::packed_linear_amx({many.data(), static_cast<int64_t>(many.size())});
+  }
+  run_variant_batch(few);
 }
 
 }  // namespace

@@ -18,7 +18,9 @@
 // the whole-row tiles of 1-2 rows (2026-12-05) 1.35-1.50x at 1-2 rows, where half rows gave
 // 1.04x; bf16 against oneDNN's fp32 GEMM on the weights' upcast, oneDNN having no bf16 GEMM
 // there: 2.1-2.4x at 1-2 rows, 1.7-2.1x at 4-16, 1.04-1.35x at 32-2048; see
-// bench/results/cpu_linear_kernels_*avx2_cpu.md).
+// bench/results/cpu_linear_kernels_*avx2_cpu.md). On CPUs with AMX, oneDNN's bf16 GEMM runs on
+// tiles and this loop fell to 0.12-0.34x of it from 32 rows: there bf16 products of 2 rows or
+// more run on AMX tiles from the same panels (gemm_amx.cpp, chosen in gemm.cpp).
 #include "cpu/gemm_kernels.h"
 
 #include <ATen/Parallel.h>

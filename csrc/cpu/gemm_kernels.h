@@ -56,4 +56,14 @@ PAGEDKV_DECLARE_CPU_GEMM_KERNELS(AVX512_BF16)
 
 #undef PAGEDKV_DECLARE_CPU_GEMM_KERNELS
 
+// bf16 products of at least this many input rows run on AMX tiles where the CPU has them
+// (cpu_amx_enabled): below it the register tiles, which read the panel in several streams,
+// are ahead (gemm_amx.cpp).
+constexpr int64_t kAmxMinRows = 2;
+
+// The AMX tile loop (gemm_amx.cpp), built into the AVX512_BF16 variant only; bf16 problems.
+namespace AVX512_BF16 {
+void packed_linear_amx(const PackedLinearBatch& batch);
+}
+
 }  // namespace pagedkv::cpu

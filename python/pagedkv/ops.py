@@ -46,7 +46,9 @@ CPU kernel variants: `cpu_capability()` names the one in use (`default`, `avx2`,
 `avx512`, or `avx512_bf16`, whose bf16 kernels take Q.K^T on the CPU's bf16 dot
 products, fp8 caches included, and read int8 caches on its int16 dot products,
 AVX512-VNNI); `PAGEDKV_CPU_CAPABILITY=NAME` or `set_cpu_capability(NAME)` picks an
-older one (tests, benchmarks).
+older one (tests, benchmarks). On CPUs with AMX-BF16, bf16 `packed_linear` products of
+2 rows or more run on AMX tiles (`cpu_amx()`; `PAGEDKV_CPU_AMX=0` or `set_cpu_amx(False)`
+turns them off).
 """
 
 from __future__ import annotations
@@ -295,6 +297,32 @@ def runnable_cpu_capabilities() -> list[str]:
     return [name for name in CPU_CAPABILITIES if cpu_capability_runs(name)]
 
 
+def cpu_amx() -> bool:
+    """Whether bf16 `packed_linear` products of many rows run on AMX tiles here.
+
+    True where the CPU has AMX-BF16 (Sapphire Rapids and later), Linux grants the tile
+    state, the variant in use is avx512_bf16, and neither `PAGEDKV_CPU_AMX=0` nor
+    `set_cpu_amx(False)` turned it off.
+    """
+    return _ops.cpu_amx()
+
+
+def set_cpu_amx(enabled: bool) -> bool:
+    """Turns the AMX tile path of bf16 `packed_linear` on or off (process-wide); returns the
+    previous setting. RuntimeError when enabling it on a CPU without AMX-BF16."""
+    return _ops.set_cpu_amx(enabled)
+
+
+def cpu_amx_runs() -> bool:
+    """Whether this CPU can run the AMX tile path (what `set_cpu_amx(True)` would accept)."""
+    try:
+        previous = _ops.set_cpu_amx(True)
+    except RuntimeError:
+        return False
+    _ops.set_cpu_amx(previous)
+    return True
+
+
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
     """out <- input / rms(input) * weight, row by row, accumulated in float32.
 
@@ -412,7 +440,8 @@ def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, bias: torch.
 
     input, bias and out share the weight's dtype (float32 or bfloat16); input and out need
     dense rows (any row stride). Sums in float32 (bfloat16 on AVX512-BF16 dot products where
-    the CPU has them), bias added in float32, one rounding to the dtype. out_features
+    the CPU has them, on AMX tiles from 2 rows where it has AMX-BF16), bias added in float32,
+    one rounding to the dtype. out_features
     defaults to the packed width (a multiple of 48); pass it, or `out`, for any other N.
     """
     if out is None:
