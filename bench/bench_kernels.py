@@ -53,6 +53,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -250,23 +251,40 @@ class VllmKernel:
     def __init__(self, venv: str, threads: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
         # THP_MEM_ALLOC_ENABLE: torch backs vLLM's cache with huge pages too, as pagedkv's
         # (host_cache), so the two kernels read the same kind of memory.
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), THP_MEM_ALLOC_ENABLE="1")
-        env.pop("PYTHONPATH", None)  # our package and its torch must not leak into vLLM's
+        self.env = dict(os.environ, OMP_NUM_THREADS=str(threads), THP_MEM_ALLOC_ENABLE="1")
+        self.env.pop("PYTHONPATH", None)  # our package and its torch must not leak into vLLM's
+        self.command = [os.path.join(venv, "bin", "python"), VLLM_RUNNER, str(threads)]
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype  # vLLM's cache: "auto" (the compute dtype) or an fp8 format
-        self.proc = subprocess.Popen([os.path.join(venv, "bin", "python"), VLLM_RUNNER, str(threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = self.spawn()
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.path = tempfile.mktemp(prefix="pagedkv_vllm_", suffix=".pt", dir=folder)
         self.isa = "?"
 
+    def spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+
+    def exited(self) -> RuntimeError:
+        """The error for a runner that is gone, naming the signal that stopped it (SIGILL: an instruction
+        this CPU lacks; vLLM CPU 0.32's fp8 decode did that on a Xeon with AMX-BF16, 2026-12-05)."""
+        code = self.proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        return RuntimeError(f"vLLM kernel runner exited ({how}); see its stderr above")
+
     def request(self, **message) -> dict:
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
+        if self.proc.poll() is not None and message.get("cmd") == "load":
+            # It died on an earlier row (a kernel it cannot run on this CPU): a fresh one for this row,
+            # which may take another of its paths (vLLM CPU picks its ISA by query dtype).
+            self.proc = self.spawn()
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self.exited() from None
         while True:  # skip anything vLLM itself prints to stdout
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"vLLM kernel runner exited (code {self.proc.poll()}); see its stderr above")
+                raise self.exited()
             with contextlib.suppress(json.JSONDecodeError):
                 reply = json.loads(line)
                 if isinstance(reply, dict) and "ok" in reply:

@@ -115,6 +115,28 @@ rows half of it (three passes before): 1 row went from 13.0 to 18.3 GB/s of bf16
 oneDNN, whose own rate moved too). One row now reads each panel as 4 segments side by side: 1.06-1.28x the
 previous kernel in alternated runs; 2-4 rows, whose tiles are a third of a panel row, stay in order (0.92-1.0x
 in segments)."""),
+    ("The linear layers' GEMM in bf16 on an AMX CPU (`bench/bench_cpu_linear.py --kernels --dtype bfloat16`)",
+     "cpu_linear_kernels_bf16_amx_cpu.md", [], """\
+The same on a 2-core Xeon with AMX (Sapphire Rapids class: AVX-512, AVX512-BF16, AMX-BF16; 2026-12-05), the first
+AMX machine the project has run on. oneDNN's bf16 GEMM runs on AMX tiles there. Before pagedkv's tile path its
+`vdpbf16ps` register tiles ran these GEMMs at 0.25x oneDNN at 48 rows and 0.12x at 256 (~190 GFLOP/s against
+~1,600), though still 1.4x at 1 row. Now products of 2 rows or more run on AMX tiles from the same packed panels
+(`csrc/cpu/gemm_amx.cpp`; `PAGEDKV_CPU_AMX=0` turns it off): 1.2-1.26x oneDNN at 2-32 rows, ~1.06x at 64, 0.8-1.0x
+at 257-512 and 0.75x at 2048 rows, where oneDNN reaches ~2.4 TFLOP/s on the 2 cores and pagedkv ~1.8. Two
+blockings that load each B tile once for 2 or 4 row tiles both ran 0.9-0.97x the one-row-tile loop (alternated
+builds). The default model's weights (212 MB in bf16) fit this CPU's 480 MiB L3, but two threads read 23-26 GB/s
+from 16 MiB to 1 GiB alike: the L3 gives them no more bandwidth than memory."""),
+    ("Offline throughput in bf16 on an AMX CPU (`bench/bench_throughput.py --dtype bfloat16`)",
+     "throughput_bf16_amx_cpu.md", [], """\
+The offline workload in bf16 (dtype "auto" there) on the Xeon with AMX, vLLM CPU given both cores. pagedkv
+alone with the AMX tiles on and off in one sitting: 7.98 / 21.74 / 7.88 s (on, off, on), 2.7x. Against vLLM
+(whose GEMMs are oneDNN's on AMX) two runs gave 1.04x / 1.03x (in-process / core process) and 1.00x / 0.96x.
+Where the remaining time goes, under torch.profiler: pagedkv's GEMMs 3.5 s, decode attention 1.4 s, prefill
+attention 0.8 s, `silu_and_mul` 0.37 s, the greedy argmax 0.25 s (now `max(-1).indices`, 6x cheaper), norms and
+rotary 0.35 s, host work ~1.1 s."""),
+    ("Offline throughput in fp32 on an AMX CPU (`bench/bench_throughput.py`)", "throughput_amx_cpu.md", [], """\
+The same workload in fp32 on the same Xeon (AMX does not run fp32): level with vLLM given both cores, and 2.7x
+slower than either engine in bf16 there, which is why dtype "auto" is bf16 on such CPUs."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine
@@ -182,6 +204,10 @@ carries the box's drift): Mixtral-like, pagedkv is level with it at 1 token (0.9
 experts of 9 MB, 1-8 rows each) vLLM leads at 1-64 tokens (0.5-0.73x), in bf16 it is level at 16-64 and
 pagedkv leads at 256 (1.36-1.5x). The AVX-512 (Zen 4) run before pagedkv's packing, with oneDNN's only:
 [moe_cpu.md](results/moe_cpu.md)."""),
+    ("Mixture of experts on an AMX CPU (`bench/bench_moe.py`)", "moe_amx_cpu.md", [], """\
+The same on the Xeon with AMX: bf16 experts packed for pagedkv run as one grouped product whose experts of 2 rows
+or more go to the AMX tiles. In bf16 pagedkv's layer runs 1.7-2.7x HF's loop and is ahead of vLLM CPU's
+`cpu_fused_moe` from 16-64 tokens on (1.0-5.4x), 0.86-0.92x at 1 token; in fp32 (no AMX), 0.82-0.93x vLLM."""),
     ("Model families against vLLM: a Mixtral (`bench/family_checkpoints.py mixtral`)", "throughput_mixtral_cpu.md",
      [], """\
 The throughput workload on a random Mixtral checkpoint (8 layers, hidden 512, 8 experts of width 1024, top-2,
@@ -238,6 +264,13 @@ cache cannot buy the 1.3x that the AVX-512 machines come close to."""),
 on that box, so only pagedkv's formats are compared). Here fp8 reaches the 1.3x target on three of the four
 batch-32 rows; int8 does not. Measured before the bf16 / int16 dot-product paths for fp8 and int8 and the plane
 loads (see the Zen 4 file)."""),
+    ("The same on a Xeon with AMX (AVX-512, AVX512-BF16, AMX-BF16)", "kernels_quantized_amx_cpu.md", [], """\
+`bench/bench_kernels.py --quantized` on the 2-core Xeon with AMX (2026-12-05). At 32/8x128 heads the 8-bit caches
+are at or near the 1.3x target against the bf16 cache (e4m3 1.27x, e5m2 1.30x, int8 1.36x); at 9/3x64 they reach
+1.12-1.21x. vLLM CPU 0.32's fp8 decode picks its "amx" path for bf16 queries here and its process stops with
+SIGILL at both block sizes (an instruction this CPU lacks), so the bf16 rows have no vLLM contender; its "vec"
+path runs the fp32 rows, where pagedkv's e4m3 is 1.12-1.23x faster (geomean 1.18). The bench now starts a fresh
+vLLM runner for the next row after one dies, and names the signal."""),
     ("The prefix cache beyond the pool: host and disk tiers (`bench/bench_kv_tiers.py`)", "kv_tiers_cpu.md", [],
      """\
 Three workloads on the default model (issue 24's targets): a restart with the disk tier (first-request TTFT on a
