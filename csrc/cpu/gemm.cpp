@@ -3,12 +3,31 @@
 // block and runs the kernel variant of this CPU.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "common/validation.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/gemm_kernels.h"
 #include "ops.h"
 
 namespace pagedkv {
+
+namespace cpu {
+
+std::vector<int64_t> equal_cost_runs(const std::vector<int64_t>& cost_before, int64_t parts) {
+  const int64_t num_tasks = static_cast<int64_t>(cost_before.size()) - 1;
+  std::vector<int64_t> bounds(parts + 1, num_tasks);
+  bounds[0] = 0;
+  for (int64_t i = 1; i < parts; ++i) {
+    // The first task that starts at or past i / parts of the total cost.
+    const int64_t target = cost_before[num_tasks] * i / parts;
+    bounds[i] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, target) - cost_before.begin();
+  }
+  return bounds;
+}
+
+}  // namespace cpu
+
 namespace {
 
 bool is_packable(c10::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }

@@ -235,12 +235,7 @@ void packed_linear_amx(const PackedLinearBatch& batch) {
       cost_before[pr.first_task + t + 1] = cost_before[pr.first_task + t] + task_cost(pr, t);
     }
   }
-  std::vector<int64_t> bounds(threads + 1, num_tasks);
-  bounds[0] = 0;
-  for (int64_t i = 1; i < threads; ++i) {
-    const int64_t target = cost_before[num_tasks] * i / threads;
-    bounds[i] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, target) - cost_before.begin();
-  }
+  const std::vector<int64_t> bounds = equal_cost_runs(cost_before, threads);
   at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
     if (bounds[w0] == bounds[w1]) return;
     alignas(64) BFloat16 tail_b[kTilePairs * kPanelWidth * 2];

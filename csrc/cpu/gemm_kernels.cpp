@@ -510,14 +510,7 @@ std::vector<int64_t> balanced_runs(const std::vector<Problem<T>>& problems, int6
       cost_before[i + 1] = cost_before[i] + task_cost(rows, pr.passes.rows);
     }
   }
-  std::vector<int64_t> bounds(parts + 1, num_tasks);
-  bounds[0] = 0;
-  for (int64_t i = 1; i < parts; ++i) {
-    // The first task that starts at or past i / parts of the total cost.
-    const int64_t target = cost_before[num_tasks] * i / parts;
-    bounds[i] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, target) - cost_before.begin();
-  }
-  return bounds;
+  return equal_cost_runs(cost_before, parts);
 }
 
 // Task t of one product: panel t % panels over row block t / panels.

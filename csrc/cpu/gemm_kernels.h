@@ -17,6 +17,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace pagedkv::cpu {
 
@@ -43,6 +44,13 @@ struct PackedLinearBatch {
   const PackedLinearParams* problems;
   int64_t count;
 };
+
+// A batch's tasks cut into `parts` contiguous runs of about equal cost, given the running
+// sums cost_before[t] (the cost of tasks [0, t), num_tasks + 1 entries): bounds[i] is run i's
+// first task (parts + 1 entries, the last num_tasks). Defined once, in the baseline gemm.cpp,
+// for every variant (an inline function here would be compiled with each variant's flags
+// and the linker could keep any one copy).
+std::vector<int64_t> equal_cost_runs(const std::vector<int64_t>& cost_before, int64_t parts);
 
 #define PAGEDKV_DECLARE_CPU_GEMM_KERNELS(capability) \
   namespace capability {                            \
