@@ -926,7 +926,19 @@ def run_quantized(args: argparse.Namespace, vllm: list[VllmKernel]) -> dict:
 # ---- prefill --------------------------------------------------------------------------------------
 
 # (sequences, prompt tokens each, num_heads, num_kv_heads, head_size): whole prompts, no cached prefix.
-PREFILL_SHAPES = [(1, 512, 9, 3, 64), (4, 512, 9, 3, 64), (1, 2048, 32, 8, 128), (4, 512, 32, 8, 128)]
+PREFILL_SHAPES = [(1, 512, 9, 3, 64), (4, 512, 9, 3, 64), (32, 256, 9, 3, 64), (1, 2048, 32, 8, 128),
+                  (4, 512, 32, 8, 128)]
+
+
+def without_amx(f):
+    """f run with the AMX tile paths off (ops.set_cpu_amx), for a side-by-side row on AMX CPUs."""
+    def run():
+        previous = ops.set_cpu_amx(False)
+        try:
+            return f()
+        finally:
+            ops.set_cpu_amx(previous)
+    return run
 
 
 def bench_prefill_case(shape: tuple, dtype_name: str, args: argparse.Namespace) -> dict:
@@ -947,16 +959,30 @@ def bench_prefill_case(shape: tuple, dtype_name: str, args: argparse.Namespace) 
         "sdpa": lambda: F.scaled_dot_product_attention(query, inputs.key, inputs.value, scale=inputs.scale,
                                                        is_causal=True, enable_gqa=True),
     }
+    # On a CPU with AMX, bf16 prefill runs on tiles (csrc/cpu/attention_amx.cpp): the same op with
+    # them off is timed beside it.
+    amx = args.device == "cpu" and dtype_name == "bf16" and ops.cpu_amx()
+    if amx:
+        contenders["tiles_off"] = without_amx(contenders["ours"])
     contenders["ours"]()
-    max_diff, ok = within_tolerance(out, reference.paged_prefill_attention(*prefill_args), dtype_name)
+    expected = reference.paged_prefill_attention(*prefill_args)
+    max_diff, ok = within_tolerance(out, expected, dtype_name)
+    if amx:
+        contenders["tiles_off"]()
+        off_diff, off_ok = within_tolerance(out, expected, dtype_name)
+        max_diff, ok = max(max_diff, off_diff), ok and off_ok
     with index_checks_off():
         times = time_interleaved({n: timer(f, args.device, args.flush) for n, f in contenders.items()},
                                  args.budget_s, args.min_reps, args.max_reps)
     flops = 4 * num_seqs * heads * head_size * length * (length + 1) / 2  # QK^T and PV over the causal half
-    return {"dtype": dtype_name, "heads": case.heads, "seqs": num_seqs, "tokens": length,
-            "ours_us": times["ours"] * 1e6, "ours_GFLOPs": flops / times["ours"] / 1e9,
-            "sdpa_us": times["sdpa"] * 1e6, "sdpa_over_ours": times["sdpa"] / times["ours"],
-            "max_abs_diff": max_diff, "within_tol": ok, "verdict": "" if ok else "FAIL (diff)"}
+    row = {"dtype": dtype_name, "heads": case.heads, "seqs": num_seqs, "tokens": length,
+           "ours_us": times["ours"] * 1e6, "ours_GFLOPs": flops / times["ours"] / 1e9,
+           "sdpa_us": times["sdpa"] * 1e6, "sdpa_over_ours": times["sdpa"] / times["ours"],
+           "max_abs_diff": max_diff, "within_tol": ok, "verdict": "" if ok else "FAIL (diff)"}
+    if amx:
+        row["tiles_off_us"] = times["tiles_off"] * 1e6
+        row["tiles_gain"] = times["tiles_off"] / times["ours"]
+    return row
 
 
 def run_prefill(args: argparse.Namespace) -> list[dict]:
@@ -968,13 +994,17 @@ def run_prefill(args: argparse.Namespace) -> list[dict]:
             gc.collect()
     print("## Prefill: pagedkv.ops.paged_prefill_attention vs causal SDPA (contiguous K/V)\n")
     print("Whole prompts (no cached prefix); block ids shuffled. sdpa/ours > 1: pagedkv faster. GFLOP/s counts "
-          "QK^T and PV over the causal half.\n")
-    print_table(rows, [
+          "QK^T and PV over the causal half. On a CPU with AMX, bf16 runs on tiles; 'tiles off' is the same op "
+          "with them off (ops.set_cpu_amx(False)), timed interleaved, and 'tiles gain' its time over ours.\n")
+    columns = [
         ("dtype", "dtype", "{}"), ("heads", "heads", "{}"), ("seqs", "seqs", "{}"), ("tokens", "tokens", "{}"),
         ("ours us", "ours_us", "{:.0f}"), ("GFLOP/s", "ours_GFLOPs", "{:.1f}"), ("sdpa us", "sdpa_us", "{:.0f}"),
         ("sdpa/ours", "sdpa_over_ours", "{:.2f}"), ("max abs diff", "max_abs_diff", "{:.1e}"),
         ("verdict", "verdict", "{}"),
-    ])
+    ]
+    if any("tiles_gain" in r for r in rows):
+        columns[7:7] = [("tiles off us", "tiles_off_us", "{:.0f}"), ("tiles gain", "tiles_gain", "{:.2f}x")]
+    print_table(rows, columns)
     print()
     return rows
 

@@ -41,22 +41,48 @@ HAS_AVX512_BF16 = ops.cpu_capability_runs("avx512_bf16")
 OLDER_VARIANT = "avx512" if ops.cpu_capability() == "avx512_bf16" else ops.cpu_capability()
 
 
-@pytest.fixture(params=["avx512_bf16", "older"])
+AMX_RUNS = ops.cpu_amx_runs()
+
+
+def use_amx(on: bool):
+    """Turns the AMX tiles on or off where the CPU has them; returns what to restore (None: nothing)."""
+    return ops.set_cpu_amx(on) if AMX_RUNS else None
+
+
+def restore_amx(previous) -> None:
+    if previous is not None:
+        ops.set_cpu_amx(previous)
+
+
+def skip_unless_amx_case(request) -> None:
+    """The "amx" case: the avx512_bf16 kernels with bf16 prefill on AMX tiles (csrc/cpu/attention_amx.cpp)."""
+    if not AMX_RUNS:
+        pytest.skip("this CPU (or kernel) has no AMX-BF16 tiles")
+    if "prefill" not in request.node.name:
+        pytest.skip("AMX tiles change bf16 prefill only; the avx512_bf16 case runs this")
+
+
+@pytest.fixture(params=["avx512_bf16", "amx", "older"])
 def cpu_variant(request):
-    """Runs a test under the avx512_bf16 kernels (bf16 Q.K^T on vdpbf16ps) and under OLDER_VARIANT.
+    """Runs a test under the avx512_bf16 kernels (bf16 Q.K^T on vdpbf16ps), under them with bf16
+    prefill on AMX tiles ("amx"), and under OLDER_VARIANT.
 
     avx512_bf16 changes the bf16 kernels only (fp32/fp16 run the avx512 ones there),
     so its fp32/fp16 cases are skipped: the "older" case runs them.
     """
-    if request.param == "avx512_bf16":
+    if request.param in ("avx512_bf16", "amx"):
         if not HAS_AVX512_BF16:
             pytest.skip("this CPU lacks avx512_bf16 (vdpbf16ps)")
         dtype = request.node.callspec.params.get("dtype", torch.bfloat16)
         if dtype != torch.bfloat16:
             pytest.skip("avx512_bf16 changes the bf16 kernels only; the 'older' case runs this dtype")
-    name = OLDER_VARIANT if request.param == "older" else request.param
+    if request.param == "amx":
+        skip_unless_amx_case(request)
+    name = OLDER_VARIANT if request.param == "older" else "avx512_bf16"
     previous = ops.set_cpu_capability(name)
-    yield name
+    previous_amx = use_amx(request.param == "amx")
+    yield request.param
+    restore_amx(previous_amx)
     ops.set_cpu_capability(previous)
 
 
@@ -440,6 +466,49 @@ def test_prefill_long_prompt_and_chunk(dtype):
     assert_close(case.run(), case.reference(), dtype)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (6, 2, 80), (32, 8, 128), (4, 1, 256)],
+                         ids=["gqa3-64", "gqa3-80", "gqa4-128", "mqa-256"])
+def test_prefill_amx_long_prompts_and_chunks(num_heads, num_kv_heads, head_size):
+    """bf16 prefill on AMX tiles over many key tiles of 64: whole prompts, chunks after long cached
+    context, row tiles of 128 rows and the last, partial ones; against the reference and the
+    vdpbf16ps kernel (tiles off)."""
+    if not AMX_RUNS:
+        pytest.skip("this CPU (or kernel) has no AMX-BF16 tiles")
+    gen = make_generator("prefill_amx", num_heads, num_kv_heads, head_size)
+    case = PrefillCase(gen, torch.bfloat16, num_heads, num_kv_heads, head_size, block_size=16,
+                       q_lens=[513, 130, 1, 67, 200], seq_lens=[513, 1000, 300, 67, 263])
+    previous = ops.set_cpu_capability("avx512_bf16")
+    try:
+        use_amx(True)
+        tiles = case.run()
+        use_amx(False)
+        registers = case.run()
+    finally:
+        use_amx(True)
+        ops.set_cpu_capability(previous)
+    expected = case.reference()
+    assert_close(tiles, expected, torch.bfloat16)
+    assert_close(tiles, registers, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rising", [True, False], ids=["rising", "falling"])
+def test_prefill_amx_running_max_moves(rising, cpu_variant):
+    """Keys whose scores grow (or shrink) by far more than the AMX path's lag of the running max
+    (e^8) along the sequence: the accumulators are rescaled mid-sequence, or never."""
+    gen = make_generator("prefill_max_moves", rising)
+    case = PrefillCase(gen, torch.bfloat16, num_heads=6, num_kv_heads=2, head_size=64, block_size=16,
+                       q_lens=[300, 40], seq_lens=[300, 500])
+    positions = torch.arange(500, dtype=torch.float32)
+    growth = 1 + positions / 25 if rising else 1 + (500 - positions) / 25
+    for seq, table in enumerate(case.block_tables):
+        length = int(case.seq_lens[seq])
+        for pos in range(length):
+            block, slot = int(table[pos // 16]), pos % 16
+            case.key_cache[block, slot] = (case.key_cache[block, slot].float() * growth[pos]).to(torch.bfloat16)
+    case.scale = 0.5
+    assert_close(case.run(), case.reference(), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_non_contiguous_query_and_out(dtype, cpu_variant):
     gen = make_generator("prefill_strided", dtype)
@@ -505,20 +574,24 @@ def test_scale_is_applied(op):
 # ---- sliding window and logit soft-capping ------------------------------------------
 
 
-ALL_CPU_VARIANTS = list(ops.CPU_CAPABILITIES)
+ALL_CPU_VARIANTS = [*ops.CPU_CAPABILITIES, "amx"]
 
 
 @pytest.fixture(params=ALL_CPU_VARIANTS)
 def every_cpu_variant(request):
     """Runs a test under every CPU kernel variant this machine can run (avx512_bf16: bf16 only,
-    its other dtypes are the avx512 kernels)."""
-    name = request.param
+    its other dtypes are the avx512 kernels), and under avx512_bf16 with bf16 prefill on AMX tiles."""
+    name = "avx512_bf16" if request.param == "amx" else request.param
+    if request.param == "amx":
+        skip_unless_amx_case(request)
     if not ops.cpu_capability_runs(name):
         pytest.skip(f"this CPU cannot run the {name} kernels")
     if name == "avx512_bf16" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
         pytest.skip("avx512_bf16 changes the bf16 kernels only; the avx512 case runs this dtype")
     previous = ops.set_cpu_capability(name)
-    yield name
+    previous_amx = use_amx(request.param == "amx")
+    yield request.param
+    restore_amx(previous_amx)
     ops.set_cpu_capability(previous)
 
 

@@ -88,6 +88,19 @@ constexpr int kMaxBlockSize = 32;
 // tile's rows while a tile computes measured 0.93-1.13x (no gain) and was dropped.
 constexpr int kKeyTile = 32;
 constexpr int kPrefillRows = 64;
+// Query rows per tile on AMX tiles: the key tile's per-tile work (its K rows copied, its V
+// rows transposed) is shared by more row tiles, and the two products cost little beside the
+// softmax.
+constexpr int kAmxPrefillRows = 128;
+
+// Whether prefill runs on AMX tiles in this variant for element type T (and PrefillParams::use_amx).
+template <typename T>
+constexpr bool kAmxPrefill =
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
 
 // ---- element access --------------------------------------------------------------
 
@@ -1615,8 +1628,9 @@ struct PrefillScratch {
   std::vector<float> qt;      // [D, RP] query, transposed and pre-scaled
   std::vector<float> ot;      // [D, RP] unnormalized output, transposed
   std::vector<float> scores;  // [kKeyTile, RP] logits, then probabilities
-  std::vector<float> kf, vf;  // [kKeyTile, D] K/V tile in fp32
+  std::vector<float> kf, vf;  // [kKeyTile, D] K/V tile in fp32 (AMX: K [kAmxKeyTile, dp] and V^T [D, kAmxKeyTile] bf16)
   std::vector<float> m, l, qpos;  // [RP]
+  std::vector<uint32_t> pairs;    // AMX: [kAmxKeyTile / 2, RP] probabilities in bf16 pairs of keys
 };
 
 // scores[t][r] = sum_d kf[t][d] * qt[d][r]: NT keys x NR row vectors per step.
@@ -1661,9 +1675,8 @@ inline void pv_micro(const float* vf, const float* probs, int64_t rp, int n, flo
 // Zen 3, 2026-12-01): 1.03-1.05x on one 2048-token 32/8x128 prompt, 1.03-1.10x on
 // four 512-token 32/8x128 prompts, 1.05-1.08x on four 512-token 9/3x64 prompts.
 template <int D>
-void qk_tile_rows(const float* kf, const float* qt, int64_t rp, int n_keys, float* scores) {
+void qk_tile_rows(const float* kf, const float* qt, int64_t rp, int64_t nvec, int n_keys, float* scores) {
   constexpr int NT = 4;
-  const int64_t nvec = rp / kW;
   for (int t = 0; t < n_keys; t += NT) {
     int64_t i = 0;
     for (; i + 3 <= nvec; i += 3) qk_micro<D, NT, 3>(kf + t * D, qt + i * kW, rp, scores + t * rp + i * kW);
@@ -1673,9 +1686,8 @@ void qk_tile_rows(const float* kf, const float* qt, int64_t rp, int n_keys, floa
 }
 
 template <int D>
-void pv_tile_rows(const float* vf, const float* probs, int64_t rp, int n_keys, float* ot) {
+void pv_tile_rows(const float* vf, const float* probs, int64_t rp, int64_t nvec, int n_keys, float* ot) {
   constexpr int ND = 4;
-  const int64_t nvec = rp / kW;
   for (int d = 0; d < D; d += ND) {
     int64_t i = 0;
     for (; i + 3 <= nvec; i += 3) pv_micro<D, ND, 3>(vf + d, probs + i * kW, rp, n_keys, ot + d * rp + i * kW);
@@ -1707,10 +1719,9 @@ inline void qk_micro_dpbf16(const uint32_t* kt, const uint32_t* qt, int64_t rp, 
 }
 
 template <int D>
-void qk_tile_rows_dpbf16(const uint32_t* kt, const uint32_t* qt, int64_t rp, int n_keys, float scale,
+void qk_tile_rows_dpbf16(const uint32_t* kt, const uint32_t* qt, int64_t rp, int64_t nvec, int n_keys, float scale,
                          float* scores) {
   constexpr int NT = 4;
-  const int64_t nvec = rp / kW;
   for (int t = 0; t < n_keys; t += NT) {
     const uint32_t* k = kt + t * (D / 2);
     float* sc = scores + t * rp;
@@ -1766,36 +1777,75 @@ struct PrefillTask {
   int64_t key_end;      // key_begin is the window's first key of the tile's first row (0 without one)
 };
 
+// The row vectors [begin, end) that key tile [k0, k0 + n) reaches: rows are in position order
+// (padding rows take the last one), so the vectors whose last row comes before k0 are done
+// with their keys, and with a window those whose first row's window starts past the tile
+// are not there yet. Without a window every vector takes the task's first key tile.
+struct RowVectors {
+  int64_t begin, end;
+};
+
+inline RowVectors reached_rows(const float* qpos, int64_t nvec, int64_t k0, int n, int64_t window) {
+  RowVectors v{0, nvec};
+  while (v.begin < nvec && static_cast<int64_t>(qpos[v.begin * kW + kW - 1]) < k0) ++v.begin;
+  if (window > 0) {
+    while (v.end > v.begin && window_first_key(static_cast<int64_t>(qpos[(v.end - 1) * kW]), window) > k0 + n - 1) {
+      --v.end;
+    }
+  }
+  return v;
+}
+
+// A task's rows: row r = token * G + g of the tile; padding rows (r >= rows) see every key
+// at the last token's position and have zero queries.
+struct PrefillRows {
+  int64_t G, rows, rp, q_begin, context;
+
+  PrefillRows(const PrefillParams& p, const PrefillTask& task)
+      : G(p.num_heads / p.num_kv_heads),
+        rows(task.num_tokens * G),
+        rp(round_up(rows, kW)),
+        q_begin(p.query_start_loc[task.seq]),
+        context(p.seq_lens[task.seq] - (p.query_start_loc[task.seq + 1] - q_begin)) {}
+
+  // Row r's element offset in query / out rows of `stride` elements, kv head h; -1 for padding.
+  int64_t offset(const PrefillTask& task, int64_t r, int64_t stride, int64_t h, int64_t D) const {
+    return r < rows ? (q_begin + task.first_token + r / G) * stride + (h * G + r % G) * D : -1;
+  }
+
+  // qpos, m and l of every row.
+  void start(const PrefillTask& task, PrefillScratch& s) const {
+    for (int64_t r = 0; r < rp; ++r) {
+      const int64_t token = r < rows ? task.first_token + r / G : task.first_token + task.num_tokens - 1;
+      s.qpos[r] = static_cast<float>(context + token);
+      s.m[r] = kNegInf;
+      s.l[r] = 0.f;
+    }
+  }
+};
+
 template <typename T, int D>
 void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_head, PrefillScratch& s) {
-  const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t rows = task.num_tokens * G;
-  const int64_t rp = round_up(rows, kW);
-  const int64_t q_begin = p.query_start_loc[task.seq];
-  const int64_t q_len = p.query_start_loc[task.seq + 1] - q_begin;
-  const int64_t context = p.seq_lens[task.seq] - q_len;  // tokens before the new ones
+  const PrefillRows pr(p, task);
+  const int64_t rows = pr.rows, rp = pr.rp, context = pr.context;
   const T* query = static_cast<const T*>(p.query);
   const bool quantized = p.kv_format != KVCacheDType::kAuto;
   // Q.K^T on bf16 dot products needs the bf16 key rows as they are (an unquantized cache).
   const bool dot_bf16 = kDotBf16<T> && !quantized;
-  // Row r = token * G + g; padding rows see every key and have zero queries.
+  pr.start(task, s);
   for (int64_t r = 0; r < rp; ++r) {
-    const bool real = r < rows;
-    const int64_t token = real ? task.first_token + r / G : task.first_token + task.num_tokens - 1;
-    s.qpos[r] = static_cast<float>(context + token);
-    s.m[r] = kNegInf;
-    s.l[r] = 0.f;
-    const T* q = real ? query + (q_begin + token) * p.query_stride + (kv_head * G + r % G) * D : nullptr;
+    const int64_t at = pr.offset(task, r, p.query_stride, kv_head, D);
+    const T* q = at >= 0 ? query + at : nullptr;
     for (int64_t d = 0; d < D; ++d) {
       if (dot_bf16) {
         // Pairs of dims (qk_micro_dpbf16), unscaled: the scale goes on the scores.
-        reinterpret_cast<T*>(s.qt.data())[(d / 2 * rp + r) * 2 + d % 2] = real ? q[d] : T(0.f);
+        reinterpret_cast<T*>(s.qt.data())[(d / 2 * rp + r) * 2 + d % 2] = q ? q[d] : T(0.f);
       } else {
-        s.qt[d * rp + r] = real ? to_f32(q[d]) * p.scale : 0.f;
+        s.qt[d * rp + r] = q ? to_f32(q[d]) * p.scale : 0.f;
       }
-      s.ot[d * rp + r] = 0.f;
     }
   }
+  std::fill(s.ot.begin(), s.ot.begin() + D * rp, 0.f);
   const int64_t bs = p.block_size;
   const int64_t row_stride = p.num_kv_heads * D;
   const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * D;
@@ -1809,11 +1859,14 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
   const int64_t nvec = rp / kW;
   for (int64_t k0 = task.key_begin; k0 < task.key_end; k0 += kKeyTile) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyTile, task.key_end - k0));
+    const RowVectors vr = reached_rows(s.qpos.data(), nvec, k0, n, window);
+    if (vr.begin == vr.end) continue;
+    const int64_t v0 = vr.begin * kW, nv = vr.end - vr.begin;
     // Keys up to round_up(n, 4) are multiplied; rows t >= n are never read afterwards.
     if (quantized) {
       load_quant_tile<D>(quant_rows(p, true), table, bs, kv_head, k0, n, s.vf.data());
       load_quant_tile<D>(quant_rows(p, false), table, bs, kv_head, k0, n, s.kf.data());
-      qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
+      qk_tile_rows<D>(s.kf.data(), s.qt.data() + v0, rp, nv, n, s.scores.data() + v0);
     } else {
       load_key_tile<T, D>(value_cache, table, bs, row_stride, k0, n, s.vf.data());
 #if defined(CPU_CAPABILITY_AVX512_BF16)
@@ -1821,21 +1874,22 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
       // The key tile stays bf16, in the first half of the fp32 tile's space.
       copy_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, reinterpret_cast<T*>(s.kf.data()));
       qk_tile_rows_dpbf16<D>(reinterpret_cast<const uint32_t*>(s.kf.data()),
-                             reinterpret_cast<const uint32_t*>(s.qt.data()), rp, n, p.scale, s.scores.data());
+                             reinterpret_cast<const uint32_t*>(s.qt.data()) + v0, rp, nv, n, p.scale,
+                             s.scores.data() + v0);
     } else
 #endif
     {
       load_key_tile<T, D>(key_cache, table, bs, row_stride, k0, n, s.kf.data());
-      qk_tile_rows<D>(s.kf.data(), s.qt.data(), rp, n, s.scores.data());
+      qk_tile_rows<D>(s.kf.data(), s.qt.data() + v0, rp, nv, n, s.scores.data() + v0);
     }
     }
     if (cap > 0.f) {
-      for (int t = 0; t < n; ++t) soft_cap_logits(s.scores.data() + t * rp, rp, cap);
+      for (int t = 0; t < n; ++t) soft_cap_logits(s.scores.data() + t * rp + v0, nv * kW, cap);
     }
     const bool needs_mask = k0 + n - 1 > min_pos;
     // Some key of the tile lies before the window of some row (the latest row's is the latest).
     const bool needs_window_mask = window > 0 && k0 + window <= max_pos;
-    for (int64_t i = 0; i < nvec; ++i) {
+    for (int64_t i = vr.begin; i < vr.end; ++i) {
       float* sc = s.scores.data() + i * kW;
       if (needs_mask || needs_window_mask) {
         const Vec qpos = Vec::loadu(s.qpos.data() + i * kW);
@@ -1849,9 +1903,10 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
       Vec tile_max(kNegInf);
       for (int t = 0; t < n; ++t) tile_max = at::vec::maximum(tile_max, Vec::loadu(sc + t * rp));
       const Vec m_old = Vec::loadu(s.m.data() + i * kW);
-      // Without a window m_new is finite: key 0 is visible to every row. With one, a row's
-      // window may start past this tile: its max stays -inf, and the exponents are taken
-      // against 0 instead (every e and the correction are then 0, never NaN).
+      // Without a window m_new is finite: key 0 is visible to every row, and every row vector
+      // takes the task's first key tile. With one, a row's window may start past this tile:
+      // its max stays -inf, and the exponents are taken against 0 instead (every e and the
+      // correction are then 0, never NaN).
       const Vec m_new = at::vec::maximum(m_old, tile_max);
       const Vec m_exp = window > 0 ? Vec::blendv(m_new, Vec(0.f), m_new == Vec(kNegInf)) : m_new;
       const Vec correction = (m_old - m_exp).exp_u20();
@@ -1870,21 +1925,84 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
         }
       }
     }
-    pv_tile_rows<D>(s.vf.data(), s.scores.data(), rp, n, s.ot.data());
+    pv_tile_rows<D>(s.vf.data(), s.scores.data() + v0, rp, nv, n, s.ot.data() + v0);
   }
   T* out = static_cast<T*>(p.out);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = task.first_token + r / G;
-    T* o = out + (q_begin + token) * p.out_stride + (kv_head * G + r % G) * D;
+    T* o = out + pr.offset(task, r, p.out_stride, kv_head, D);
     const float inv = 1.f / s.l[r];
     for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(s.ot[d * rp + r] * inv);
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+// prefill_task on AMX tiles (attention_amx.cpp): bf16 over an unquantized cache. Per key tile
+// the K rows are copied into a dense tile (dims past D zero) and the V rows transposed, once
+// for all the task's row vectors; the query goes in as pairs of dims by row, and the output
+// comes back transposed, 16 x 16 at a time.
+template <int D>
+void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t kv_head, PrefillScratch& s) {
+  using T = c10::BFloat16;
+  const PrefillRows pr(p, task);
+  const int64_t rp = pr.rp, nvec = rp / kW;
+  AmxPrefillState st{D, round_up(D, 32), rp, reinterpret_cast<uint32_t*>(s.qt.data()), s.ot.data(),
+                     s.scores.data(), s.pairs.data(), s.m.data(), s.l.data(), s.qpos.data(), p.scale,
+                     p.logits_soft_cap, p.sliding_window};
+  pr.start(task, s);
+  const T* query = static_cast<const T*>(p.query);
+  for (int64_t v = 0; v < nvec; ++v) {
+    const T* q[kW];
+    for (int i = 0; i < kW; ++i) {
+      const int64_t at = pr.offset(task, v * kW + i, p.query_stride, kv_head, D);
+      q[i] = at >= 0 ? query + at : nullptr;
+    }
+    AVX512_BF16::amx_pack_query(q, D, st.dp, st.qt, rp, v);
+  }
+  std::fill(s.ot.begin(), s.ot.begin() + D * rp, 0.f);
+  const int64_t bs = p.block_size;
+  const int64_t row_stride = p.num_kv_heads * D;
+  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * D;
+  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * D;
+  const int32_t* table = p.block_tables + task.seq * p.max_blocks_per_seq;
+  const int64_t min_pos = pr.context + task.first_token;
+  const int64_t max_pos = pr.context + task.first_token + task.num_tokens - 1;
+  T* keys = reinterpret_cast<T*>(s.kf.data());  // [kAmxKeyTile][dp]; the dims past D stay zero
+  T* vt = reinterpret_cast<T*>(s.vf.data());    // [D][kAmxKeyTile]
+  AVX512_BF16::amx_tiles_begin();
+  for (int64_t k0 = task.key_begin; k0 < task.key_end; k0 += kAmxKeyTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kAmxKeyTile, task.key_end - k0));
+    const RowVectors vr = reached_rows(s.qpos.data(), nvec, k0, n, p.sliding_window);
+    if (vr.begin == vr.end) continue;
+    const T* values[kAmxKeyTile] = {};
+    for (int t = 0; t < n; ++t) {
+      std::memcpy(keys + t * st.dp, token_row(key_cache, table, bs, row_stride, k0 + t), D * sizeof(T));
+      values[t] = token_row(value_cache, table, bs, row_stride, k0 + t);
+    }
+    AVX512_BF16::amx_pack_values(values, D, vt);
+    const AmxKeyTile kt{keys, vt, k0, n, k0 == task.key_begin, k0 + n - 1 > min_pos,
+                        p.sliding_window > 0 && k0 + p.sliding_window <= max_pos};
+    AVX512_BF16::amx_prefill_step(st, kt, vr.begin, vr.end);
+  }
+  AVX512_BF16::amx_tiles_end();
+  T* out = static_cast<T*>(p.out);
+  for (int64_t v = 0; v < nvec; ++v) {
+    T* o[kW];
+    alignas(64) float inv[kW];
+    for (int i = 0; i < kW; ++i) {
+      const int64_t at = pr.offset(task, v * kW + i, p.out_stride, kv_head, D);
+      o[i] = at >= 0 ? out + at : nullptr;
+      inv[i] = 1.f / s.l[v * kW + i];
+    }
+    AVX512_BF16::amx_store_rows(s.ot.data(), D, rp, v, inv, o);
+  }
+}
+#endif
+
 template <typename T, int D>
 void prefill_impl(const PrefillParams& p) {
   const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t tile_tokens = std::max<int64_t>(1, kPrefillRows / G);
+  const bool amx = kAmxPrefill<T> && p.use_amx && p.kv_format == KVCacheDType::kAuto;
+  const int64_t tile_tokens = std::max<int64_t>(1, (amx ? kAmxPrefillRows : kPrefillRows) / G);
   std::vector<PrefillTask> tiles;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
     const int64_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
@@ -1903,17 +2021,26 @@ void prefill_impl(const PrefillParams& p) {
     PrefillScratch s;
     s.qt.resize(D * rp);
     s.ot.resize(D * rp);
-    s.scores.resize(kKeyTile * rp);
-    s.kf.assign(kKeyTile * D, 0.f);
-    s.vf.assign(kKeyTile * D, 0.f);
+    // AMX: scores [kAmxKeyTile, rp], K [kAmxKeyTile, dp] and V^T [D, kAmxKeyTile] in bf16.
+    const int64_t keys = amx ? kAmxKeyTile : kKeyTile;
+    s.scores.resize(keys * rp);
+    s.kf.assign(amx ? keys * round_up(D, 32) / 2 : keys * D, 0.f);
+    s.vf.assign(amx ? keys * D / 2 : keys * D, 0.f);
     s.m.resize(rp);
     s.l.resize(rp);
     s.qpos.resize(rp);
+    if (amx) s.pairs.resize(kAmxKeyTile / 2 * rp);
     return s;
   };
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   run_tasks<PrefillScratch>(num_tiles * p.num_kv_heads, make_scratch, [&](int64_t task, PrefillScratch& s) {
-    prefill_task<T, D>(p, tiles[task / p.num_kv_heads], task % p.num_kv_heads, s);
+    const PrefillTask& tile = tiles[task / p.num_kv_heads];
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+    if constexpr (kAmxPrefill<T>) {
+      if (amx) return prefill_task_amx<D>(p, tile, task % p.num_kv_heads, s);
+    }
+#endif
+    prefill_task<T, D>(p, tile, task % p.num_kv_heads, s);
   });
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -63,6 +64,9 @@ struct DecodeParams : PagedAttentionParams {
 // Prefill / chunked prefill: several new tokens per sequence, causal.
 struct PrefillParams : PagedAttentionParams {
   const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
+  // bf16 over an unquantized cache in the AVX512_BF16 variant: both products on AMX tiles
+  // (attention_amx.cpp). Set where cpu_amx_enabled(); the other variants ignore it.
+  bool use_amx = false;
 };
 
 // One set of entry points per capability. decode_attention runs v1 (partition_size
@@ -80,5 +84,50 @@ PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(AVX512)
 PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS(AVX512_BF16)
 
 #undef PAGEDKV_DECLARE_CPU_ATTENTION_KERNELS
+
+// Keys per step of the AMX prefill: two P.V tile products (32 keys each) per load and store of
+// the sums, against one with 32 keys.
+constexpr int kAmxKeyTile = 64;
+
+// Prefill on AMX tiles (attention_amx.cpp, AVX512_BF16 only): one task's query rows
+// (token x head of the group) in row vectors of 16, rp rows in all.
+struct AmxPrefillState {
+  int64_t D, dp, rp;        // head size; D rounded up to 32 (a tile of dims); rows rounded up to 16
+  uint32_t* qt;             // [dp / 2][rp] dwords: (q_r[2j], q_r[2j + 1]) in bf16, zeros past D
+  float* ot;                // [D][rp] unnormalized output, transposed
+  float* scores;            // [kAmxKeyTile][rp]
+  uint32_t* pairs;          // [kAmxKeyTile / 2][rp] probabilities in bf16 pairs of keys
+  float *m, *l;             // [rp] running max and sum
+  const float* qpos;        // [rp] each row's position (padding rows: the last row's)
+  float scale, soft_cap;    // soft_cap 0: off
+  int64_t window;           // 0: none
+};
+
+// One key tile of the task: keys [k0, k0 + n), n <= kAmxKeyTile.
+struct AmxKeyTile {
+  const c10::BFloat16* keys;  // [kAmxKeyTile][dp] K rows, zeros past D (rows from n are never used)
+  const c10::BFloat16* vt;    // [D][kAmxKeyTile] V transposed, zero columns from n
+  int64_t k0;
+  int n;
+  bool first;                 // the task's first key tile (nothing to rescale yet)
+  bool causal_mask;           // some key is after some row's position
+  bool window_mask;           // some key is before some row's window
+};
+
+namespace AVX512_BF16 {
+// Load the tile configuration on this thread / release the tile state.
+void amx_tiles_begin();
+void amx_tiles_end();
+// The query rows of row vector v (rows[i]: row 16 v + i, null for padding) into qt: dword
+// [j][16 v + i] = (rows[i][2j], rows[i][2j + 1]) for j < dp / 2, zeros past D.
+void amx_pack_query(const c10::BFloat16* const* rows, int64_t D, int64_t dp, uint32_t* qt, int64_t rp, int64_t v);
+// vt[d][t] = rows[t][d] for kAmxKeyTile value rows (a null row: zeros); vt: [D][kAmxKeyTile], D a multiple of 16.
+void amx_pack_values(const c10::BFloat16* const* rows, int64_t D, c10::BFloat16* vt);
+// Row vectors [v_begin, v_end) through one key tile: scores = Q.K^T on tiles, the online-softmax
+// step, ot += V^T.P^T on tiles.
+void amx_prefill_step(const AmxPrefillState& st, const AmxKeyTile& kt, int64_t v_begin, int64_t v_end);
+// rows[i][d] = ot[d][16 v + i] * inv[i] in bf16 for the rows of row vector v (null rows skipped).
+void amx_store_rows(const float* ot, int64_t D, int64_t rp, int64_t v, const float* inv, c10::BFloat16* const* rows);
+}  // namespace AVX512_BF16
 
 }  // namespace pagedkv::cpu

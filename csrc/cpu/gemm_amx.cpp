@@ -25,6 +25,8 @@
 // reaches ~2.4 TFLOP/s on two cores and this loop ~1.8.
 #include "cpu/gemm_kernels.h"
 
+#include "cpu/amx_tiles.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -50,25 +52,6 @@ static_assert(kPanelWidth == 3 * kTileN, "a panel is three column tiles (tmm4-6,
 
 // Input rows per task at most: a task is one panel over a block of row tiles.
 constexpr int64_t kAmxRowBlock = 256;
-
-// The tile configuration (palette 1) every thread loads before its first tile instruction.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Seven tiles of 16 rows x 64 bytes: sums (16 x 16 fp32), A (16 x 32 bf16), B (16 pairs x 16 x 2).
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = kTileM;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // One product of the batch: where its A tiles come from and its tasks.
 struct AmxProblem {
@@ -239,7 +222,7 @@ void packed_linear_amx(const PackedLinearBatch& batch) {
   at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
     if (bounds[w0] == bounds[w1]) return;
     alignas(64) BFloat16 tail_b[kTilePairs * kPanelWidth * 2];
-    configure_tiles();
+    configure_amx_tiles();
     size_t i = 0;
     for (int64_t t = bounds[w0]; t < bounds[w1]; ++t) {
       while (i + 1 < problems.size() && problems[i + 1].first_task <= t) ++i;
