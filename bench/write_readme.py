@@ -129,11 +129,38 @@ from 16 MiB to 1 GiB alike: the L3 gives them no more bandwidth than memory.""")
     ("Offline throughput in bf16 on an AMX CPU (`bench/bench_throughput.py --dtype bfloat16`)",
      "throughput_bf16_amx_cpu.md", [], """\
 The offline workload in bf16 (dtype "auto" there) on the Xeon with AMX, vLLM CPU given both cores. pagedkv
-alone with the AMX tiles on and off in one sitting: 7.98 / 21.74 / 7.88 s (on, off, on), 2.7x. Against vLLM
-(whose GEMMs are oneDNN's on AMX) two runs gave 1.04x / 1.03x (in-process / core process) and 1.00x / 0.96x.
-Where the remaining time goes, under torch.profiler: pagedkv's GEMMs 3.5 s, decode attention 1.4 s, prefill
-attention 0.8 s, `silu_and_mul` 0.37 s, the greedy argmax 0.25 s (now `max(-1).indices`, 6x cheaper), norms and
-rotary 0.35 s, host work ~1.1 s."""),
+alone with the AMX tiles on and off in one sitting (2026-12-05, GEMMs only on tiles): 7.98 / 21.74 / 7.88 s (on,
+off, on), 2.7x. Against vLLM (whose GEMMs are oneDNN's on AMX) two runs then gave 1.04x / 1.03x (in-process /
+core process) and 1.00x / 0.96x. With prefill attention on the tiles too (2026-12-06, the table): 1.09x / 1.11x
+in one run (vLLM's own time moved from 8.1 to 9.1 s between the days; 1.05x / 0.94x in an earlier run the same
+day). Where the time goes now, under torch.profiler (`offline_profile_bf16_amx_cpu.md`): pagedkv's GEMMs 3.5 s,
+decode attention 1.4 s (at ~18 GB/s of K/V, near this box's ~24 GB/s for two threads), `silu_and_mul` 0.5 s,
+prefill attention 0.29 s (0.82 s before the tiles), norms and rotary 0.38 s, host work ~1.1 s."""),
+    ("Prefill attention on AMX tiles (`bench/bench_kernels.py --prefill --dtypes bf16`)",
+     "kernels_prefill_amx_cpu.md", [], """\
+bf16 prefill attention on the Xeon with AMX (2026-12-06): both products on AMX tiles
+(`csrc/cpu/attention_amx.cpp`), scores transposed (keys as tile rows) so the online softmax stays vectorized
+across query rows, V transposed once per 64-key tile for all the task's row tiles, probabilities rounded to
+bf16 in pairs of keys. Against the same op with the tiles off (Q.K^T on `vdpbf16ps`, P.V in fp32 FMAs),
+interleaved: 2.6-3.0x on the default model's 9/3x64 heads, 3.8-4.6x on 32/8x128; against torch's SDPA on
+contiguous K/V 0.8-1.25x (it was 0.2-0.5x). The tile products are a small part of the time: the softmax's
+exponentials (an inlined exp; ATen's was called out of line) and the tile loads and stores of the sums are the
+rest; the running max moves only when a tile passes it by e^8, so the sums stored by the tiles are rarely read
+back for a rescale. In the offline bf16 workload prefill attention went from 0.82 s to 0.29 s."""),
+    ("Serving in bf16 on an AMX CPU (`bench/bench_serving.py --dtype bfloat16`)", "serving_bf16_amx_cpu.md", [], """\
+vLLM's serving workload (32 requests, 256 in / 64 out) against `pagedkv serve` and vLLM's OpenAI server given
+both cores, in bf16 on the Xeon with AMX (2026-12-06), after prefill attention moved to AMX tiles. TTFT mean
+101 vs 128 ms (1.27x) and TPOT 22 vs 35 ms (1.64x) at 1 req/s; 116 vs 134 ms (1.15x) and 26 vs 38 ms (1.48x)
+at 2 req/s; all at once TTFT 1399 vs 1146 ms (0.82x; it was 1911 vs 1042, 0.55x, with the vdpbf16ps prefill)
+and TPOT 56 vs 63 ms (1.13x). What still separates the all-at-once TTFT: prefill's GEMMs from ~1,800 rows,
+0.75-0.85x oneDNN's AMX GEMM (`cpu_linear_kernels_bf16_amx_cpu.md`). Every request completed."""),
+    ("Sampler on an AMX CPU (`bench/bench_sampler.py`)", "sampler_amx_cpu.md", [], """\
+The sampler on the Xeon with AMX (2026-12-06), with temperature-only batches on the fused
+`ops.sample_from_logits` (per row a max pass and a pass that sums exp((l - max) / T) in blocks of 256, then
+the uniform inverted block by block): 1.1 ms for 48 x 49k logits at temperature 0.8, 1.6x a greedy step's
+0.7 ms and 8x faster than the torch sequence it replaced (divide, softmax, cumsum, searchsorted: 8-9 ms, ~12%
+of a 48-sequence bf16 decode step). top-p and top-k still go through `torch.topk` and the torch sequence
+(12-30 ms here)."""),
     ("Offline throughput in fp32 on an AMX CPU (`bench/bench_throughput.py`)", "throughput_amx_cpu.md", [], """\
 The same workload in fp32 on the same Xeon (AMX does not run fp32): level with vLLM given both cores, and 2.7x
 slower than either engine in bf16 there, which is why dtype "auto" is bf16 on such CPUs."""),

@@ -280,3 +280,12 @@ def test_cache_ops_inside_torch_compile():
     for g, w in zip(got_caches, want_caches, strict=True):
         assert torch.equal(g, w)
     torch.testing.assert_close(got, want_caches[0].sum())
+
+
+def test_opcheck_sample_from_logits():
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(5, 300, generator=gen)
+    temps = torch.tensor([0.0, 0.5, 1.0, 1.5, 0.8])
+    uniforms = torch.rand(5, generator=gen)
+    torch.library.opcheck(torch.ops.pagedkv.sample_from_logits.default,
+                          (torch.empty(5, dtype=torch.int64), logits, temps, uniforms))

@@ -448,3 +448,94 @@ def test_greedy_tokens_is_argmax_with_the_first_index_on_ties(dtype):
     assert tokens.dtype == torch.int64
     assert torch.equal(tokens, logits.argmax(-1))
     assert tokens[2] == 10 and tokens[4] == 0 and tokens[5] == 77
+
+
+# --- ops.sample_from_logits: the fused draw on the CPU ---------------------------------------------
+
+def _valid_draw(logits_row: torch.Tensor, temperature: float, u: float, token: int) -> bool:
+    """Whether token is where the exact (float64) cumulative weights reach u times the total, give or take
+    1e-5 of the total (fp32 sums in either order land within that), and the token has weight > 0."""
+    s = logits_row.double() / temperature
+    w = torch.exp(s - s.max())
+    c = w.cumsum(0)
+    x = u * c[-1].item()
+    tol = 1e-5 * c[-1].item()
+    before = c[token - 1].item() if token > 0 else 0.0
+    return w[token].item() > 0 and before <= x + tol and c[token].item() >= x - tol
+
+
+@pytest.mark.parametrize("variant", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("vocab", [1, 7, 255, 256, 257, 1000, 49155])
+def test_sample_from_logits_matches_the_reference(vocab, variant):
+    from pagedkv import ops, reference
+
+    if not ops.cpu_capability_runs(variant):
+        pytest.skip(f"this CPU cannot run the {variant} kernels")
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[rows // 2:, ::5] = float("-inf")  # filtered tokens (weight 0) in half the rows
+    logits[rows // 2:, -1] = 0.0  # (at least one token stays)
+    temps = torch.tensor([0.0, 0.3, 1.0, 2.5] * (rows // 4))
+    u = torch.rand(rows, generator=gen)
+    previous = ops.set_cpu_capability(variant)
+    try:
+        tokens = ops.sample_from_logits(logits, temps, u)
+    finally:
+        ops.set_cpu_capability(previous)
+    expected = reference.sample_from_logits(logits, temps, u)
+    greedy = temps == 0
+    assert torch.equal(tokens[greedy], logits[greedy].max(-1).indices)
+    for r in (~greedy).nonzero().flatten().tolist():
+        assert _valid_draw(logits[r], temps[r].item(), u[r].item(), int(tokens[r])), (r, int(tokens[r]),
+                                                                                      int(expected[r]))
+    # The sums differ from torch's in rounding only: a boundary within ~1e-7 of the total is rare.
+    assert (tokens == expected).float().mean().item() >= 0.9
+
+
+def test_sample_from_logits_extremes_and_non_finite_rows():
+    from pagedkv import ops
+
+    inf, nan = float("inf"), float("nan")
+    weights = [-inf, -inf, math.log(3.0), -inf, 0.0, -inf, -inf]  # token 2 owns 3/4 of the mass, token 4 1/4
+    logits = torch.tensor([weights] * 4 + [[0.0, nan, 1.0, nan, 0.0, 0.0, 0.0], [-inf] * 7,
+                                            [0.0, nan, 1.0, nan, 0.0, 0.0, 0.0]])
+    temps = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    u = torch.tensor([0.0, 0.7, 0.8, 1.0 - 2.0 ** -24, 0.5, 0.5, 0.5])
+    tokens = ops.sample_from_logits(logits, temps, u).tolist()
+    # u = 0 takes the first token of weight > 0, u -> 1 the last; NaN or all -inf: the last token, as
+    # the torch sequence's searchsorted gives; greedy over NaN: the first NaN, as max(-1).indices.
+    assert tokens == [2, 2, 4, 4, 6, 6, 1]
+
+
+@pytest.mark.parametrize("case,match", [
+    (lambda x, t, u: (x.bfloat16(), t, u), "logits must be float32"),
+    (lambda x, t, u: (x[0], t, u), r"logits must be 2-D"),
+    (lambda x, t, u: (x.t().contiguous().t(), t, u), "logits rows must be dense"),
+    (lambda x, t, u: (x, t[:2], u), r"temperatures must be 1-D \[3\]"),
+    (lambda x, t, u: (x, t.double(), u), "temperatures must be Float"),
+    (lambda x, t, u: (x, torch.tensor([1.0, -0.5, 1.0]), u), r"temperatures\[1\] = -0.5 must be finite and >= 0"),
+    (lambda x, t, u: (x, torch.tensor([1.0, float("nan"), 1.0]), u), r"temperatures\[1\] = nan"),
+    (lambda x, t, u: (x, t, torch.tensor([0.5, 1.0, 0.5])), r"uniforms\[1\] = 1 must be in \[0, 1\)"),
+    (lambda x, t, u: (x[:, :0], t, u), "the vocabulary must not be empty"),
+], ids=["dtype", "dim", "strided", "temps-shape", "temps-dtype", "temps-negative", "temps-nan", "u-one", "empty"])
+def test_sample_from_logits_rejects_bad_input(case, match):
+    from pagedkv import ops
+
+    logits, temps, u = case(torch.randn(3, 10), torch.ones(3), torch.full((3,), 0.5))
+    with pytest.raises(RuntimeError, match=match):
+        ops.sample_from_logits(logits, temps, u)
+
+
+def test_sampler_takes_the_fused_draw_only_without_filters(monkeypatch):
+    """Temperature-only batches go through ops.sample_from_logits; top-k / top-p / min-p through the filters."""
+    from pagedkv import ops
+
+    calls = []
+    real = ops.sample_from_logits
+    monkeypatch.setattr(ops, "sample_from_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = torch.randn(4, 50)
+    Sampler(torch.Generator().manual_seed(0))(logits, _batch(4, temperature=0.7))
+    assert calls == [1]
+    Sampler(torch.Generator().manual_seed(0))(logits, _batch(4, temperature=0.7, top_p=0.9))
+    assert calls == [1]

@@ -38,6 +38,10 @@
 // instructions per 16 codes, more than the FMAs of a group's heads) is gone, and the int16
 // rounding (2^-16 of a row's largest value) is far below the bf16 query's own.
 //
+// On CPUs with AMX-BF16 (PrefillParams::use_amx), bf16 prefill over an unquantized cache runs
+// both products on AMX tiles instead (prefill_task_amx, csrc/cpu/attention_amx.cpp), with the
+// same task split, layout ([head_size, rows] transposed output) and online softmax.
+//
 // A quantized cache (fp8, int8 / int4 per token and head; cpu/kv_dequant.h) is read
 // by dequantizing rows into a small fp32 staging tile right before their arithmetic,
 // which then runs the fp32 code above: decode sweeps each block's codes into L1/L2,
@@ -93,15 +97,6 @@ constexpr int kPrefillRows = 64;
 // softmax.
 constexpr int kAmxPrefillRows = 128;
 
-// Whether prefill runs on AMX tiles in this variant for element type T (and PrefillParams::use_amx).
-template <typename T>
-constexpr bool kAmxPrefill =
-#if defined(CPU_CAPABILITY_AVX512_BF16)
-    std::is_same_v<T, c10::BFloat16>;
-#else
-    false;
-#endif
-
 // ---- element access --------------------------------------------------------------
 
 template <typename T>
@@ -126,7 +121,8 @@ inline float hsum(const Vec& v) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Whether Q.K^T of element type T runs on bf16 dot products (vdpbf16ps) in this variant.
+// Whether Q.K^T of element type T runs on bf16 dot products (vdpbf16ps) in this variant; the
+// same T whose prefill runs on AMX tiles where PrefillParams::use_amx says so.
 template <typename T>
 constexpr bool kDotBf16 =
 #if defined(CPU_CAPABILITY_AVX512_BF16)
@@ -2001,7 +1997,7 @@ void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t k
 template <typename T, int D>
 void prefill_impl(const PrefillParams& p) {
   const int64_t G = p.num_heads / p.num_kv_heads;
-  const bool amx = kAmxPrefill<T> && p.use_amx && p.kv_format == KVCacheDType::kAuto;
+  const bool amx = kDotBf16<T> && p.use_amx && p.kv_format == KVCacheDType::kAuto;
   const int64_t tile_tokens = std::max<int64_t>(1, (amx ? kAmxPrefillRows : kPrefillRows) / G);
   std::vector<PrefillTask> tiles;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
@@ -2036,7 +2032,7 @@ void prefill_impl(const PrefillParams& p) {
   run_tasks<PrefillScratch>(num_tiles * p.num_kv_heads, make_scratch, [&](int64_t task, PrefillScratch& s) {
     const PrefillTask& tile = tiles[task / p.num_kv_heads];
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-    if constexpr (kAmxPrefill<T>) {
+    if constexpr (kDotBf16<T>) {
       if (amx) return prefill_task_amx<D>(p, tile, task % p.num_kv_heads, s);
     }
 #endif

@@ -32,7 +32,8 @@ std::string cpu_capability_op();
 // previous one. Not meant to be called while kernels run on other threads.
 std::string set_cpu_capability_op(const std::string& name);
 
-// Whether bf16 GEMMs of many rows run on AMX tiles (csrc/cpu/gemm_amx.cpp): the CPU has
+// Whether bf16 GEMMs of many rows and bf16 prefill attention run on AMX tiles
+// (csrc/cpu/gemm_amx.cpp, csrc/cpu/attention_amx.cpp): the CPU has
 // AMX-TILE and AMX-BF16, Linux granted this process the tile state (arch_prctl
 // ARCH_REQ_XCOMP_PERM), the variant in use is avx512_bf16, and neither PAGEDKV_CPU_AMX=0
 // nor set_cpu_amx(false) turned it off. Backs the `cpu_amx() -> bool` op.

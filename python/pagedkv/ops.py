@@ -298,7 +298,7 @@ def runnable_cpu_capabilities() -> list[str]:
 
 
 def cpu_amx() -> bool:
-    """Whether bf16 `packed_linear` products of many rows run on AMX tiles here.
+    """Whether bf16 `packed_linear` products of many rows and bf16 prefill attention run on AMX tiles here.
 
     True where the CPU has AMX-BF16 (Sapphire Rapids and later), Linux grants the tile
     state, the variant in use is avx512_bf16, and neither `PAGEDKV_CPU_AMX=0` nor
@@ -308,7 +308,7 @@ def cpu_amx() -> bool:
 
 
 def set_cpu_amx(enabled: bool) -> bool:
-    """Turns the AMX tile path of bf16 `packed_linear` on or off (process-wide); returns the
+    """Turns the AMX tile paths (bf16 `packed_linear`, bf16 prefill attention) on or off (process-wide); returns the
     previous setting. RuntimeError when enabling it on a CPU without AMX-BF16."""
     return _ops.set_cpu_amx(enabled)
 
@@ -420,6 +420,23 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
 
 LINEAR_PANEL_WIDTH = 48  # output features per panel of a packed weight (csrc/cpu/gemm_kernels.h)
+
+
+def sample_from_logits(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row (CPU): float32 logits [n, vocab] (dense rows), temperatures [n] (0: the row's
+    first maximum, as `max(-1).indices`), uniforms [n] in [0, 1) -> int64 [n].
+
+    A row with temperature T > 0 draws by inverting its distribution softmax(logits / T) at its
+    uniform: the first token whose running sum of exp((logit - max) / T) reaches u times the total.
+    Exactly the distribution, one random number per row, two passes over the row (what
+    `pagedkv.model.sampler` does without top-k / top-p / min-p); `reference.sample_from_logits`
+    is the same in PyTorch, up to the rounding of the sums at a boundary between two tokens.
+    """
+    if out is None:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _ops.sample_from_logits(out, logits, temperatures, uniforms)
+    return out
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -563,6 +580,12 @@ def _fused_moe_fake(hidden, w13, w2, topk_weights, topk_ids, w13_packed=None, w2
     data = {"hidden": hidden, "w13": w13, "w2": w2, "topk_weights": topk_weights}
     _check_meta_consistent("fused_moe", data, (topk_ids,))
     return hidden.new_empty(hidden.shape)
+
+
+@torch.library.register_fake("pagedkv::sample_from_logits")
+def _sample_from_logits_fake(out, logits, temperatures, uniforms):
+    _check_meta_consistent("sample_from_logits", {"out": out, "logits": logits, "temperatures": temperatures,
+                                                  "uniforms": uniforms})
 
 
 @torch.library.register_fake("pagedkv::pack_linear_weight")

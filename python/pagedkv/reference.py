@@ -443,3 +443,18 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
             act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
             out[t] += float(topk_weights[t, k]) * (act @ w2[e].t()).float()
     return out.to(hidden.dtype)
+
+
+def sample_from_logits(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`ops.sample_from_logits`: float32 logits [n, vocab], temperatures [n] (0: greedy), uniforms [n] in [0, 1).
+
+    A greedy row takes its first maximum; any other row the first token whose cumulative weight
+    exp((logit - max) / T) reaches u times the row's total (at least the smallest normal float, so
+    a token of weight 0 is never picked); a row without a finite total (NaN logits) its last token.
+    """
+    greedy = temperatures == 0
+    scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
+    cdf = torch.exp(scaled - scaled.max(-1, keepdim=True).values).cumsum(-1)
+    x = (uniforms.unsqueeze(1) * cdf[:, -1:]).clamp(min=torch.finfo(torch.float32).tiny)
+    drawn = torch.searchsorted(cdf, x).squeeze(1).clamp(max=logits.shape[1] - 1)
+    return torch.where(greedy, logits.max(-1).indices, drawn)

@@ -9,8 +9,10 @@ exactly and costs one random number per row: drawing a random number per
 vocabulary entry (the exponential race, or Gumbel-max) took 18x the time of a
 greedy step on the CPU (48 rows x 49k: 48 ms against 2.6 ms). A row with its
 own seed draws its u from its own generator, so its tokens do not depend on
-what else is in the batch. Log-probabilities are of the model's raw
-distribution (before penalties, temperature and filters), as in vLLM.
+what else is in the batch. Without top-k / top-p / min-p on the CPU one fused
+op (`ops.sample_from_logits`) does the draw in two passes over the logits.
+Log-probabilities are of the model's raw distribution (before penalties,
+temperature and filters), as in vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv import ops
 from pagedkv.outputs import Logprob, SamplerOutput
 
 
@@ -186,21 +189,30 @@ class Sampler:
                     else [None] * len(batch.num_logprobs))
         return SamplerOutput(tokens.tolist(), logprobs)
 
+    def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row: [n, 1]; a seeded request draws from its own generator."""
+        u = torch.rand(len(batch.generators), 1, generator=self.generator, device=device)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:  # a seeded request: its own stream of draws
+                u[row] = torch.rand(1, generator=gen, device=device)
+        return u
+
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        use_k, use_p, use_min = batch.needs_filters
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and not (use_k or use_p or use_min):
+            # Temperature only: one fused op draws every row (greedy rows take their max), two passes
+            # over the logits against five for the sequence below (1.1 ms against 4.9 on 48 x 49k).
+            u = self._uniforms(batch, logits.device).squeeze(1)
+            return ops.sample_from_logits(logits, batch.temperatures.contiguous(), u)
         greedy = batch.temperatures == 0.0
         temps = torch.where(greedy, 1.0, batch.temperatures).unsqueeze(1)
         scaled = logits / temps
-        use_k, use_p, use_min = batch.needs_filters
         if use_k or use_p or use_min:
             scaled = filter_logits(scaled, batch.top_ks, batch.top_ps, batch.min_ps, use_k, use_p, use_min)
         # torch's fused softmax: one parallel pass (2.3x a max, subtract and exp done apart on 48 x 49k). Its
         # rounding leaves totals a hair off 1: draw_from_cdf scales u by each row's own total anyway.
         cdf = scaled.softmax(-1).cumsum_(-1)
-        u = torch.rand(cdf.shape[0], 1, generator=self.generator, device=cdf.device)
-        for row, gen in enumerate(batch.generators):
-            if gen is not None:  # a seeded request: its own stream of draws
-                u[row] = torch.rand(1, generator=gen, device=cdf.device)
-        sampled = draw_from_cdf(cdf, u)
+        sampled = draw_from_cdf(cdf, self._uniforms(batch, cdf.device))
         if not bool(greedy.any()):  # the argmax is a whole pass over the logits: only for greedy rows
             return sampled
         return torch.where(greedy, greedy_tokens(logits), sampled)
