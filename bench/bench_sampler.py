@@ -8,8 +8,8 @@ E ~ Exp(1): one random number per vocabulary entry). "pagedkv" is `pagedkv.model
 top-p among the 1024 most likely tokens (`torch.topk`, a full sort only for a wider nucleus), one uniform
 per row inverted through the cumulative weights; with temperature alone, the fused `ops.sample_from_logits`
 (two passes over the logits), timed beside the torch sequence it replaced ("torch sequence": divide, softmax,
-cumsum, searchsorted). "x greedy" is each case's time over the greedy case's. Both sample the same distribution (tests/test_sampler.py
-checks pagedkv's against a reference filter and with a chi-square test). Medians of --reps
+cumsum, searchsorted). "x greedy" is each case's time over the greedy case's. Both sample the same
+distribution (tests/test_sampler.py checks pagedkv's against a reference filter and with a chi-square test). Medians of --reps
 calls, interleaved, in one process; the ratio is what to compare across machines.
 """
 
@@ -106,8 +106,9 @@ def main() -> None:
     info = machine_info()
     rows = run(args)
     table = markdown_table(["case", "pagedkv ms", "x greedy", "torch sequence ms", "before ms", "before / pagedkv"],
-                           [[r["case"], r["pagedkv_ms"], r["x_greedy"], "—" if r["unfused_ms"] is None else r["unfused_ms"],
-                             r["before_ms"], r["before/pagedkv"]] for r in rows])
+                           [[r["case"], r["pagedkv_ms"], r["x_greedy"],
+                             "—" if r["unfused_ms"] is None else r["unfused_ms"], r["before_ms"], r["before/pagedkv"]]
+                            for r in rows])
     text = "\n".join(["# Sampler: one step's draw", "", *(f"- {k}: {v}" for k, v in info.items()),
                       f"- rows {args.rows}, vocabulary {args.vocab}, medians of {args.reps} interleaved calls", "",
                       table, ""])
