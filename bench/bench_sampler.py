@@ -9,8 +9,8 @@ top-p among the 1024 most likely tokens (`torch.topk`, a full sort only for a wi
 per row inverted through the cumulative weights; with temperature alone, the fused `ops.sample_from_logits`
 (two passes over the logits), timed beside the torch sequence it replaced ("torch sequence": divide, softmax,
 cumsum, searchsorted). "x greedy" is each case's time over the greedy case's. Both sample the same
-distribution (tests/test_sampler.py checks pagedkv's against a reference filter and with a chi-square test). Medians of --reps
-calls, interleaved, in one process; the ratio is what to compare across machines.
+distribution (tests/test_sampler.py checks pagedkv's against a reference filter and with a chi-square test).
+Medians of --reps calls, interleaved, in one process; the ratio is what to compare across machines.
 """
 
 from __future__ import annotations
