@@ -24,13 +24,21 @@ TOLERANCES = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bf
 
 
 
-VARIANTS = ops.runnable_cpu_capabilities()
+AMX_RUNS = ops.cpu_amx_runs()
+# Every runnable variant; on a CPU with AMX also "amx": avx512_bf16 with bf16 prefill on AMX tiles (the
+# others run with the tiles off, so both bf16 prefill paths are checked).
+VARIANTS = [*ops.runnable_cpu_capabilities(), *(["amx"] if AMX_RUNS else [])]
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request):
-    previous = ops.set_cpu_capability(request.param)
-    yield request.param
+    if request.param == "amx" and "prefill" not in request.node.name:
+        pytest.skip("AMX tiles change bf16 prefill only; the avx512_bf16 case runs this")
+    previous = ops.set_cpu_capability("avx512_bf16" if request.param == "amx" else request.param)
+    previous_amx = ops.set_cpu_amx(request.param == "amx") if AMX_RUNS else None
+    yield "avx512_bf16" if request.param == "amx" else request.param
+    if previous_amx is not None:
+        ops.set_cpu_amx(previous_amx)
     ops.set_cpu_capability(previous)
 
 

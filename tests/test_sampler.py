@@ -527,15 +527,18 @@ def test_sample_from_logits_rejects_bad_input(case, match):
         ops.sample_from_logits(logits, temps, u)
 
 
-def test_sampler_takes_the_fused_draw_only_without_filters(monkeypatch):
-    """Temperature-only batches go through ops.sample_from_logits; top-k / top-p / min-p through the filters."""
+def test_sampler_draws_with_the_fused_op_after_the_filters(monkeypatch):
+    """On the CPU every draw goes through ops.sample_from_logits: temperature-only batches straight from the
+    logits, top-k / top-p / min-p batches from the filtered, temperature-scaled logits (at temperature 1)."""
+    import pagedkv.model.sampler as sampler_module
     from pagedkv import ops
 
-    calls = []
-    real = ops.sample_from_logits
-    monkeypatch.setattr(ops, "sample_from_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, filtered = [], []
+    real_op, real_filter = ops.sample_from_logits, sampler_module.filter_logits
+    monkeypatch.setattr(ops, "sample_from_logits", lambda *a, **k: calls.append(a[1].tolist()) or real_op(*a, **k))
+    monkeypatch.setattr(sampler_module, "filter_logits", lambda *a, **k: filtered.append(1) or real_filter(*a, **k))
     logits = torch.randn(4, 50)
     Sampler(torch.Generator().manual_seed(0))(logits, _batch(4, temperature=0.7))
-    assert calls == [1]
+    assert len(calls) == 1 and calls[0] == pytest.approx([0.7] * 4) and not filtered
     Sampler(torch.Generator().manual_seed(0))(logits, _batch(4, temperature=0.7, top_p=0.9))
-    assert calls == [1]
+    assert len(calls) == 2 and calls[1] == [1.0] * 4 and filtered == [1]

@@ -147,7 +147,7 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& query, const
               logits_soft_cap, d);
   fill_kv_format(p, kv);
   p.query_start_loc = query_start_loc.const_data_ptr<int32_t>();
-  p.use_amx = p.dtype == at::kBFloat16 && p.kv_format == KVCacheDType::kAuto && cpu::cpu_amx_enabled();
+  p.use_amx = p.dtype == at::kBFloat16 && cpu::cpu_amx_enabled();
   run_prefill(p);
   rot.finish(out);
 }

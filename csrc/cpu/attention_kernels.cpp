@@ -38,9 +38,10 @@
 // instructions per 16 codes, more than the FMAs of a group's heads) is gone, and the int16
 // rounding (2^-16 of a row's largest value) is far below the bf16 query's own.
 //
-// On CPUs with AMX-BF16 (PrefillParams::use_amx), bf16 prefill over an unquantized cache runs
-// both products on AMX tiles instead (prefill_task_amx, csrc/cpu/attention_amx.cpp), with the
-// same task split, layout ([head_size, rows] transposed output) and online softmax.
+// On CPUs with AMX-BF16 (PrefillParams::use_amx), bf16 prefill runs both products on AMX tiles
+// instead (prefill_task_amx, csrc/cpu/attention_amx.cpp; a quantized cache's rows dequantized
+// and rounded to bf16 for them), with the same task split, layout ([head_size, rows]
+// transposed output) and online softmax.
 //
 // A quantized cache (fp8, int8 / int4 per token and head; cpu/kv_dequant.h) is read
 // by dequantizing rows into a small fp32 staging tile right before their arithmetic,
@@ -1627,6 +1628,7 @@ struct PrefillScratch {
   std::vector<float> kf, vf;  // [kKeyTile, D] K/V tile in fp32 (AMX: K [kAmxKeyTile, dp] and V^T [D, kAmxKeyTile] bf16)
   std::vector<float> m, l, qpos;  // [RP]
   std::vector<uint32_t> pairs;    // AMX: [kAmxKeyTile / 2, RP] probabilities in bf16 pairs of keys
+  std::vector<c10::BFloat16> vrows;  // AMX over a quantized cache: [kAmxKeyTile, D] dequantized values
 };
 
 // scores[t][r] = sum_d kf[t][d] * qt[d][r]: NT keys x NR row vectors per step.
@@ -1932,10 +1934,11 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
 }
 
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-// prefill_task on AMX tiles (attention_amx.cpp): bf16 over an unquantized cache. Per key tile
-// the K rows are copied into a dense tile (dims past D zero) and the V rows transposed, once
-// for all the task's row vectors; the query goes in as pairs of dims by row, and the output
-// comes back transposed, 16 x 16 at a time.
+// prefill_task on AMX tiles (attention_amx.cpp): bf16 queries. Per key tile the K rows are
+// copied into a dense tile (dims past D zero) and the V rows transposed, once for all the
+// task's row vectors; the query goes in as pairs of dims by row, and the output comes back
+// transposed, 16 x 16 at a time. A quantized cache's rows are dequantized into fp32 and
+// rounded to bf16 on the way (relative error 2^-9, under the codes' own).
 template <int D>
 void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t kv_head, PrefillScratch& s) {
   using T = c10::BFloat16;
@@ -1962,6 +1965,7 @@ void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t k
   const int32_t* table = p.block_tables + task.seq * p.max_blocks_per_seq;
   const int64_t min_pos = pr.context + task.first_token;
   const int64_t max_pos = pr.context + task.first_token + task.num_tokens - 1;
+  const bool quantized = p.kv_format != KVCacheDType::kAuto;
   T* keys = reinterpret_cast<T*>(s.kf.data());  // [kAmxKeyTile][dp]; the dims past D stay zero
   T* vt = reinterpret_cast<T*>(s.vf.data());    // [D][kAmxKeyTile]
   AVX512_BF16::amx_tiles_begin();
@@ -1970,9 +1974,25 @@ void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t k
     const RowVectors vr = reached_rows(s.qpos.data(), nvec, k0, n, p.sliding_window);
     if (vr.begin == vr.end) continue;
     const T* values[kAmxKeyTile] = {};
-    for (int t = 0; t < n; ++t) {
-      std::memcpy(keys + t * st.dp, token_row(key_cache, table, bs, row_stride, k0 + t), D * sizeof(T));
-      values[t] = token_row(value_cache, table, bs, row_stride, k0 + t);
+    if (quantized) {
+      // Each row dequantized to fp32, then rounded to bf16 for the tiles (values into s.vrows).
+      const QuantRows kq = quant_rows(p, false), vq = quant_rows(p, true);
+      alignas(64) float row[D];
+      for (int t = 0; t < n; ++t) {
+        const int64_t pos = k0 + t;
+        const int64_t slot = static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+        kq.read<D>(slot, kv_head, row);
+        at::vec::convert(row, keys + t * st.dp, D);
+        T* v = s.vrows.data() + t * D;
+        vq.read<D>(slot, kv_head, row);
+        at::vec::convert(row, v, D);
+        values[t] = v;
+      }
+    } else {
+      for (int t = 0; t < n; ++t) {
+        std::memcpy(keys + t * st.dp, token_row(key_cache, table, bs, row_stride, k0 + t), D * sizeof(T));
+        values[t] = token_row(value_cache, table, bs, row_stride, k0 + t);
+      }
     }
     AVX512_BF16::amx_pack_values(values, D, vt);
     const AmxKeyTile kt{keys, vt, k0, n, k0 == task.key_begin, k0 + n - 1 > min_pos,
@@ -1997,7 +2017,7 @@ void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t k
 template <typename T, int D>
 void prefill_impl(const PrefillParams& p) {
   const int64_t G = p.num_heads / p.num_kv_heads;
-  const bool amx = kDotBf16<T> && p.use_amx && p.kv_format == KVCacheDType::kAuto;
+  const bool amx = kDotBf16<T> && p.use_amx;
   const int64_t tile_tokens = std::max<int64_t>(1, (amx ? kAmxPrefillRows : kPrefillRows) / G);
   std::vector<PrefillTask> tiles;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
@@ -2026,6 +2046,7 @@ void prefill_impl(const PrefillParams& p) {
     s.l.resize(rp);
     s.qpos.resize(rp);
     if (amx) s.pairs.resize(kAmxKeyTile / 2 * rp);
+    if (amx && p.kv_format != KVCacheDType::kAuto) s.vrows.resize(kAmxKeyTile * D);
     return s;
   };
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());

@@ -64,8 +64,9 @@ struct DecodeParams : PagedAttentionParams {
 // Prefill / chunked prefill: several new tokens per sequence, causal.
 struct PrefillParams : PagedAttentionParams {
   const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
-  // bf16 over an unquantized cache in the AVX512_BF16 variant: both products on AMX tiles
-  // (attention_amx.cpp). Set where cpu_amx_enabled(); the other variants ignore it.
+  // bf16 in the AVX512_BF16 variant: both products on AMX tiles (attention_amx.cpp), a
+  // quantized cache's rows rounded to bf16 for them. Set where cpu_amx_enabled(); the other
+  // variants ignore it.
   bool use_amx = false;
 };
 
