@@ -158,12 +158,12 @@ at 2 req/s; all at once TTFT 1399 vs 1146 ms (0.82x; it was 1911 vs 1042, 0.55x,
 and TPOT 56 vs 63 ms (1.13x). What still separates the all-at-once TTFT: prefill's GEMMs from ~1,800 rows,
 0.75-0.85x oneDNN's AMX GEMM (`cpu_linear_kernels_bf16_amx_cpu.md`). Every request completed."""),
     ("Sampler on an AMX CPU (`bench/bench_sampler.py`)", "sampler_amx_cpu.md", [], """\
-The sampler on the Xeon with AMX (2026-12-06), with temperature-only batches on the fused
-`ops.sample_from_logits` (per row a max pass and a pass that sums exp((l - max) / T) in blocks of 256, then
-the uniform inverted block by block): 1.1 ms for 48 x 49k logits at temperature 0.8, 1.6x a greedy step's
-0.7 ms and 8x faster than the torch sequence it replaced (divide, softmax, cumsum, searchsorted: 8-9 ms, ~12%
-of a 48-sequence bf16 decode step). top-p and top-k still go through `torch.topk` and the torch sequence
-(12-30 ms here)."""),
+The sampler on the Xeon with AMX (2026-12-06), every CPU draw on the fused `ops.sample_from_logits` (per row
+a max pass and a pass that sums exp((l - max) / T) in blocks of 256, then the uniform inverted block by block):
+at temperature 0.8 alone 1.1 ms for 48 x 49k logits, 1.5x a greedy step's 0.7 ms and 5-8x faster than the torch
+sequence it replaced (divide, softmax, cumsum, searchsorted: 5-9 ms; 4.95 ms of a 40 ms 48-sequence bf16
+decode step before). top-k and top-p keep their filters (`torch.topk` of 50 or 1024 candidates, 2-10 ms, and
+the normalizers), then the same fused draw: top-k 50 ~10 ms, top-p 0.9 ~31 ms, still 13-45x greedy."""),
     ("Offline throughput in fp32 on an AMX CPU (`bench/bench_throughput.py`)", "throughput_amx_cpu.md", [], """\
 The same workload in fp32 on the same Xeon (AMX does not run fp32): level with vLLM given both cores, and 2.7x
 slower than either engine in bf16 there, which is why dtype "auto" is bf16 on such CPUs."""),

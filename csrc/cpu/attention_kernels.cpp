@@ -1822,10 +1822,34 @@ struct PrefillRows {
   }
 };
 
+// Where a task's keys and values are: its kv head's part of the cache rows (unquantized caches;
+// a quantized one is read through QuantRows), its block table, and its first and last rows'
+// positions (the last also the padding rows').
+template <typename T>
+struct TaskKeys {
+  int64_t bs, row_stride;
+  const T* key_cache;
+  const T* value_cache;
+  const int32_t* table;
+  int64_t min_pos, max_pos;
+};
+
+template <typename T, int D>
+TaskKeys<T> task_keys(const PrefillParams& p, const PrefillTask& task, int64_t kv_head, const PrefillRows& pr) {
+  const int64_t first = pr.context + task.first_token;
+  return {p.block_size,
+          p.num_kv_heads * D,
+          static_cast<const T*>(p.key_cache) + kv_head * D,
+          static_cast<const T*>(p.value_cache) + kv_head * D,
+          p.block_tables + task.seq * p.max_blocks_per_seq,
+          first,
+          first + task.num_tokens - 1};
+}
+
 template <typename T, int D>
 void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_head, PrefillScratch& s) {
   const PrefillRows pr(p, task);
-  const int64_t rows = pr.rows, rp = pr.rp, context = pr.context;
+  const int64_t rows = pr.rows, rp = pr.rp;
   const T* query = static_cast<const T*>(p.query);
   const bool quantized = p.kv_format != KVCacheDType::kAuto;
   // Q.K^T on bf16 dot products needs the bf16 key rows as they are (an unquantized cache).
@@ -1844,13 +1868,7 @@ void prefill_task(const PrefillParams& p, const PrefillTask& task, int64_t kv_he
     }
   }
   std::fill(s.ot.begin(), s.ot.begin() + D * rp, 0.f);
-  const int64_t bs = p.block_size;
-  const int64_t row_stride = p.num_kv_heads * D;
-  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * D;
-  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * D;
-  const int32_t* table = p.block_tables + task.seq * p.max_blocks_per_seq;
-  const int64_t min_pos = context + task.first_token;
-  const int64_t max_pos = context + task.first_token + task.num_tokens - 1;  // also the padding rows' position
+  const auto [bs, row_stride, key_cache, value_cache, table, min_pos, max_pos] = task_keys<T, D>(p, task, kv_head, pr);
   const int64_t window = p.sliding_window;
   const Vec window_v(static_cast<float>(window));
   const float cap = p.logits_soft_cap;
@@ -1958,13 +1976,7 @@ void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t k
     AVX512_BF16::amx_pack_query(q, D, st.dp, st.qt, rp, v);
   }
   std::fill(s.ot.begin(), s.ot.begin() + D * rp, 0.f);
-  const int64_t bs = p.block_size;
-  const int64_t row_stride = p.num_kv_heads * D;
-  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * D;
-  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * D;
-  const int32_t* table = p.block_tables + task.seq * p.max_blocks_per_seq;
-  const int64_t min_pos = pr.context + task.first_token;
-  const int64_t max_pos = pr.context + task.first_token + task.num_tokens - 1;
+  const auto [bs, row_stride, key_cache, value_cache, table, min_pos, max_pos] = task_keys<T, D>(p, task, kv_head, pr);
   const bool quantized = p.kv_format != KVCacheDType::kAuto;
   T* keys = reinterpret_cast<T*>(s.kf.data());  // [kAmxKeyTile][dp]; the dims past D stay zero
   T* vt = reinterpret_cast<T*>(s.vf.data());    // [D][kAmxKeyTile]
