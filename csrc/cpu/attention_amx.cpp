@@ -1,17 +1,18 @@
-// Prefill attention's two products on AMX tiles (bf16 queries over an unquantized bf16
-// cache, CPUs with AMX-BF16). Compiled only into the AVX512_BF16 variant with -mamx-tile
-// -mamx-bf16 (CMakeLists.txt); prefill_task (attention_kernels.cpp) calls these where
-// PrefillParams::use_amx says the tiles are on, and keeps its own layout and softmax.
+// Prefill attention on AMX tiles (bf16 queries, CPUs with AMX-BF16). Compiled only into the
+// AVX512_BF16 variant with -mamx-tile -mamx-bf16 (CMakeLists.txt); prefill_task_amx
+// (attention_kernels.cpp) packs each task's query and key tiles and calls these where
+// PrefillParams::use_amx says the tiles are on.
 //
-// The layout is the one prefill already keeps, rows (query token x head of the group) as
+// The layout is the one the register prefill keeps, rows (query token x head of the group) as
 // the last dimension, so both products come out of the tiles with keys (or dims) as tile
 // rows and query rows as tile columns, and the softmax stays vectorized across rows:
-//   Q.K^T: scores^T [32 keys][rows] = K [32 keys][D] . Q^T. The key rows are the A tiles
-//     as they are; Q^T is the B operand, the query's pairs of dims by row ([D / 2][rp] dwords,
-//     built once per task, as the vdpbf16ps path already builds it).
-//   P.V: out^T [D][rows] += V^T [D][32 keys] . P^T. V^T is the A operand: the 32 value rows
-//     transposed once per key tile (amx_pack_values), shared by all the row tiles of the task;
-//     the probabilities, rounded to bf16, go in pairs of keys by row (amx_pack_probs).
+//   Q.K^T: scores^T [keys][rows] = K [keys][D] . Q^T. The key rows are the A tiles as they
+//     are; Q^T is the B operand, the query's pairs of dims by row ([dp / 2][rp] dwords, packed
+//     once per task by amx_pack_query).
+//   P.V: out^T [D][rows] += V^T [D][keys] . P^T. V^T is the A operand: the value rows
+//     transposed once per key tile of kAmxKeyTile (amx_pack_values), shared by all the row
+//     tiles of the task; the probabilities, rounded to bf16, go in pairs of keys by row
+//     (softmax_step).
 // Every tile is 16 x 64 bytes (amx_tiles.h).
 #include "cpu/attention_kernels.h"
 
@@ -23,7 +24,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <cstring>
 
 namespace pagedkv::cpu::CPU_CAPABILITY {
 namespace {

@@ -1624,7 +1624,7 @@ void reduce_impl(const DecodeParams& p) {
 struct PrefillScratch {
   std::vector<float> qt;      // [D, RP] query, transposed and pre-scaled
   std::vector<float> ot;      // [D, RP] unnormalized output, transposed
-  std::vector<float> scores;  // [kKeyTile, RP] logits, then probabilities
+  std::vector<float> scores;  // [kKeyTile, RP] logits, then probabilities (AMX: [kAmxKeyTile, RP])
   std::vector<float> kf, vf;  // [kKeyTile, D] K/V tile in fp32 (AMX: K [kAmxKeyTile, dp] and V^T [D, kAmxKeyTile] bf16)
   std::vector<float> m, l, qpos;  // [RP]
   std::vector<uint32_t> pairs;    // AMX: [kAmxKeyTile / 2, RP] probabilities in bf16 pairs of keys
@@ -1731,10 +1731,15 @@ void qk_tile_rows_dpbf16(const uint32_t* kt, const uint32_t* qt, int64_t rp, int
 }
 #endif
 
+// The cache slot (block * block_size + offset) of token `pos` of a sequence whose block table is `table`.
+inline int64_t cache_slot(const int32_t* table, int64_t bs, int64_t pos) {
+  return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+}
+
 // The cache row of token `pos` of a sequence whose block table is `table` (row_stride: elements per token row).
 template <typename T>
 inline const T* token_row(const T* cache, const int32_t* table, int64_t bs, int64_t row_stride, int64_t pos) {
-  return cache + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_stride;
+  return cache + cache_slot(table, bs, pos) * row_stride;
 }
 
 // Copy keys [k0, k0 + n) of one kv head into a dense bf16 tile [kKeyTile, D], as they are.
@@ -1761,10 +1766,7 @@ inline void load_key_tile(const T* cache, const int32_t* table, int64_t bs, int6
 template <int D>
 inline void load_quant_tile(const QuantRows& q, const int32_t* table, int64_t bs, int64_t h, int64_t k0, int n,
                             float* dst) {
-  for (int t = 0; t < n; ++t) {
-    const int64_t pos = k0 + t;
-    q.read<D>(static_cast<int64_t>(table[pos / bs]) * bs + pos % bs, h, dst + t * D);
-  }
+  for (int t = 0; t < n; ++t) q.read<D>(cache_slot(table, bs, k0 + t), h, dst + t * D);
 }
 
 struct PrefillTask {
@@ -1991,8 +1993,7 @@ void prefill_task_amx(const PrefillParams& p, const PrefillTask& task, int64_t k
       const QuantRows kq = quant_rows(p, false), vq = quant_rows(p, true);
       alignas(64) float row[D];
       for (int t = 0; t < n; ++t) {
-        const int64_t pos = k0 + t;
-        const int64_t slot = static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+        const int64_t slot = cache_slot(table, bs, k0 + t);
         kq.read<D>(slot, kv_head, row);
         at::vec::convert(row, keys + t * st.dp, D);
         T* v = s.vrows.data() + t * D;

@@ -429,9 +429,10 @@ def sample_from_logits(logits: torch.Tensor, temperatures: torch.Tensor, uniform
 
     A row with temperature T > 0 draws by inverting its distribution softmax(logits / T) at its
     uniform: the first token whose running sum of exp((logit - max) / T) reaches u times the total.
-    Exactly the distribution, one random number per row, two passes over the row (what
-    `pagedkv.model.sampler` does without top-k / top-p / min-p); `reference.sample_from_logits`
-    is the same in PyTorch, up to the rounding of the sums at a boundary between two tokens.
+    Exactly the distribution, one random number per row, two passes over the row (the draw of
+    `pagedkv.model.sampler` on the CPU, after its top-k / top-p / min-p filters when a batch has
+    them); `reference.sample_from_logits` is the same in PyTorch, up to the rounding of the sums
+    at a boundary between two tokens.
     """
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
