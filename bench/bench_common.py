@@ -50,3 +50,19 @@ def header_lines(title: str, info: dict[str, Any]) -> list[str]:
     """A report's title, the machine lines and the command that produced it."""
     return [f"# {title}", ""] + [f"- {k}: {v}" for k, v in info.items()] + [
         f"- command: python3 {' '.join(sys.argv)}", ""]
+
+
+def vllm_malloc_env(env: dict[str, str], choice: str) -> str:
+    """Gives vLLM's processes the allocator setting pagedkv's engine makes for itself; returns a note for the table.
+
+    choice "tuned": glibc keeps a step's freed activations (pagedkv.host_memory's
+    thresholds, through GLIBC_TUNABLES, which vLLM's engine-core process inherits),
+    as the tcmalloc its CPU docs advise would; "glibc": glibc's defaults.
+    """
+    if choice != "tuned":
+        return "glibc malloc defaults"
+    from pagedkv import host_memory
+    tunables = (f"glibc.malloc.mmap_threshold={host_memory.MMAP_THRESHOLD_BYTES}:"
+                f"glibc.malloc.trim_threshold={host_memory.TRIM_THRESHOLD_BYTES}")
+    env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), tunables]))
+    return "malloc tuned as pagedkv's"

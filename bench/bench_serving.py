@@ -58,6 +58,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from bench_common import vllm_malloc_env  # bench/ is on sys.path when a script runs
 
 # pagedkv: `pagedkv serve` as shipped (the engine core in its own process, --cpu-threads-bind auto);
 # pagedkv-onecore: the core computes on the last CPU only, the front end keeps the others (vLLM's default
@@ -225,6 +226,7 @@ def server_command(system: str, args: argparse.Namespace, model_dir: Path, port:
             cmd += ["--cpu-threads-bind", bind]
         return cmd, env
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    vllm_malloc_env(env, args.vllm_malloc)
     bind = "all" if system == "vllm-allcores" else args.vllm_omp_bind
     if bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = (",".join(map(str, sorted(os.sched_getaffinity(0))))
@@ -482,6 +484,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache budget of the launched servers (GiB)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--vllm-malloc", default="tuned", choices=["tuned", "glibc"],
+                   help="vLLM's allocator: 'tuned' gives it the glibc thresholds pagedkv's engine sets for itself "
+                        "(freed activations kept for the next step); 'glibc': glibc's defaults")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDKV_VLLM_PYTHON", str(DEFAULT_VLLM_PYTHON)))
     p.add_argument("--vllm-omp-bind", default="auto",
                    help="VLLM_CPU_OMP_THREADS_BIND: 'auto' (vLLM's default: on x86 one core stays for its scheduler), "

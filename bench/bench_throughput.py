@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from bench_common import cpu_model  # noqa: E402  (bench/ is on sys.path when a script runs)
+from bench_common import cpu_model, vllm_malloc_env  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 GiB = 1 << 30
 SYSTEMS = ("pagedkv", "pagedkv-process", "vllm", "hf-cb", "hf-static")
@@ -278,6 +278,7 @@ def run_vllm(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: 
             "dtype": getattr(args, "dtype", "float32")}))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                    VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.vllm_omp_bind))
+        malloc_note = vllm_malloc_env(env, args.vllm_malloc)
         if args.vllm_ld_preload:  # vLLM's CPU docs advise preloading tcmalloc and Intel OpenMP for speed
             env["LD_PRELOAD"] = ":".join(filter(None, [args.vllm_ld_preload, env.get("LD_PRELOAD")]))
         cmd = [python, str(VLLM_RUNNER), "--model", str(model_dir), "--workload", str(workload_file),
@@ -293,7 +294,7 @@ def run_vllm(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: 
     result.token_ids, result.elapsed_s, result.load_s = out["token_ids"], out["elapsed_s"], out["load_s"]
     result.generated_tokens = wl.output_tokens
     result.notes.append(f"vllm {out['vllm_version']}, torch {out['torch_version']}, "
-                        f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_omp_bind}"
+                        f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_omp_bind}, {malloc_note}"
                         + (f", LD_PRELOAD={args.vllm_ld_preload}" if args.vllm_ld_preload else ""))
     result.notes.extend(vllm_log_notes(lines))
     return result
@@ -650,6 +651,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-ld-preload", default="",
                    help="libraries to preload for vLLM (colon-separated), e.g. V/lib/libiomp5.so as its CPU docs "
                         "advise; default none")
+    p.add_argument("--vllm-malloc", default="tuned", choices=["tuned", "glibc"],
+                   help="vLLM's allocator: 'tuned' gives it the glibc thresholds pagedkv's engine sets for itself "
+                        "(freed activations kept for the next step); 'glibc': glibc's defaults")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="then run pagedkv at size 1 and sharded over N ranks on the same workload, and report the "
                         "per-step communication cost (on the default model if N divides it, else on a random "

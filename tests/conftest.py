@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The engines the tests build would each commit their whole KV cache (4 GiB by default) from the background
+# prefault thread, several alive at once; tests/test_host_memory.py turns it on where it is the subject.
+os.environ.setdefault("PAGEDKV_CPU_KV_PREFAULT", "0")
 
 
 @pytest.fixture(scope="session")

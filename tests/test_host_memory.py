@@ -1,5 +1,9 @@
 """KV cache memory on the host: huge-page backed tensors (pagedkv.host_memory)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from pagedkv import host_memory, ops, reference
@@ -59,3 +63,99 @@ def test_engine_kv_cache_uses_huge_pages_and_decodes_correctly():
     out = ops.paged_attention(query, key_cache, value_cache, tables, seq_lens, scale=scale)
     expected = reference.paged_attention(query, key_cache, value_cache, tables, seq_lens, scale=scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+_FAULTS_SCRIPT = """
+import resource, torch
+from pagedkv import host_memory
+took = host_memory.keep_freed_activations()
+def step():  # a step's activations (96 MiB in 12 buffers), written, then freed at its end
+    live = [torch.ones((8 << 20) // 4 + 1024 * i) for i in range(12)]
+    return sum(t[0] for t in live)
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(took, faults * 4096 / (96 << 20))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_malloc_keeps_freed_activations_for_the_next_step():
+    """Tuned, a step's freed activations are reused by the next without faulting their pages in again;
+    untuned (the off switch), glibc hands them back and every step faults them in anew."""
+    def fault_ratio(switch: str) -> tuple[str, float]:
+        # Both start from glibc's default thresholds held fixed (128 KiB): left sliding, as by default, they
+        # follow what the process happened to free before, and the untuned case would vary from run to run.
+        env = dict(os.environ, PAGEDKV_CPU_MALLOC_TUNING=switch,
+                   GLIBC_TUNABLES="glibc.malloc.mmap_threshold=131072:glibc.malloc.trim_threshold=131072")
+        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()
+        return out[0], float(out[1])
+
+    took, tuned = fault_ratio("1")
+    if took != "True":
+        pytest.skip("not glibc: no mallopt")
+    off, untuned = fault_ratio("0")
+    assert off == "False"
+    assert tuned < 1, f"tuned: {tuned:.1f} steps' activations worth of page faults in 20 steps"
+    assert untuned > 10, f"untuned: {untuned:.1f} steps' activations worth of page faults in 20 steps"
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of t's pages that are present (mincore)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    start = t.data_ptr() - t.data_ptr() % page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
+    return sum(b & 1 for b in vec) * page
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise")
+def test_background_prefault_backs_pages_and_leaves_contents_alone():
+    # 40 MiB each: above malloc's mmap threshold (even tuned), so fresh, unbacked, zero pages.
+    size = 40 << 20
+    tensors = [host_memory.empty_huge_pages((size // 4,), torch.float32) for _ in range(3)]
+    tensors[1][: 1 << 20].fill_(7.0)  # written before: kept
+    before = _resident_bytes(tensors[2])
+    job = host_memory.BackgroundPrefault(tensors, chunk_bytes=1 << 20)
+    tensors[0][-(1 << 20):].fill_(3.0)  # written while it runs: kept
+    assert job.wait(120)
+    if job.bytes_done == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert job.bytes_done == job.total_bytes == 3 * size
+    assert before < size and _resident_bytes(tensors[2]) == size
+    assert torch.all(tensors[1][: 1 << 20] == 7.0) and torch.all(tensors[1][1 << 20:] == 0.0)
+    assert torch.all(tensors[0][-(1 << 20):] == 3.0) and torch.all(tensors[0][:-(1 << 20)] == 0.0)
+
+
+def test_background_prefault_stops_when_the_cache_is_freed_or_stopped():
+    tensors = [torch.empty(16 << 20, dtype=torch.uint8) for _ in range(2)]
+    job = host_memory.BackgroundPrefault(tensors, chunk_bytes=4096)
+    job.stop()
+    assert job.wait(30) and job.bytes_done < job.total_bytes
+    tensors = [torch.empty(64 << 20, dtype=torch.uint8)]
+    job = host_memory.BackgroundPrefault(tensors, chunk_bytes=4096)
+    del tensors
+    assert job.wait(60) and job.bytes_done < 64 << 20
+
+
+def test_engine_with_background_prefault_generates_the_same_tokens(monkeypatch, loaded_model):
+    from pagedkv import LLM, SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(100 + 37 * i, 140 + 41 * i))} for i in range(4)]
+    outputs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("PAGEDKV_CPU_KV_PREFAULT", switch)
+        llm = LLM(loaded_model=loaded_model, kv_cache_memory=256 << 20, max_model_len=512)
+        job = llm.llm_engine.runner.kv_prefault
+        assert (job is None) == (switch == "0")
+        outputs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if job is not None:
+            assert job.wait(120) and job.bytes_done in (0, job.total_bytes)
+        del llm
+    assert outputs["0"] == outputs["1"]

@@ -9,8 +9,10 @@ of the decode graphs (which hold the model's collectives).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from pagedkv import host_memory
 from pagedkv.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.distributed.runtime import TPRuntime
@@ -23,6 +25,8 @@ from pagedkv.engine.memory_pool import (
 )
 from pagedkv.engine.model_runner import ModelRunner, check_kv_cache_dtype, profile_activation_peak
 from pagedkv.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -46,6 +50,9 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
     """
     driver = tp is None or tp.is_driver
     loaded = loaded or LoadedModel.load(args, tp.device if tp else None, with_tokenizer=driver)
+    if loaded.device.type == "cpu" and host_memory.keep_freed_activations():
+        logger.info("host malloc keeps freed activations (mmap threshold %d MiB, trim threshold %d MiB)",
+                    host_memory.MMAP_THRESHOLD_BYTES >> 20, host_memory.TRIM_THRESHOLD_BYTES >> 20)
     cc, sc = args.cache_config(), args.scheduler_config(loaded.model.config)
     check_kv_cache_dtype(cc.cache_dtype, loaded.model.config.head_dim, cc.block_size)
     if tp is not None:

@@ -62,8 +62,8 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
     (X = head_dim, or head_dim / 2 for int4), with its scale planes or per-layer fp8 scales (dtype: the compute
     dtype, what "auto" stores).
 
-    CPU memory is left untouched until blocks are written (the kernels never
-    read a slot before it is written) and is backed by transparent huge pages
+    CPU memory is left untouched here (the kernels never read a slot before it
+    is written; ModelRunner backs the pages from an idle thread) and is backed by transparent huge pages
     where the host allows (pagedkv.host_memory: fewer TLB misses in decode);
     the scale planes too, as they are read beside the values. CUDA caches are
     zeroed; `pin`: page-locked CPU memory (a CUDA engine's swap cache).
@@ -128,6 +128,9 @@ class ModelRunner:
         # The swap cache has the same format, so a block swaps as bytes, scale-plane rows included.
         self.kv_caches = allocate_kv_cache(cfg, model.num_kv_heads, num_gpu_blocks, self.block_size, dtype, device,
                                            kv_cache_dtype=self.kv_format.name)
+        # Pages backed ahead of the blocks' first writes, from an idle-priority thread (host_memory).
+        self.kv_prefault = (host_memory.BackgroundPrefault([t for kv in self.kv_caches for t in kv.block_tensors()])
+                            if device.type == "cpu" and host_memory.prefault_enabled() else None)
         self.cpu_caches = self._host_cache(num_cpu_blocks) if num_cpu_blocks else []
         self.host_caches: list[KVCache] = []  # the prefix cache's host tier (allocate_host_tier)
         self.kv_scales_pending = self._init_kv_scales(cache_config.calculate_kv_scales)
