@@ -159,3 +159,15 @@ def test_engine_with_background_prefault_generates_the_same_tokens(monkeypatch, 
             assert job.wait(120) and job.bytes_done in (0, job.total_bytes)
         del llm
     assert outputs["0"] == outputs["1"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise")
+def test_background_prefault_waits_for_the_engine_to_idle():
+    clock = host_memory.IdleClock()
+    tensors = [host_memory.empty_huge_pages((40 << 20,), torch.uint8)]
+    with clock.busy():  # a step running: nothing is backed
+        job = host_memory.BackgroundPrefault(tensors, chunk_bytes=1 << 20, idle=clock)
+        assert not job.wait(0.3)
+        assert job.bytes_done == 0
+    assert job.wait(120)  # idle from here: all of it, or none where the kernel lacks the call
+    assert job.bytes_done in (0, 40 << 20)

@@ -129,7 +129,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg, model.num_kv_heads, num_gpu_blocks, self.block_size, dtype, device,
                                            kv_cache_dtype=self.kv_format.name)
         # Pages backed ahead of the blocks' first writes, from an idle-priority thread (host_memory).
-        self.kv_prefault = (host_memory.BackgroundPrefault([t for kv in self.kv_caches for t in kv.block_tensors()])
+        self.idle_clock = host_memory.IdleClock()
+        self.kv_prefault = (host_memory.BackgroundPrefault([t for kv in self.kv_caches for t in kv.block_tensors()],
+                                                           idle=self.idle_clock)
                             if device.type == "cpu" and host_memory.prefault_enabled() else None)
         self.cpu_caches = self._host_cache(num_cpu_blocks) if num_cpu_blocks else []
         self.host_caches: list[KVCache] = []  # the prefix cache's host tier (allocate_host_tier)
@@ -369,6 +371,10 @@ class ModelRunner:
         """
         if not checked:
             self.check_batch(batch)
+        with self.idle_clock.busy():
+            return self._forward(block_ops, batch)
+
+    def _forward(self, block_ops: BlockOps, batch: StepBatch) -> torch.Tensor | None:
         self.apply_block_ops(block_ops)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
