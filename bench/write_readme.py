@@ -131,11 +131,17 @@ from 16 MiB to 1 GiB alike: the L3 gives them no more bandwidth than memory.""")
 The offline workload in bf16 (dtype "auto" there) on the Xeon with AMX, vLLM CPU given both cores. pagedkv
 alone with the AMX tiles on and off in one sitting (2026-12-05, GEMMs only on tiles): 7.98 / 21.74 / 7.88 s (on,
 off, on), 2.7x. Against vLLM (whose GEMMs are oneDNN's on AMX) two runs then gave 1.04x / 1.03x (in-process /
-core process) and 1.00x / 0.96x. With prefill attention on the tiles too (2026-12-06, the table): 1.09x / 1.11x
-in one run (vLLM's own time moved from 8.1 to 9.1 s between the days; 1.05x / 0.94x in an earlier run the same
-day). Where the time goes now, under torch.profiler (`offline_profile_bf16_amx_cpu.md`): pagedkv's GEMMs 3.5 s,
-decode attention 1.4 s (at ~18 GB/s of K/V, near this box's ~24 GB/s for two threads), `silu_and_mul` 0.5 s,
-prefill attention 0.29 s (0.82 s before the tiles), norms and rotary 0.38 s, host work ~1.1 s."""),
+core process) and 1.00x / 0.96x. With prefill attention on the tiles too (2026-12-06): 1.09x / 1.11x in one
+run (vLLM's own time moved from 8.1 to 9.1 s between the days). Then (2026-12-06, the table) glibc's malloc was
+found faulting a step's freed activations back in every step (~300,000 minor faults, 0.5 s of system time a
+run; pages cost the hypervisor too on this VM): the engine now keeps them (mmap threshold 32 MiB, trim
+threshold 512 MiB), and the bench gives vLLM's processes the same setting (`--vllm-malloc tuned`; vLLM's docs
+preload tcmalloc for it), which took vLLM from 8.1-9.1 s to 7.7-8.1 s. Three runs that day: 1.12x / 1.15x,
+1.21x / 1.11x, 1.06x / 1.04x (in-process / core process; pagedkv 6.7-7.4 s, and 6.4-7.3 s in repeated
+in-process runs). Where the time goes now (`offline_profile_bf16_amx_cpu.md`): GEMMs 3.2 s, decode attention
+1.2 s (at ~19 GB/s of K/V, near this box's ~24 GB/s for two threads), `silu_and_mul` 0.29 s and the norms
+0.19 s (0.48 and 0.27 s before: their outputs were among the re-faulted pages), prefill attention 0.26 s,
+the greedy pick 0.03 s (on the fused sampling op; `max` and its copy took 0.16 s), host work ~0.9 s."""),
     ("Prefill attention on AMX tiles (`bench/bench_kernels.py --prefill --dtypes bf16`)",
      "kernels_prefill_amx_cpu.md", [], """\
 bf16 prefill attention on the Xeon with AMX (2026-12-06): both products on AMX tiles
@@ -152,11 +158,15 @@ cache (rows dequantized, then rounded to bf16 for the tiles), against the tiles 
 32/8x128; a quick script, not in this table)."""),
     ("Serving in bf16 on an AMX CPU (`bench/bench_serving.py --dtype bfloat16`)", "serving_bf16_amx_cpu.md", [], """\
 vLLM's serving workload (32 requests, 256 in / 64 out) against `pagedkv serve` and vLLM's OpenAI server given
-both cores, in bf16 on the Xeon with AMX (2026-12-06), after prefill attention moved to AMX tiles. TTFT mean
-101 vs 128 ms (1.27x) and TPOT 22 vs 35 ms (1.64x) at 1 req/s; 116 vs 134 ms (1.15x) and 26 vs 38 ms (1.48x)
-at 2 req/s; all at once TTFT 1399 vs 1146 ms (0.82x; it was 1911 vs 1042, 0.55x, with the vdpbf16ps prefill)
-and TPOT 56 vs 63 ms (1.13x). What still separates the all-at-once TTFT: prefill's GEMMs from ~1,800 rows,
-0.75-0.85x oneDNN's AMX GEMM (`cpu_linear_kernels_bf16_amx_cpu.md`). Every request completed."""),
+both cores, in bf16 on the Xeon with AMX (2026-12-06), both with glibc's malloc keeping freed activations
+(the table): TTFT mean 95 vs 114 ms (1.20x) and TPOT 20 vs 32 ms (1.59x) at 1 req/s; 101 vs 129 ms (1.28x) and
+23 vs 36 ms (1.53x) at 2 req/s; all at once TTFT 1177 vs 1076 ms (0.91x) and TPOT 53 vs 59 ms (1.11x). Earlier
+the same day, with prefill attention just moved to AMX tiles and malloc untuned on both sides: 1.27x / 1.64x,
+1.15x / 1.48x, and all at once 1399 vs 1146 ms (0.82x; 0.55x with the vdpbf16ps prefill). In the burst a
+2048-token prefill step that reached never-written KV blocks had taken 640 ms instead of 400 (the pages' first
+touch); the cache's pages are now backed from an idle-priority thread between requests. What still separates
+the all-at-once TTFT: prefill's GEMMs from ~1,800 rows, 0.75-0.85x oneDNN's AMX GEMM
+(`cpu_linear_kernels_bf16_amx_cpu.md`). Every request completed."""),
     ("Sampler on an AMX CPU (`bench/bench_sampler.py`)", "sampler_amx_cpu.md", [], """\
 The sampler on the Xeon with AMX (2026-12-06), every CPU draw on the fused `ops.sample_from_logits` (per row
 a max pass and a pass that sums exp((l - max) / T) in blocks of 256, then the uniform inverted block by block):
@@ -165,8 +175,11 @@ sequence it replaced (divide, softmax, cumsum, searchsorted: 5-9 ms; 4.95 ms of 
 decode step before). top-k and top-p keep their filters (`torch.topk` of 50 or 1024 candidates, 2-10 ms, and
 the normalizers), then the same fused draw: top-k 50 ~10 ms, top-p 0.9 ~31 ms, still 13-45x greedy."""),
     ("Offline throughput in fp32 on an AMX CPU (`bench/bench_throughput.py`)", "throughput_amx_cpu.md", [], """\
-The same workload in fp32 on the same Xeon (AMX does not run fp32): level with vLLM given both cores, and 2.7x
-slower than either engine in bf16 there, which is why dtype "auto" is bf16 on such CPUs."""),
+The same workload in fp32 on the same Xeon (AMX does not run fp32): level with vLLM given both cores (0.97x /
+0.98x on 2026-12-06, both with malloc keeping freed activations), and ~3x slower than either engine in bf16
+there, which is why dtype "auto" is bf16 on such CPUs. Its profile (`offline_profile_amx_cpu.md`): the GEMMs
+are 14.4 s of 20; prefill's run at ~250 GFLOP/s (near the two cores' fp32 FMA peak), decode's at 27 rows at
+~150 GFLOP/s, reading the fp32 weights at ~11.5 GB/s, half of what the box reads: the one place left to gain."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine
