@@ -175,11 +175,14 @@ sequence it replaced (divide, softmax, cumsum, searchsorted: 5-9 ms; 4.95 ms of 
 decode step before). top-k and top-p keep their filters (`torch.topk` of 50 or 1024 candidates, 2-10 ms, and
 the normalizers), then the same fused draw: top-k 50 ~10 ms, top-p 0.9 ~31 ms, still 13-45x greedy."""),
     ("Offline throughput in fp32 on an AMX CPU (`bench/bench_throughput.py`)", "throughput_amx_cpu.md", [], """\
-The same workload in fp32 on the same Xeon (AMX does not run fp32): level with vLLM given both cores (0.97x /
-0.98x on 2026-12-06, both with malloc keeping freed activations), and ~3x slower than either engine in bf16
-there, which is why dtype "auto" is bf16 on such CPUs. Its profile (`offline_profile_amx_cpu.md`): the GEMMs
-are 14.4 s of 20; prefill's run at ~250 GFLOP/s (near the two cores' fp32 FMA peak), decode's at 27 rows at
-~150 GFLOP/s, reading the fp32 weights at ~11.5 GB/s, half of what the box reads: the one place left to gain."""),
+The same workload in fp32 on the same Xeon (AMX does not run fp32), ~3x slower than either engine in bf16 there,
+which is why dtype "auto" is bf16 on such CPUs. On 2026-12-06, both engines with malloc keeping freed
+activations, pagedkv was level with vLLM given both cores (20.9 / 20.7 s against 20.2, 0.97x / 0.98x). Its
+profile then (`offline_profile_amx_cpu.md`): the GEMMs 14.4 s of 20; prefill's at ~250 GFLOP/s (near the two
+cores' fp32 FMA peak), decode's at 27 rows at ~150 GFLOP/s, as if reading the weights (~11.5 GB/s) and
+multiplying them took turns: the first row tile of a pass read it from memory, the others computed from L2. The
+later row tiles now prefetch the weights that follow the pass into L2 under their FMAs (1.32x on the layer
+GEMMs at 27 rows, 1.19x at 48), and the run took 18.2 / 18.5 s against vLLM's 20.1: 1.10x / 1.09x (the table)."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine

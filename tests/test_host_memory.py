@@ -1,5 +1,6 @@
 """KV cache memory on the host: huge-page backed tensors (pagedkv.host_memory)."""
 
+import mmap
 import os
 import subprocess
 import sys
@@ -117,9 +118,10 @@ def _resident_bytes(t: torch.Tensor) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise")
 def test_background_prefault_backs_pages_and_leaves_contents_alone():
-    # 40 MiB each: above malloc's mmap threshold (even tuned), so fresh, unbacked, zero pages.
+    # Fresh anonymous mappings: unbacked zero pages whatever malloc did before in this process.
     size = 40 << 20
-    tensors = [host_memory.empty_huge_pages((size // 4,), torch.float32) for _ in range(3)]
+    maps = [mmap.mmap(-1, size) for _ in range(3)]
+    tensors = [torch.frombuffer(m, dtype=torch.float32) for m in maps]
     tensors[1][: 1 << 20].fill_(7.0)  # written before: kept
     before = _resident_bytes(tensors[2])
     job = host_memory.BackgroundPrefault(tensors, chunk_bytes=1 << 20)
