@@ -164,7 +164,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() and logits.numel():
         # The fused op's temperature-0 rows: the same first maximum from one vectorized pass over each
         # row, rows split over the threads (max(-1) ran on one: 0.73 ms of each 27-row greedy step).
-        # A row holding NaN gives its last token, as the op's sampled rows do (max(-1): the NaN's index).
+        # A row holding NaN gives its first NaN's index, as max(-1) does.
         zeros = logits.new_zeros(logits.shape[0])
         return ops.sample_from_logits(logits, zeros, zeros)
     return logits.max(-1).indices
