@@ -444,10 +444,11 @@ def test_greedy_tokens_is_argmax_with_the_first_index_on_ties(dtype):
     logits[2, [10, 500, 999]] = 50.0  # a three-way tie: the first index wins
     logits[4, :] = -3.0               # every entry tied
     logits[5, 77] = float("inf")
+    logits[6, [3, 700]] = float("nan")  # a broken row: the first NaN, as torch's max and argmax give
     tokens = greedy_tokens(logits)
     assert tokens.dtype == torch.int64
     assert torch.equal(tokens, logits.argmax(-1))
-    assert tokens[2] == 10 and tokens[4] == 0 and tokens[5] == 77
+    assert tokens[2] == 10 and tokens[4] == 0 and tokens[5] == 77 and tokens[6] == 3
 
 
 # --- ops.sample_from_logits: the fused draw on the CPU ---------------------------------------------
