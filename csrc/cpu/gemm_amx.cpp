@@ -131,7 +131,7 @@ constexpr int64_t kColBytes = kTileN * kPairBytes;  // a column tile's bytes wit
 // At decode's sizes the weights' read rate drops from ~23 GB/s at 1-16 rows to ~19 at 17-32
 // (a second row tile; 2026-12-06, cold weights). Tried there, none faster: both row tiles in
 // one pass over K sharing each B tile (six sums, level), software prefetch of the panel a few
-// K steps ahead (0.95x), and of the next panel into L2 under the later row tiles (0.75-0.95x).
+// K steps ahead (0.95x), and of the next panel into L2 under the row tiles (0.75-0.85x).
 void row_tile(ATile a, const char* panel, int64_t k_steps, int64_t full_steps, const BFloat16* tail_b,
               float* sums) {
   _tile_zero(0);
