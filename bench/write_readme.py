@@ -115,6 +115,13 @@ rows half of it (three passes before): 1 row went from 13.0 to 18.3 GB/s of bf16
 oneDNN, whose own rate moved too). One row now reads each panel as 4 segments side by side: 1.06-1.28x the
 previous kernel in alternated runs; 2-4 rows, whose tiles are a third of a panel row, stay in order (0.92-1.0x
 in segments)."""),
+    ("The linear layers' GEMM in fp32 on an AMX CPU (`bench/bench_cpu_linear.py --kernels --dtype float32`)",
+     "cpu_linear_kernels_amx_cpu.md", [], """\
+pagedkv's fp32 register tiles against oneDNN's packed fp32 GEMM on the Xeon with AMX (AMX does not run fp32;
+2026-12-06, cold weights), after the row tiles past the first started prefetching the weights that follow their
+pass into L2 under their FMAs: decode's 27 and 48 rows ran 1.32x and 1.19x faster than without it (interleaved
+builds), so the layer GEMMs are 1.2-1.4x oneDNN from 1 to 64 rows. From 257 rows oneDNN leads (0.86-0.95x), and
+on the LM head from 48 rows (0.88-0.92x): prefill in fp32 is where its GEMM is still ahead."""),
     ("The linear layers' GEMM in bf16 on an AMX CPU (`bench/bench_cpu_linear.py --kernels --dtype bfloat16`)",
      "cpu_linear_kernels_bf16_amx_cpu.md", [], """\
 The same on a 2-core Xeon with AMX (Sapphire Rapids class: AVX-512, AVX512-BF16, AMX-BF16; 2026-12-05), the first
