@@ -119,8 +119,9 @@ in segments)."""),
      "cpu_linear_kernels_amx_cpu.md", [], """\
 pagedkv's fp32 register tiles against oneDNN's packed fp32 GEMM on the Xeon with AMX (AMX does not run fp32;
 2026-12-06, cold weights), after the row tiles past the first started prefetching the weights that follow their
-pass into L2 under their FMAs: decode's 27 and 48 rows ran 1.32x and 1.19x faster than without it (interleaved
-builds), so the layer GEMMs are 1.2-1.4x oneDNN from 1 to 64 rows. From 257 rows oneDNN leads (0.86-0.95x), and
+pass into L2 under their FMAs (decode's 27 and 48 rows 1.32x and 1.19x faster, interleaved builds) and products
+of 9-64 rows took 128-row chunks, in L1 (27 rows 32-34 -> 29.5-30.7 ms): the layer GEMMs are 1.25-1.38x oneDNN
+from 1 to 64 rows. From 257 rows oneDNN leads (0.86-0.95x), and
 on the LM head from 48 rows (0.88-0.92x): prefill in fp32 is where its GEMM is still ahead."""),
     ("The linear layers' GEMM in bf16 on an AMX CPU (`bench/bench_cpu_linear.py --kernels --dtype bfloat16`)",
      "cpu_linear_kernels_bf16_amx_cpu.md", [], """\
@@ -189,7 +190,8 @@ profile then (`offline_profile_amx_cpu.md`): the GEMMs 14.4 s of 20; prefill's a
 cores' fp32 FMA peak), decode's at 27 rows at ~150 GFLOP/s, as if reading the weights (~11.5 GB/s) and
 multiplying them took turns: the first row tile of a pass read it from memory, the others computed from L2. The
 later row tiles now prefetch the weights that follow the pass into L2 under their FMAs (1.32x on the layer
-GEMMs at 27 rows, 1.19x at 48), and the run took 18.2 / 18.5 s against vLLM's 20.1: 1.10x / 1.09x (the table)."""),
+GEMMs at 27 rows, 1.19x at 48; with 128-row chunks kept in L1 for 9-64 rows, 1.1x more), and the run took
+18.2 / 18.1 s against vLLM's 19.9: 1.09x / 1.10x (the table; 1.10x / 1.09x in the run before the chunks)."""),
     ("A decode step, phase by phase (`bench/bench_engine_core.py`)", "engine_core_cpu.md", [], """\
 48 sequences decoding in one step, taken apart into the calls `LLMEngine.step` makes (schedule, the flat
 batch's metadata, the forward, sampling and its per-row parameters, the scheduler's update) plus the engine

@@ -68,6 +68,7 @@ constexpr int64_t chunk_rows() {
   return 512;
 #endif
 }
+
 // Input rows per task at most: the scratch of one task is kRowBlock x 48 floats.
 constexpr int64_t kRowBlock = 256;
 
@@ -96,6 +97,19 @@ constexpr int max_tile_rows() {
 #else
   return 1;
 #endif
+}
+
+// The chunk of a product of `rows` input rows. fp32 on AVX-512 with 2-8 row tiles (decode's
+// batches) takes 128 rows in L1 too: its later row tiles read the chunk 1.07-1.13x faster
+// from there, while the next chunk comes into L2 under them (see run_task): 27 rows 32-34 ->
+// 29.5-30.7 ms on the default model's layer GEMMs; at 257-512 rows the two sizes were within
+// the noise (Xeon, 2026-12-06, alternated builds).
+template <typename T>
+constexpr int64_t chunk_rows_for(int64_t rows) {
+#if !defined(CPU_CAPABILITY_AVX2)
+  if (std::is_same_v<T, float> && rows > max_tile_rows<T>() && rows <= 64) return 128;
+#endif
+  return chunk_rows<T>();
 }
 
 template <typename T, int R>
@@ -562,7 +576,8 @@ void run_task(const Problem<T>& pr, int64_t t, std::vector<float>& scratch, std:
     // unchanged; Xeon, 2026-12-06). Not on the AMX tiles: there the same prefetch of the next
     // panel slowed 2-128 rows 1.05-1.25x, the tiles being bound by the read alone.
     const char* next_bytes = reinterpret_cast<const char*>(panel_base + (j0 + steps) * kRowLen);
-    const int64_t prefetch_lines = m1 - m0 > kRows ? chunk_rows<T>() * kRowLen * static_cast<int64_t>(sizeof(T)) / 64 : 0;
+    const int64_t prefetch_lines =
+        m1 - m0 > kRows ? passes.piece * passes.streams * kRowLen * static_cast<int64_t>(sizeof(T)) / 64 : 0;
     for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - r0));
       float* tile_sums = scratch.data() + (chunked ? (r0 - m0) * kPanelWidth : 0);
@@ -614,7 +629,8 @@ void packed_linear_impl(const PackedLinearBatch& batch) {
     const PackedLinearParams& p = batch.problems[i];
     if (p.M == 0 || p.N == 0) continue;
     const int64_t streams = p.M <= max_streamed_rows<T>() ? kStreams : 1;
-    const PanelPasses passes((p.K + kPerRow<T> - 1) / kPerRow<T>, kPerRow<T> == 2 && p.K % 2 == 1, kChunk, streams);
+    const PanelPasses passes((p.K + kPerRow<T> - 1) / kPerRow<T>, kPerRow<T> == 2 && p.K % 2 == 1,
+                             chunk_rows_for<T>(p.M), streams);
     const TaskGrid grid = task_grid(p.M, p.N);
     const int64_t xf_stride = widened_input<T>() ? 2 * passes.rows : 0;
     problems.push_back({&p, passes, grid, num_tasks, nullptr, xf_stride});
