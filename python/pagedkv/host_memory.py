@@ -1,4 +1,5 @@
-"""Host (CPU) tensors backed by transparent huge pages, for the paged KV cache.
+"""Host (CPU) memory for the engine: the KV cache on transparent huge pages, its pages backed ahead of use
+(BackgroundPrefault), and glibc's malloc kept from returning a step's activations (keep_freed_activations).
 
 Decode reads the cache one scattered block at a time. With 4 KiB pages every
 block starts on pages the TLB has not seen, and in a virtual machine each miss
