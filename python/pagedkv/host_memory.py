@@ -53,9 +53,14 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def _madvise(address: int, length: int, advice: int) -> bool:
+    """madvise over [address, address + length), its start rounded down to a page; whether it succeeded."""
+    start = address - address % 4096
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length + address - start), advice) == 0
+
+
 def _madvise_huge(address: int, length: int) -> bool:
-    rc = _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    return rc == 0
+    return _madvise(address, length, _MADV_HUGEPAGE)
 
 
 def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -198,7 +203,7 @@ class BackgroundPrefault:
         self._idle = idle
         self._stop = threading.Event()
         self.bytes_done = 0
-        self.total_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.total_bytes = sum(t.nbytes for t in tensors)
         self.finished = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-prefault", daemon=True)
         self._thread.start()
@@ -224,7 +229,7 @@ class BackgroundPrefault:
                     tensor = ref()
                     if tensor is None:
                         continue
-                    nbytes = tensor.numel() * tensor.element_size()
+                    nbytes = tensor.nbytes
                     if offset < nbytes:
                         pending = True
                         if not self._wait_idle():
@@ -244,9 +249,7 @@ class BackgroundPrefault:
         return not self._stop.is_set()
 
     def _populate(self, address: int, length: int) -> bool:
-        start = address - address % 4096  # madvise wants a page-aligned start
-        rc = _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length + address - start), _MADV_POPULATE_WRITE)
-        if rc != 0:
+        if not _madvise(address, length, _MADV_POPULATE_WRITE):
             return False  # EINVAL: a kernel before 5.14
         self.bytes_done += length
         return True
