@@ -61,6 +61,9 @@ TORCH_LIBRARY(pagedkv, m) {
   // Whether bf16 GEMMs of many rows run on AMX tiles, and the switch (cpu_capability.h).
   m.def("cpu_amx() -> bool", [] { return pagedkv::cpu::cpu_amx_enabled(); });
   m.def("set_cpu_amx(bool enabled) -> bool", [](bool enabled) { return pagedkv::cpu::set_cpu_amx_op(enabled); });
+  m.def("cpu_bf16_dot() -> bool", [] { return pagedkv::cpu::cpu_bf16_dot_enabled(); });
+  m.def("set_cpu_bf16_dot(bool enabled) -> bool",
+        [](bool enabled) { return pagedkv::cpu::set_cpu_bf16_dot_op(enabled); });
   // Binds torch's OpenMP compute threads one per CPU (engine/cpu_binding.py). No tensors, no dispatch.
   m.def("bind_cpu_threads(int[] cpus) -> int[]",
         [](std::vector<int64_t> cpus) { return pagedkv::cpu::bind_cpu_threads(cpus); });

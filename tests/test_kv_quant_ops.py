@@ -10,6 +10,9 @@ message naming the argument.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -25,18 +28,26 @@ TOLERANCES = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bf
 
 
 AMX_RUNS = ops.cpu_amx_runs()
+BF16_RUNS = "avx512_bf16" in ops.runnable_cpu_capabilities()
 # Every runnable variant; on a CPU with AMX also "amx": avx512_bf16 with bf16 prefill on AMX tiles (the
-# others run with the tiles off, so both bf16 prefill paths are checked).
-VARIANTS = [*ops.runnable_cpu_capabilities(), *(["amx"] if AMX_RUNS else [])]
+# others run with the tiles off, so both bf16 prefill paths are checked); with AVX512-BF16 also "bf16_fma":
+# avx512_bf16 with cpu_bf16_dot() off (fp8 Q.K^T on fp32 FMAs, int8 P.V on paired codes at every head size;
+# plain avx512_bf16 runs with it on), so both decode paths are checked whichever this CPU picks.
+VARIANTS = [*ops.runnable_cpu_capabilities(), *(["amx"] if AMX_RUNS else []), *(["bf16_fma"] if BF16_RUNS else [])]
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request):
     if request.param == "amx" and "prefill" not in request.node.name:
         pytest.skip("AMX tiles change bf16 prefill only; the avx512_bf16 case runs this")
-    previous = ops.set_cpu_capability("avx512_bf16" if request.param == "amx" else request.param)
+    if request.param == "bf16_fma" and "decode" not in request.node.name:
+        pytest.skip("cpu_bf16_dot changes decode only; the avx512_bf16 case runs this")
+    capability = "avx512_bf16" if request.param in ("amx", "bf16_fma") else request.param
+    previous = ops.set_cpu_capability(capability)
     previous_amx = ops.set_cpu_amx(request.param == "amx") if AMX_RUNS else None
-    yield "avx512_bf16" if request.param == "amx" else request.param
+    previous_dot = ops.set_cpu_bf16_dot(request.param != "bf16_fma")
+    yield capability
+    ops.set_cpu_bf16_dot(previous_dot)
     if previous_amx is not None:
         ops.set_cpu_amx(previous_amx)
     ops.set_cpu_capability(previous)
@@ -276,12 +287,13 @@ _SUBNORMAL_SCALE = {"fp8_e4m3": 2.0 ** 7, "fp8_e5m2": 2.0 ** 14}
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("codes", ["exponent_zero", "all_finite"])
-def test_decode_reads_every_fp8_code_as_its_value(variant, fmt, codes):
+@pytest.mark.parametrize("d", [80, 128])
+def test_decode_reads_every_fp8_code_as_its_value(variant, fmt, codes, d):
     """Zero, subnormal and normal codes written straight into the cache are read as the reference
-    dequantizes them (the bf16 kernels widen fp8 to bf16 by moving bit fields, which a subnormal
-    or a zero code would get wrong without its own rule)."""
-    gen = _gen("fp8-codes", fmt, codes)
-    nb, bs, nkv, d, heads = 6, 16, 2, 80, 8
+    dequantizes them (the bf16 kernels widen fp8 to bf16 by moving bit fields at head size 80, which
+    a subnormal or a zero code would get wrong without its own rule, and through byte tables at 128)."""
+    gen = _gen("fp8-codes", fmt, codes, d)
+    nb, bs, nkv, heads = 6, 16, 2, 8
     cache = _cache(fmt, nb, bs, nkv, d, torch.bfloat16, gen)
     if codes == "exponent_zero":
         pool = torch.tensor(_EXPONENT_ZERO_CODES[fmt], dtype=torch.uint8)
@@ -520,3 +532,22 @@ def test_opcheck_quantized_ops(fmt):
     if cache.format.per_token_scale:
         opcheck(torch.ops.pagedkv.copy_blocks.default,
                               ([cache.key], [cache.value], torch.tensor([[0, 2]]), [cache.k_scale], [cache.v_scale]))
+
+
+def test_cpu_bf16_dot_is_settable_and_the_environment_decides():
+    """set_cpu_bf16_dot flips the choice and returns the previous one; PAGEDKV_CPU_BF16_DOT sets it at start
+    (and a value other than 0 or 1 is refused, naming the variable)."""
+    previous = ops.set_cpu_bf16_dot(False)
+    try:
+        assert not ops.cpu_bf16_dot()
+        assert ops.set_cpu_bf16_dot(True) is False and ops.cpu_bf16_dot()
+    finally:
+        ops.set_cpu_bf16_dot(previous)
+    script = "from pagedkv import ops; print(ops.cpu_bf16_dot())"
+    for value, expected in (("0", "False"), ("1", "True")):
+        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PAGEDKV_CPU_BF16_DOT": value},
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip() == expected, run.stderr
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PAGEDKV_CPU_BF16_DOT": "yes"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "PAGEDKV_CPU_BF16_DOT must be 0 or 1" in run.stderr

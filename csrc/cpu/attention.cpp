@@ -74,6 +74,7 @@ cpu::DecodeParams decode_params(at::Tensor& out, const at::Tensor& query, const 
   fill_kv_format(p, kv);
   p.alibi_slopes =
       alibi_slopes.has_value() && alibi_slopes->defined() ? alibi_slopes->const_data_ptr<float>() : nullptr;
+  p.bf16_dot = cpu::cpu_bf16_dot_enabled();
   return p;
 }
 

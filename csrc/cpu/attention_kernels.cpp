@@ -28,15 +28,18 @@
 // lanes, no widening); the query is kept unscaled in bf16 (exactly the input) and
 // the scale is applied to the fp32 logits. P.V stays in fp32 (the probabilities
 // would have to be rounded to bf16 and V's rows interleaved in pairs of tokens).
-// There an fp8 cache's Q.K^T runs on vdpbf16ps as well, its codes widened to bf16 exactly
-// (fp8_bf16_pairs: seven integer instructions per 32 codes, against a widening to fp32 of
-// four per 16 codes and a fused multiply-add per head for every 16 products), and an
-// int8-per-token-head cache runs on integer dot products (vpdpwssd, AVX512-VNNI):
-// Q.K^T on the codes against the query quantized to int16 per head, and (head sizes from
-// kMinPairedHeadSize) P.V on pairs of tokens' codes against the weights quantized to int16
-// per head and block, both summed exactly in int32; the fp32 widening of every code (two
-// instructions per 16 codes, more than the FMAs of a group's heads) is gone, and the int16
-// rounding (2^-16 of a row's largest value) is far below the bf16 query's own.
+// There an fp8 cache's codes are read through byte tables (Fp8Words: vpermi2b, AVX512-VBMI)
+// at head sizes that are multiples of 64: five instructions give 64 codes' bf16 values
+// exactly, four more their fp32 ones. Q.K^T then runs on vdpbf16ps or on fp32 FMAs, whichever
+// this CPU runs faster (DecodeParams::bf16_dot: vdpbf16ps costs about one FMA on AMD Zen 4,
+// four on Intel Sapphire Rapids), and P.V on fp32 FMAs; other head sizes widen the codes to
+// bf16 by moving bit fields (fp8_bf16_pairs). An int8-per-token-head cache runs on integer
+// dot products (vpdpwssd, AVX512-VNNI): Q.K^T on the codes against the query quantized to
+// int16 per head, and (head sizes from kMinPairedHeadSize, every one where bf16_dot is off)
+// P.V on pairs of tokens' codes against the weights quantized to int16 per head and block,
+// both summed exactly in int32; the fp32 widening of every code (two instructions per 16
+// codes, more than the FMAs of a group's heads) is gone, and the int16 rounding (2^-16 of a
+// row's largest value) is far below the bf16 query's own.
 //
 // On CPUs with AMX-BF16 (PrefillParams::use_amx), bf16 prefill runs both products on AMX tiles
 // instead (prefill_task_amx, csrc/cpu/attention_amx.cpp; a quantized cache's rows dequantized
@@ -67,6 +70,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -340,19 +344,13 @@ inline void load_chunk(const T* p, Vec* out) {
   if constexpr (!kCodeRow<T>) out[0] = load_f32(p);
 }
 
-// out[i] = the sum of the lanes of v[i], i < 8. With SIMD it is one transposing
-// add tree for all eight (about 10 instructions), not eight horizontal reductions.
+// out[i] = the sum of the lanes of v[i], i < 8. With AVX2 it is one transposing
+// add tree for all eight (about 10 instructions), not eight horizontal reductions
+// (AVX-512 takes reduce_tree instead).
 __attribute__((always_inline)) inline void reduce8(const Vec* v, float* out) {
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX2)
   __m256 h[8];
-  for (int i = 0; i < 8; ++i) {
-#if defined(CPU_CAPABILITY_AVX512)
-    const __m512 x = v[i];
-    h[i] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
-#else
-    h[i] = v[i];
-#endif
-  }
+  for (int i = 0; i < 8; ++i) h[i] = v[i];
   // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7], so two rounds
   // leave [s0, s1, s2, s3 | s0', s1', s2', s3'] (sums of each 128-bit half) for v0..v3.
   const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
@@ -398,11 +396,58 @@ struct DecodeScratch {
   }
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The lane sums of up to 16 vectors (N = 8 or 12; the rest taken as zero) in one vector, by
+// a tree of full-width shuffles and adds: each level halves the vectors and the partial sums
+// per vector. Three instructions per pair and level, all single-uop, where reduce8's
+// horizontal adds take three uops each and reduce4 fell back to a reduction per vector:
+// 24 instructions for 8 sums, 36 for 12 (bf16 9/3x64 decode in cache 1.05x, Intel Xeon,
+// 2026-12-06). Lane 4L + e of the result holds v[4e + L]'s sum.
+template <int N>
+__attribute__((always_inline)) inline __m512 reduce_tree(const Vec* v) {
+  static_assert(N == 8 || N == 12, "reduce_tree takes 8 or 12 vectors");
+  // 256-bit halves: x[k] = [v[2k]'s 8 partial sums | v[2k + 1]'s].
+  __m512 x[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < N / 2; ++k) {
+    const __m512 a = v[2 * k], b = v[2 * k + 1];
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int k = N / 2; k < 8; ++k) x[k] = _mm512_setzero_ps();
+  // 128-bit lanes: y[m] lane L = v[4m + L]'s 4 partial sums.
+  __m512 y[4];
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) {
+    y[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0xDD));
+  }
+  // Pairs within lanes: z[r] lane L = (v[8r + L]'s 2 partial sums, v[8r + 4 + L]'s 2).
+  __m512 z[2];
+#pragma GCC unroll 2
+  for (int r = 0; r < 2; ++r) {
+    z[r] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * r], y[2 * r + 1], 0x44),
+                         _mm512_shuffle_ps(y[2 * r], y[2 * r + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+#endif
+
 // logits[h * kMaxBlockSize + t] = the lane sum of acc[h * NT + t]: all reduced together.
 template <int NH, int NT>
 __attribute__((always_inline)) inline void store_logits(const Vec* acc, float* logits) {
   constexpr int NA = NH * NT;
   static_assert(NA == 8 || NA == 12, "reduce8 (and reduce4) take the accumulators");
+#if defined(CPU_CAPABILITY_AVX512)
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce_tree<NA>(acc));
+#pragma GCC unroll 8
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const int i = h * NT + t;
+      logits[h * kMaxBlockSize + t] = sums[4 * (i % 4) + i / 4];
+    }
+#else
   float dots[NA];
   reduce8(acc, dots);
   if constexpr (NA == 12) reduce4(acc + 8, dots + 8);
@@ -410,10 +455,12 @@ __attribute__((always_inline)) inline void store_logits(const Vec* acc, float* l
   for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) logits[h * kMaxBlockSize + t] = dots[h * NT + t];
+#endif
 }
 
-// Whether Q.K^T over rows of R runs on bf16 dot products against the unscaled bf16 query
-// in this variant: bf16 rows as they are, and fp8 codes widened to bf16 exactly (fp8_bf16_pairs).
+// Whether Q.K^T over rows of R runs against the unscaled query (the scale on the logits) in this
+// variant: bf16 rows on bf16 dot products as they are, and fp8 codes widened exactly (to bf16 by
+// fp8_bf16_pairs or Fp8Words; to fp32 by Fp8Words where bf16_dot is off, the query then fp32).
 template <typename R>
 constexpr bool kQueryBf16 =
 #if defined(CPU_CAPABILITY_AVX512_BF16)
@@ -617,11 +664,197 @@ inline void pv_heads_dpwssd(const float* p, const uint8_t* v, int64_t v_stride, 
 }
 #endif
 
-// P.V on paired codes (pv_heads_dpwssd) from this head size on; below it the fp32 P.V. Its fixed
-// costs per block and head (the weights rounded to int16, the sums folded into the fp32
-// accumulator) do not shrink with the head size. int8 decode on the paired P.V against the
-// fp32 one, bf16 B32 ctx 2048, LLC flushed (AMD Zen 4, 2026-12-02): 32/8x128 heads 1.10x,
-// 9/3x64 0.86x.
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+// ---- fp8 codes to bf16 through byte tables (AVX512-VBMI vpermi2b) ----
+//
+// Decode over an fp8 cache is bound by its arithmetic, not by its reads (its time barely moves
+// when the cache is in L2): widening the codes cost more than the dot products. A code's bf16
+// value has two bytes, each a function of the code's low 7 bits (the magnitude), so two 128-entry
+// byte lookups (vpermi2b takes 64 indexes against two 64-byte tables at once) and the sign
+// (bit 7, kept as it is) give 64 codes' values exactly, subnormals included, in five
+// instructions (the lookups, the sign, two byte unpacks into words), against sixteen to widen
+// and fix them 32 at a time (fp8_bf16_pairs). Head sizes that are multiples of 64 take it.
+// With the fp32 Q.K^T and P.V below and the unswept rows (attend_blocks_swept), fp8 decode
+// against the bf16 cache, bf16 B32 ctx 2048, LLC flushed (Intel Xeon with AMX, 2026-12-06,
+// bench/results/kernels_quantized_amx_cpu.md): 32/8x128 heads e4m3 1.27 -> 1.33-1.38x,
+// e5m2 1.30 -> 1.34-1.41x; 9/3x64 1.12 -> 1.20-1.21x and 1.19 -> 1.25-1.27x. (Paired tokens
+// on vdpbf16ps for P.V, tried with the tables, were slower there than the fp32 FMAs.)
+template <int D>
+constexpr bool kFp8Tables = D % 64 == 0;
+
+// The two bytes of the bf16 value of every fp8 magnitude m (code & 0x7F), times 2^Shift: hi[m], lo[m].
+struct alignas(64) Fp8ByteTables {
+  uint8_t hi[128], lo[128];
+};
+
+template <KVCacheDType F, int Shift>
+const Fp8ByteTables& fp8_byte_tables() {
+  static const Fp8ByteTables tables = [] {
+    Fp8ByteTables t;
+    for (int m = 0; m < 128; ++m) {
+      const auto code = static_cast<uint8_t>(m);
+      const float x = F == KVCacheDType::kFp8E4M3
+                          ? static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()))
+                          : static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits()));
+      // Every fp8 value (and 2^-8 times it) is a normal bf16 exactly: the top half of its fp32 bits.
+      const float scaled = std::ldexp(x, Shift);
+      uint32_t bits;
+      std::memcpy(&bits, &scaled, sizeof(bits));
+      t.hi[m] = static_cast<uint8_t>(bits >> 24);
+      t.lo[m] = static_cast<uint8_t>(bits >> 16);
+    }
+    return t;
+  }();
+  return tables;
+}
+
+// The tables in registers, and the conversion.
+struct Fp8Words {
+  __m512i hi0, hi1, lo0, lo1;
+  explicit Fp8Words(const Fp8ByteTables& t)
+      : hi0(_mm512_load_si512(t.hi)), hi1(_mm512_load_si512(t.hi + 64)), lo0(_mm512_load_si512(t.lo)),
+        lo1(_mm512_load_si512(t.lo + 64)) {}
+  // The bf16 values of 64 codes as words: w0 holds codes [16i, 16i + 8) of each 128-bit lane i,
+  // w1 codes [16i + 8, 16i + 16) (the byte unpacks work within lanes).
+  inline void convert(__m512i x, __m512i& w0, __m512i& w1) const {
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+    // hi | (x & 0x80): ternary-logic table 0xF8 is a | (b & c).
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+  // The fp32 values of 64 codes: f[q] lane i holds codes 16i + 4q + [0, 4) (a bf16 is the top
+  // half of an fp32, so the words go into dwords above zero words).
+  inline void convert_f32(__m512i x, __m512 f[4]) const {
+    __m512i w0, w1;
+    convert(x, w0, w1);
+    const __m512i zero = _mm512_setzero_si512();
+    f[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0));
+    f[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0));
+    f[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1));
+    f[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1));
+  }
+};
+
+// qk_tile over fp8 rows through the byte tables: q holds each head's bf16 query in
+// fp8_query_pos order at the start of its fp32 row.
+template <KVCacheDType F, int D, int NH, int NT>
+__attribute__((always_inline)) inline void qk_tile_fp8_tables(const float* q, const uint8_t* k, int64_t k_stride, float* logits) {
+  const Fp8Words tw(fp8_byte_tables<F, 0>());
+  __m512 acc[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int c = 0; c < D; c += 64) {
+    __m512bh q0[NH], q1[NH];
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) {
+      const auto* words = reinterpret_cast<const uint16_t*>(q + h * D) + c;
+      q0[h] = (__m512bh)_mm512_loadu_si512(words);
+      q1[h] = (__m512bh)_mm512_loadu_si512(words + 32);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      __m512i w0, w1;
+      tw.convert(_mm512_loadu_si512(k + t * k_stride + c), w0, w1);
+#pragma GCC unroll 8
+      for (int h = 0; h < NH; ++h) {
+        acc[h * NT + t] = _mm512_dpbf16_ps(acc[h * NT + t], q0[h], (__m512bh)w0);
+        acc[h * NT + t] = _mm512_dpbf16_ps(acc[h * NT + t], q1[h], (__m512bh)w1);
+      }
+    }
+  }
+  Vec sums[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) sums[i] = Vec(acc[i]);
+  store_logits<NH, NT>(sums, logits);
+}
+
+// qk_tile over fp8 rows in fp32: q holds each head's fp32 query (unscaled) in fp8_acc_pos
+// order; each row's codes widened through the tables, the query read by the FMAs from L1.
+template <KVCacheDType F, int D, int NH, int NT>
+__attribute__((always_inline)) inline void qk_tile_fp8_f32(const float* q, const uint8_t* k, int64_t k_stride,
+                                                           float* logits) {
+  const Fp8Words tw(fp8_byte_tables<F, 0>());
+  Vec acc[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
+#pragma GCC unroll 4
+  for (int c = 0; c < D; c += 64) {
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      __m512 f[4];
+      tw.convert_f32(_mm512_loadu_si512(k + t * k_stride + c), f);
+#pragma GCC unroll 8
+      for (int h = 0; h < NH; ++h) {
+        __m512 a = acc[h * NT + t];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c + 16 * i), f[i], a);
+        acc[h * NT + t] = Vec(a);
+      }
+    }
+  }
+  store_logits<NH, NT>(acc, logits);
+}
+
+// acc[j] += sum_t p[j][t] * v_t for NG heads over n rows of fp8 codes, in fp32: each row's codes
+// widened through the tables (nine instructions per 64 codes, against twenty through fp16),
+// NG x 4 accumulators in fp8_acc_pos order.
+template <KVCacheDType F, int D, int NG>
+inline void pv_heads_fp8_f32(const float* p, const uint8_t* v, int64_t v_stride, int n, float* acc,
+                             BlockPrefetcher& next) {
+  const Fp8Words tw(fp8_byte_tables<F, F == KVCacheDType::kFp8E4M3 ? -8 : 0>());
+  for (int c = 0; c < D; c += 64) {
+    __m512 a[NG][4];
+    for (int j = 0; j < NG; ++j)
+      for (int i = 0; i < 4; ++i) a[j][i] = _mm512_loadu_ps(acc + j * D + c + 16 * i);
+    for (int t = 0; t < n; ++t) {
+      __m512 f[4];
+      tw.convert_f32(_mm512_loadu_si512(v + t * v_stride + c), f);
+      for (int j = 0; j < NG; ++j) {
+        const __m512 pb = _mm512_set1_ps(p[j * kMaxBlockSize + t]);
+        for (int i = 0; i < 4; ++i) a[j][i] = _mm512_fmadd_ps(pb, f[i], a[j][i]);
+      }
+    }
+    for (int j = 0; j < NG; ++j)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + j * D + c + 16 * i, a[j][i]);
+    next.step();
+  }
+}
+
+#endif
+
+// Whether rows of R (fp8 codes) at head size D go through the byte tables in this variant.
+template <typename R, int D>
+constexpr bool kFp8TableRows =
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+    kFp8Row<R> && kFp8Tables<D>;
+#else
+    false;
+#endif
+
+// Where element d of a head's bf16 query goes so that it meets code d in Fp8Words::convert's
+// order: per 64 elements, w0's words then w1's.
+constexpr int64_t fp8_query_pos(int64_t d) {
+  const int64_t c = d / 64 * 64, r = d % 64, lane = r / 16, half = r % 16 / 8, j = r % 8;
+  return c + 32 * half + 8 * lane + j;
+}
+
+// Where element d of a head's accumulator sits after pv_heads_fp8_pairs: per 64 elements, four
+// vectors of dword pairs, vector q lane i holding elements 16i + 4q + [0, 4).
+constexpr int64_t fp8_acc_pos(int64_t d) {
+  const int64_t c = d / 64 * 64, r = d % 64, lane = r / 16, q = r % 16 / 4, j = r % 4;
+  return c + 16 * q + 4 * lane + j;
+}
+
+// P.V on paired codes (pv_heads_dpwssd) from this head size on; below it the fp32 P.V, where
+// vdpbf16ps is fast (DecodeParams::bf16_dot). Its fixed costs per block and head (the weights
+// rounded to int16, the sums folded into the fp32 accumulator) do not shrink with the head
+// size. int8 decode on the paired P.V against the fp32 one, bf16 B32 ctx 2048, LLC flushed:
+// AMD Zen 4 (2026-12-02) 32/8x128 heads 1.10x, 9/3x64 0.86x; Intel Xeon with AMX (2026-12-06,
+// where vdpbf16ps is slow and vpdpwssd does twice an FMA's products per second) 9/3x64 1.07-1.10x,
+// so there every head size takes it. (bf16_dot is the measured trait that separates the two.)
 constexpr int kMinPairedHeadSize = 128;
 
 // Whether int8-per-token-head rows (uint8_t codes) are read with integer dot products in this variant.
@@ -636,9 +869,16 @@ constexpr bool kDotInt16 =
 // logits[h * kMaxBlockSize + t] = q_h . k_t for NH heads x NT tokens, NH * NT = 8 or 12
 // accumulators: every K chunk is loaded (and widened) once for the NH heads, and
 // the dot products are reduced together at the end.
+// fp8 rows through the byte tables (kFp8TableRows) take bf16 dot products where bf16_dot says
+// they pay on this CPU (TaskView::bf16_dot), fp32 FMAs otherwise.
 template <typename T, int D, int NH, int NT>
-inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits) {
+inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits, bool bf16_dot) {
 #if defined(CPU_CAPABILITY_AVX512_BF16)
+  if constexpr (kFp8TableRows<T, D>) {
+    const auto* codes = reinterpret_cast<const uint8_t*>(k);
+    if (bf16_dot) return qk_tile_fp8_tables<kCodeFormat<T>, D, NH, NT>(q, codes, k_stride, logits);
+    return qk_tile_fp8_f32<kCodeFormat<T>, D, NH, NT>(q, codes, k_stride, logits);
+  }
   if constexpr (kQueryBf16<T>) return qk_tile_dot<Bf16Dot, D, NH, NT>(q, k, k_stride, logits);
   if constexpr (kDotInt16<T>) {
     static_assert(D <= 256, "int32 sums of D products of 32767 x 255");
@@ -677,34 +917,34 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits)
 // measured 1.19x in-cache on bf16 9/3x64 and 1.04x on fp32 (1 thread, AMD Zen 3, 2026-12-01).
 template <typename T, int D>
 inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits,
-                     BlockPrefetcher& next) {
+                     BlockPrefetcher& next, bool bf16_dot) {
   int64_t g = 0;
   if constexpr (kCodeRow<T>) {
     // Codes cost a widening per chunk (more than the FMAs of two heads), so groups of four heads
     // take four heads x two tokens, and each chunk is widened once for the four.
     for (; g + 4 <= G; g += 4) {
       for (int t = 0; t < n; t += 2) {
-        qk_tile<T, D, 4, 2>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
+        qk_tile<T, D, 4, 2>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t, bf16_dot);
         next.step();
       }
     }
   }
   if ((G - g) % 2 == 1 && G - g >= 3) {
     for (int t = 0; t < n; t += 4) {
-      qk_tile<T, D, 3, 4>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
+      qk_tile<T, D, 3, 4>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t, bf16_dot);
       next.step();
     }
     g += 3;
   }
   for (; g + 2 <= G; g += 2) {
     for (int t = 0; t < n; t += 4) {
-      qk_tile<T, D, 2, 4>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
+      qk_tile<T, D, 2, 4>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t, bf16_dot);
       next.step();
     }
   }
   if (g < G) {
     for (int t = 0; t < n; t += 8) {
-      qk_tile<T, D, 1, 8>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t);
+      qk_tile<T, D, 1, 8>(q + g * D, k + t * k_stride, k_stride, logits + g * kMaxBlockSize + t, bf16_dot);
       next.step();
     }
   }
@@ -726,9 +966,15 @@ constexpr int pv_chunks() {
 // across the block's tokens, pv_chunks() chunks of head_size at a time, and each V
 // chunk is widened once for the NG heads.
 template <typename T, int D, int NG>
-inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc, BlockPrefetcher& next) {
+inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc, BlockPrefetcher& next,
+                     bool bf16_dot) {
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-  if constexpr (kDotInt16<T> && D >= kMinPairedHeadSize) return pv_heads_dpwssd<D, NG>(p, v, v_stride, n, acc, next);
+  if constexpr (kDotInt16<T>) {
+    if (D >= kMinPairedHeadSize || !bf16_dot) return pv_heads_dpwssd<D, NG>(p, v, v_stride, n, acc, next);
+  }
+  if constexpr (kFp8TableRows<T, D>) {
+    return pv_heads_fp8_f32<kCodeFormat<T>, D, NG>(p, reinterpret_cast<const uint8_t*>(v), v_stride, n, acc, next);
+  }
 #endif
   constexpr int P = kParts<T>;
   constexpr int NC = pv_chunks<T, D, NG>();  // chunks per step
@@ -754,16 +1000,16 @@ inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float*
 // PV for G heads in groups of up to 4 (registers: 4 heads x 2 vectors + the V row).
 template <typename T, int D>
 inline void pv_block(const float* p, int64_t G, const T* v, int64_t v_stride, int n, float* acc,
-                     BlockPrefetcher& next) {
+                     BlockPrefetcher& next, bool bf16_dot) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) pv_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
+  for (; g + 4 <= G; g += 4) pv_heads<T, D, 4>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next, bf16_dot);
   switch (G - g) {
     case 3:
-      return pv_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
+      return pv_heads<T, D, 3>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next, bf16_dot);
     case 2:
-      return pv_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
+      return pv_heads<T, D, 2>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next, bf16_dot);
     case 1:
-      return pv_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next);
+      return pv_heads<T, D, 1>(p + g * kMaxBlockSize, v, v_stride, n, acc + g * D, next, bf16_dot);
     default:
       return;
   }
@@ -837,6 +1083,7 @@ struct TaskView {
   int64_t num_kv_heads = 0, kv_head0 = 0;
   const float* qsum = nullptr;  // [heads]
   const float* qmul = nullptr;  // [heads], kDotInt16 only: Q.K^T ran on the int16 query, this times its logits
+  bool bf16_dot = true;  // fp8 rows through the byte tables: Q.K^T on vdpbf16ps (else fp32 FMAs), DecodeParams::bf16_dot
 };
 
 // int8 per token and head, read directly. Q.K^T ran on the codes c of each token, so the
@@ -1052,7 +1299,15 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
       // The unit's planes are loaded before its rows, so their misses overlap the sweep's.
       for (int64_t b = b0; b < b1; ++b) plane_bits ^= touch_planes(tv, b);
     }
-    s.sink = touch_ranges(rows, num_rows, block_bytes) + static_cast<float>(plane_bits & 1);
+    // Rows of codes in the bf16 kernels (fp8 through the byte tables, int8 on integer dot
+    // products) are not swept (an int8 unit's planes still are): their arithmetic gives the
+    // previous unit's prefetches the time to bring them in, and the sweep's loads were then pure
+    // cost. Without it, bf16 B32 ctx 2048, LLC flushed (Intel Xeon with AMX, 2026-12-06): fp8
+    // 1.02-1.08x on 9/3x64 heads and 1.10x on 32/8x128, int8 1.01x and 1.06x (1.12-1.16x in
+    // cache); the bf16 cache, whose arithmetic is shorter, lost 1.14x on 9/3x64 without it.
+    float swept = 0.f;
+    if constexpr (!kFp8TableRows<T, D> && !kDotInt16<T>) swept = touch_ranges(rows, num_rows, block_bytes);
+    s.sink = swept + static_cast<float>(plane_bits & 1);
     // The next unit in the order its arithmetic reads it: K rows, then V rows.
     BlockPrefetcher next;
     for (int64_t b = b1; b < b2; ++b) next.add(keys(b), block_bytes);
@@ -1077,7 +1332,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
       if constexpr (std::is_same_v<T, uint8_t>) plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
         qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + k_from * row_stride + h * D, row_stride, nb - k_from,
-                       logits + h * G * kMaxBlockSize + t0 + k_from, next);
+                       logits + h * G * kMaxBlockSize + t0 + k_from, next, tv.bf16_dot);
         if constexpr (std::is_same_v<T, uint8_t>) {
           affine_logits(tv, h, s.plane.data(), k_from, nb, logits + h * G * kMaxBlockSize + t0);
         }
@@ -1094,7 +1349,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
                              s.acc.data() + h * G * D);
         }
         pv_block<T, D>(logits + h * G * kMaxBlockSize + t0 + v_from, G, values(b) + v_from * row_stride + h * D,
-                       row_stride, nb - v_from, s.acc.data() + h * G * D, next);
+                       row_stride, nb - v_from, s.acc.data() + h * G * D, next, tv.bf16_dot);
       }
     }
   }
@@ -1135,7 +1390,7 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
     for (int t = first_group; t < n; t += kStreamTokens) {
       for (int64_t h = 0; h < nkv; ++h) {
         qk_block<T, D>(s.q.data() + h * G * D, G, k + t * row_stride + h * D, row_stride, kStreamTokens,
-                       logits + h * G * kMaxBlockSize + t, none);
+                       logits + h * G * kMaxBlockSize + t, none, tv.bf16_dot);
         ahead.advance_to(k_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
       }
     }
@@ -1158,7 +1413,7 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
       const int tokens = std::min(t + kStreamTokens, n) - from;
       for (int64_t h = 0; h < nkv; ++h) {
         pv_block<T, D>(logits + h * G * kMaxBlockSize + from, G, v + from * row_stride + h * D, row_stride, tokens,
-                       s.acc.data() + h * G * D, none);
+                       s.acc.data() + h * G * D, none, tv.bf16_dot);
         ahead.advance_to(v_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
       }
     }
@@ -1208,13 +1463,13 @@ void attend_blocks_staged(const TaskView<float>& tv, const QuantRows& kq, const 
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
       for (int t = k_from; t < k_rows; ++t) kq.read<D>(slot0 + t, w.kv_head0 + h, stage + t * D);
       qk_block<float, D>(s.q.data() + h * G * D, G, stage + k_from * D, D, n - k_from,
-                         logits + h * G * kMaxBlockSize + k_from, next);
+                         logits + h * G * kMaxBlockSize + k_from, next, false);
     }
     block_softmax<float, D>(tv, token0, skip, n, logits, s);
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
       for (int t = skip; t < n; ++t) vq.read<D>(slot0 + t, w.kv_head0 + h, stage + t * D);
       pv_block<float, D>(logits + h * G * kMaxBlockSize + skip, G, stage + skip * D, D, n - skip,
-                         s.acc.data() + h * G * D, next);
+                         s.acc.data() + h * G * D, next, false);
     }
   }
 }
@@ -1274,7 +1529,14 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
       // The bf16 row as given, in the first half of the head's fp32 row (so the
       // callers' offsets h * D still find it); the scale (times fp8's tensor scale,
       // fp8_bf16_pairs giving the codes' own values) goes on the logits.
-      std::copy(query + h * D, query + (h + 1) * D, reinterpret_cast<T*>(s.q.data() + h * D));
+      T* row = reinterpret_cast<T*>(s.q.data() + h * D);
+      if (kFp8TableRows<R, D> && !p.bf16_dot) {  // fp32, in the order of Fp8Words::convert_f32
+        for (int64_t d = 0; d < D; ++d) s.q[h * D + fp8_acc_pos(d)] = to_f32(query[h * D + d]);
+      } else if (kFp8TableRows<R, D>) {  // bf16, in the order of Fp8Words::convert
+        for (int64_t d = 0; d < D; ++d) row[fp8_query_pos(d)] = query[h * D + d];
+      } else {
+        std::copy(query + h * D, query + (h + 1) * D, row);
+      }
     } else {
       float sum = 0.f;
       for (int64_t d = 0; d < D; ++d) {
@@ -1297,6 +1559,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
                  p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
                  kFp8Row<R> ? p.scale * p.k_scale : p.scale,
                  p.logits_soft_cap};
+  tv.bf16_dot = p.bf16_dot;
   if constexpr (std::is_same_v<R, uint8_t>) {
     tv.k_plane = p.k_plane;
     tv.v_plane = p.v_plane;
@@ -1354,11 +1617,20 @@ inline void store_row(OutT* dst, const float* src, float scale, int64_t n) {
 
 // store_row for an accumulator row of this call: in the chunk order of the cache's rows,
 // or in order when they were dequantized into fp32.
-template <typename T>
-inline void store_acc(const PagedAttentionParams& p, T* dst, const float* src, float scale, int64_t n) {
-  if (p.kv_format == KVCacheDType::kAuto) return store_row<T>(dst, src, scale, n);
+template <typename T, int D>
+inline void store_acc(const PagedAttentionParams& p, T* dst, const float* src, float scale) {
+  if (p.kv_format == KVCacheDType::kAuto) return store_row<T>(dst, src, scale, D);
   // fp8 rows were read as code values times fp8_mul's inverse (cpu/kv_dequant.h): the V multiplier goes here.
-  store_row<float>(dst, src, is_fp8(p.kv_format) ? scale * fp8_mul(p.kv_format, p.v_scale) : scale, n);
+  const float mul = is_fp8(p.kv_format) ? scale * fp8_mul(p.kv_format, p.v_scale) : scale;
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+  if constexpr (kFp8TableRows<c10::Float8_e4m3fn, D>) {
+    if (is_fp8(p.kv_format)) {  // P.V ran on rows through the tables (pv_heads_fp8_f32)
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[fp8_acc_pos(d)] * mul);
+      return;
+    }
+  }
+#endif
+  store_row<float>(dst, src, mul, D);
 }
 
 // Splits the kv heads into groups. Whole token rows read fastest (a group of one
@@ -1465,7 +1737,7 @@ void merge_pieces(const DecodeParams& p, int64_t seq, int64_t first, int64_t cou
       for (int c = 0; c < D; c += kW) at::vec::fmadd(wv, Vec::loadu(a + c), Vec::loadu(acc + c)).store(acc + c);
     }
     T* out = static_cast<T*>(p.out) + seq * p.out_stride + head * D;
-    store_acc<T>(p, out, acc, 1.f / total, D);
+    store_acc<T, D>(p, out, acc, 1.f / total);
   }
 }
 
@@ -1499,7 +1771,7 @@ void decode_v1(const DecodeParams& p) {
     }
     attend_tokens<T, D>(p, {task.seq, 0, p.num_kv_heads, task.begin, task.end}, s);
     if (task.split < 0) {
-      for (int64_t h = 0; h < H; ++h) store_acc<T>(p, out + h * D, s.acc.data() + h * D, 1.f / s.l[h], D);
+      for (int64_t h = 0; h < H; ++h) store_acc<T, D>(p, out + h * D, s.acc.data() + h * D, 1.f / s.l[h]);
       return;
     }
     std::copy(s.m.begin(), s.m.begin() + H, parts.m.begin() + task.piece * H);
@@ -1542,7 +1814,7 @@ void decode_v2_task(const DecodeParams& p, int64_t group_heads, int64_t task, De
   for (int64_t h = 0; h < heads; ++h) {
     p.max_logits[stat + h * p.max_partitions] = s.m[h];
     p.exp_sums[stat + h * p.max_partitions] = s.l[h];
-    store_acc<T>(p, tmp_out + (stat + h * p.max_partitions) * D, s.acc.data() + h * D, 1.f / s.l[h], D);
+    store_acc<T, D>(p, tmp_out + (stat + h * p.max_partitions) * D, s.acc.data() + h * D, 1.f / s.l[h]);
   }
 }
 
@@ -2129,5 +2401,42 @@ struct PrefillKernel {
 void decode_attention(const DecodeParams& params) { dispatch<DecodeKernel>(params); }
 void reduce_partitions(const DecodeParams& params) { dispatch<ReduceKernel>(params); }
 void prefill_attention(const PrefillParams& params) { dispatch<PrefillKernel>(params); }
+
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+namespace {
+// Seconds for `rounds` x 12 independent vdpbf16ps (dot = true) or FMAs, the best of five tries.
+double time_products(bool dot, int64_t rounds) {
+  double best = std::numeric_limits<double>::infinity();
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    __m512 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0
+    __m512 x = _mm512_set1_ps(0.5f);
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < rounds; ++r) {
+      if (dot) {
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, a);
+        asm volatile("" : "+v"(a));  // keeps the loop from being folded
+      } else {
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, x);
+        asm volatile("" : "+v"(x));
+      }
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    __m512 sum = acc[0];
+    for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+    volatile float sink = _mm512_reduce_add_ps(sum);
+    (void)sink;
+    best = std::min(best, seconds);
+  }
+  return best;
+}
+}  // namespace
+
+double bf16_dot_cost() {
+  constexpr int64_t kRounds = 1 << 14;  // ~0.2 M instructions: well under a millisecond each
+  return time_products(true, kRounds) / time_products(false, kRounds);
+}
+#endif
 
 }  // namespace pagedkv::cpu::CPU_CAPABILITY

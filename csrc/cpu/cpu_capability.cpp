@@ -1,5 +1,7 @@
 #include "cpu/cpu_capability.h"
 
+#include "cpu/attention_kernels.h"
+
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -22,8 +24,11 @@ CpuCapability best_supported() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
     // The bf16 variant also reads int8 caches with vpdpwssd (AVX512-VNNI), which every
-    // CPU with AVX512-BF16 has (Cooper Lake, Sapphire Rapids and later, Zen 4 and later).
-    const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+    // CPU with AVX512-BF16 has, and fp8 caches through vpermi2b byte tables (AVX512-VBMI),
+    // which all but Cooper Lake have (Sapphire Rapids and later, Zen 4 and later); the
+    // variant is built with both, so Cooper Lake takes the avx512 one.
+    const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+                      __builtin_cpu_supports("avx512vbmi");
     return bf16 ? CpuCapability::kAvx512Bf16 : CpuCapability::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
@@ -92,7 +97,28 @@ std::atomic<bool>& amx_selected() {
   return value;
 }
 
+// vdpbf16ps's measured cost in FMAs, below which it does more products per second.
+constexpr double kBf16DotBreakEven = 2.0;
+
+std::atomic<bool>& bf16_dot_selected() {
+  static std::atomic<bool> value = [] {
+    const char* env = std::getenv("PAGEDKV_CPU_BF16_DOT");
+    if (env && *env) {
+      const std::string v(env);
+      TORCH_CHECK(v == "0" || v == "1", "PAGEDKV_CPU_BF16_DOT must be 0 or 1, got '", v, "'");
+      return v == "1";
+    }
+    // Only a CPU with AVX512-BF16 can run (and use) it.
+    return best_supported() != CpuCapability::kAvx512Bf16 || AVX512_BF16::bf16_dot_cost() < kBf16DotBreakEven;
+  }();
+  return value;
+}
+
 }  // namespace
+
+bool cpu_bf16_dot_enabled() { return bf16_dot_selected().load(std::memory_order_relaxed); }
+
+bool set_cpu_bf16_dot_op(bool enabled) { return bf16_dot_selected().exchange(enabled); }
 
 bool cpu_amx_enabled() {
   return amx_selected().load(std::memory_order_relaxed) && selected_cpu_capability() == CpuCapability::kAvx512Bf16;

@@ -42,6 +42,16 @@ bool cpu_amx_enabled();
 // (enabling it on a CPU without AMX is an error) and returns the previous setting.
 bool set_cpu_amx_op(bool enabled);
 
+// Whether the avx512_bf16 variant's decode over an fp8 cache (head sizes that are multiples
+// of 64) takes Q.K^T on vdpbf16ps rather than on fp32 FMAs. vdpbf16ps does twice an FMA's
+// products but its throughput differs by CPU: about one FMA's time on AMD Zen 4, four on Intel
+// Sapphire Rapids (where the FMAs then do twice the products per second). So it is measured
+// once per process (bf16_dot_cost) and taken where it costs under two FMAs;
+// PAGEDKV_CPU_BF16_DOT=0 or 1 decides instead. Backs the `cpu_bf16_dot() -> bool` op.
+bool cpu_bf16_dot_enabled();
+// Backs `set_cpu_bf16_dot(bool enabled) -> bool`: sets it process-wide, returns the previous setting.
+bool set_cpu_bf16_dot_op(bool enabled);
+
 // Runs the kernel of the variant this process selected, out of one per variant (a file
 // built without an AVX512_BF16 unit passes its AVX512 kernel twice).
 template <typename Params>

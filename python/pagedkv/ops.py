@@ -313,6 +313,22 @@ def set_cpu_amx(enabled: bool) -> bool:
     return _ops.set_cpu_amx(enabled)
 
 
+def cpu_bf16_dot() -> bool:
+    """Whether decode over an fp8 KV cache (bf16 queries, avx512_bf16 variant, head sizes that are multiples of 64)
+    takes Q.K^T on `vdpbf16ps` rather than fp32 FMAs.
+
+    Which is faster depends on the CPU (`vdpbf16ps` costs about one FMA on AMD Zen 4, four on
+    Intel Sapphire Rapids), so it is measured once per process; `PAGEDKV_CPU_BF16_DOT=0` or `1`
+    decides instead. Both paths give the same results up to float rounding.
+    """
+    return _ops.cpu_bf16_dot()
+
+
+def set_cpu_bf16_dot(enabled: bool) -> bool:
+    """Sets `cpu_bf16_dot()` process-wide; returns the previous setting."""
+    return _ops.set_cpu_bf16_dot(enabled)
+
+
 def cpu_amx_runs() -> bool:
     """Whether this CPU can run the AMX tile path (what `set_cpu_amx(True)` would accept)."""
     try:
