@@ -320,13 +320,14 @@ on that box, so only pagedkv's formats are compared). Here fp8 reaches the 1.3x 
 batch-32 rows; int8 does not. Measured before the bf16 / int16 dot-product paths for fp8 and int8 and the plane
 loads (see the Zen 4 file)."""),
     ("The same on a Xeon with AMX (AVX-512, AVX512-BF16, AMX-BF16)", "kernels_quantized_amx_cpu.md", [], """\
-`bench/bench_kernels.py --quantized` on the 2-core Xeon with AMX (2026-12-06, two runs: 1.33-1.38x e4m3,
-1.34-1.41x e5m2, 1.40-1.43x int8 at 32/8x128 heads, which meets the 1.3x target against the bf16 cache; at
-9/3x64 1.20-1.21x, 1.25-1.27x and 1.18-1.19x, short of it). On this CPU `vdpbf16ps` costs four FMAs (0.60 against
-0.15 ns an instruction), so fp8 decode takes Q.K^T on fp32 FMAs over codes widened through byte tables
-(`ops.cpu_bf16_dot()` is off here) and int8 P.V runs on paired codes at head size 64 too; the 8-bit rows also
-skip the unit sweep. Before (2026-12-05): 1.27x / 1.30x / 1.36x and 1.12-1.21x. The bf16 cache got faster in
-the same change (AVX-512 dot-product sums by one shuffle tree), which the ratios absorb. vLLM CPU 0.32's fp8
+`bench/bench_kernels.py --quantized` on the 2-core Xeon with AMX (2026-12-06). The file is the last of three
+runs: 1.32x e4m3, 1.33x e5m2, 1.37x int8 at 32/8x128 heads, which meets the 1.3x target against the bf16
+cache, and 1.19-1.22x at 9/3x64, short of it (the two runs before, with a slower bf16 cache: 1.33-1.41x and
+1.18-1.27x). On this CPU `vdpbf16ps` costs four FMAs (0.60 against 0.15 ns an instruction), so bf16 decode
+takes Q.K^T on fp32 FMAs (`ops.cpu_bf16_dot()` is off here): the bf16 cache's rows widened by two unpacks, fp8
+codes through byte tables; int8 P.V runs on paired codes at head size 64 too, and the 8-bit rows skip the unit
+sweep. Before (2026-12-05): 1.27x / 1.30x / 1.36x and 1.12-1.21x. The bf16 cache got faster in the same
+change (FMAs, and AVX-512 dot-product sums by one shuffle tree), which the ratios absorb. vLLM CPU 0.32's fp8
 decode picks its "amx" path for bf16 queries here and its process stops with SIGILL at both block sizes (an
 instruction this CPU lacks), so the bf16 rows have no vLLM contender; its "vec" path runs the fp32 rows, where
 pagedkv's e4m3 is 1.07-1.29x faster (geomean 1.20-1.21)."""),

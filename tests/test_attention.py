@@ -62,15 +62,16 @@ def skip_unless_amx_case(request) -> None:
         pytest.skip("AMX tiles change bf16 prefill only; the avx512_bf16 case runs this")
 
 
-@pytest.fixture(params=["avx512_bf16", "amx", "older"])
+@pytest.fixture(params=["avx512_bf16", "bf16_fma", "amx", "older"])
 def cpu_variant(request):
-    """Runs a test under the avx512_bf16 kernels (bf16 Q.K^T on vdpbf16ps), under them with bf16
-    prefill on AMX tiles ("amx"), and under OLDER_VARIANT.
+    """Runs a test under the avx512_bf16 kernels (bf16 Q.K^T on vdpbf16ps), under them with decode's
+    bf16 Q.K^T on fp32 FMAs ("bf16_fma": cpu_bf16_dot off, as on CPUs where vdpbf16ps is slow), under
+    them with bf16 prefill on AMX tiles ("amx"), and under OLDER_VARIANT.
 
     avx512_bf16 changes the bf16 kernels only (fp32/fp16 run the avx512 ones there),
     so its fp32/fp16 cases are skipped: the "older" case runs them.
     """
-    if request.param in ("avx512_bf16", "amx"):
+    if request.param in ("avx512_bf16", "bf16_fma", "amx"):
         if not HAS_AVX512_BF16:
             pytest.skip("this CPU lacks avx512_bf16 (vdpbf16ps)")
         dtype = request.node.callspec.params.get("dtype", torch.bfloat16)
@@ -78,10 +79,14 @@ def cpu_variant(request):
             pytest.skip("avx512_bf16 changes the bf16 kernels only; the 'older' case runs this dtype")
     if request.param == "amx":
         skip_unless_amx_case(request)
+    if request.param == "bf16_fma" and "decode" not in request.node.name:
+        pytest.skip("cpu_bf16_dot changes decode only; the avx512_bf16 case runs this")
     name = OLDER_VARIANT if request.param == "older" else "avx512_bf16"
     previous = ops.set_cpu_capability(name)
     previous_amx = use_amx(request.param == "amx")
+    previous_dot = ops.set_cpu_bf16_dot(request.param != "bf16_fma")
     yield request.param
+    ops.set_cpu_bf16_dot(previous_dot)
     restore_amx(previous_amx)
     ops.set_cpu_capability(previous)
 

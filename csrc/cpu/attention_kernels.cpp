@@ -26,7 +26,9 @@
 // The AVX512_BF16 variant (bf16 inputs only) takes Q.K^T straight from the bf16
 // rows with vdpbf16ps (32 products per instruction, summed in pairs into fp32
 // lanes, no widening); the query is kept unscaled in bf16 (exactly the input) and
-// the scale is applied to the fp32 logits. P.V stays in fp32 (the probabilities
+// the scale is applied to the fp32 logits. That is on CPUs where vdpbf16ps is fast
+// (DecodeParams::bf16_dot); elsewhere (Sapphire Rapids: four FMAs' time) decode widens the
+// rows to fp32 and runs Q.K^T on FMAs against the fp32 query (qk_tile_bf16_f32). P.V stays in fp32 (the probabilities
 // would have to be rounded to bf16 and V's rows interleaved in pairs of tokens).
 // There an fp8 cache's codes are read through byte tables (Fp8Words: vpermi2b, AVX512-VBMI)
 // at head sizes that are multiples of 64: five instructions give 64 codes' bf16 values
@@ -664,6 +666,24 @@ inline void pv_heads_dpwssd(const float* p, const uint8_t* v, int64_t v_stride, 
 }
 #endif
 
+// Where element d of a head's fp32 query goes so that it meets element d of a bf16 row widened
+// 32 at a time by qk_tile_bf16_f32: per 32 elements, the low then the high four words of each
+// 128-bit lane.
+constexpr int64_t bf16_widened_pos(int64_t d) {
+  const int64_t c = d / 32 * 32, r = d % 32, lane = r / 8, half = r % 8 / 4, j = r % 4;
+  return c + 16 * half + 4 * lane + j;
+}
+
+// Whether bf16 rows at head size D can take Q.K^T on fp32 FMAs (where bf16_dot is off): whole
+// 32-element chunks.
+template <typename R, int D>
+constexpr bool kBf16FmaRows =
+#if defined(CPU_CAPABILITY_AVX512_BF16)
+    std::is_same_v<R, c10::BFloat16> && D % 32 == 0;
+#else
+    false;
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512_BF16)
 // ---- fp8 codes to bf16 through byte tables (AVX512-VBMI vpermi2b) ----
 //
@@ -676,8 +696,9 @@ inline void pv_heads_dpwssd(const float* p, const uint8_t* v, int64_t v_stride, 
 // and fix them 32 at a time (fp8_bf16_pairs). Head sizes that are multiples of 64 take it.
 // With the fp32 Q.K^T and P.V below and the unswept rows (attend_blocks_swept), fp8 decode
 // against the bf16 cache, bf16 B32 ctx 2048, LLC flushed (Intel Xeon with AMX, 2026-12-06,
-// bench/results/kernels_quantized_amx_cpu.md): 32/8x128 heads e4m3 1.27 -> 1.33-1.38x,
-// e5m2 1.30 -> 1.34-1.41x; 9/3x64 1.12 -> 1.20-1.21x and 1.19 -> 1.25-1.27x. (Paired tokens
+// bench/results/kernels_quantized_amx_cpu.md, before the bf16 cache's own FMA Q.K^T):
+// 32/8x128 heads e4m3 1.27 -> 1.33-1.38x, e5m2 1.30 -> 1.34-1.41x; 9/3x64 1.12 -> 1.20-1.21x
+// and 1.19 -> 1.25-1.27x. (Paired tokens
 // on vdpbf16ps for P.V, tried with the tables, were slower there than the fp32 FMAs.)
 template <int D>
 constexpr bool kFp8Tables = D % 64 == 0;
@@ -798,6 +819,35 @@ __attribute__((always_inline)) inline void qk_tile_fp8_f32(const float* q, const
   store_logits<NH, NT>(acc, logits);
 }
 
+// qk_tile over bf16 rows on fp32 FMAs: each 32 elements widened by two unpacks under zero words
+// (a bf16 is the top half of an fp32); q holds each head's fp32 query (unscaled) in
+// bf16_widened_pos order. Where vdpbf16ps costs more than two FMAs, twice its products on FMAs
+// take less time than the dot products: bf16 decode against vdpbf16ps, B32 ctx 2048 (Intel Xeon
+// with AMX, 2026-12-06), 9/3x64 and 32/8x128 heads 1.04x with the LLC flushed, 1.07-1.08x in cache.
+template <int D, int NH, int NT>
+__attribute__((always_inline)) inline void qk_tile_bf16_f32(const float* q, const c10::BFloat16* k,
+                                                            int64_t k_stride, float* logits) {
+  const __m512i zero = _mm512_setzero_si512();
+  Vec acc[NH * NT];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
+#pragma GCC unroll 8
+  for (int c = 0; c < D; c += 32) {
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const __m512i x = _mm512_loadu_si512(k + t * k_stride + c);
+      const __m512 f0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+      const __m512 f1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+#pragma GCC unroll 8
+      for (int h = 0; h < NH; ++h) {
+        __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c), f0, acc[h * NT + t]);
+        acc[h * NT + t] = Vec(_mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c + 16), f1, a));
+      }
+    }
+  }
+  store_logits<NH, NT>(acc, logits);
+}
+
 // acc[j] += sum_t p[j][t] * v_t for NG heads over n rows of fp8 codes, in fp32: each row's codes
 // widened through the tables (nine instructions per 64 codes, against twenty through fp16),
 // NG x 4 accumulators in fp8_acc_pos order.
@@ -878,6 +928,9 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits,
     const auto* codes = reinterpret_cast<const uint8_t*>(k);
     if (bf16_dot) return qk_tile_fp8_tables<kCodeFormat<T>, D, NH, NT>(q, codes, k_stride, logits);
     return qk_tile_fp8_f32<kCodeFormat<T>, D, NH, NT>(q, codes, k_stride, logits);
+  }
+  if constexpr (kBf16FmaRows<T, D>) {
+    if (!bf16_dot) return qk_tile_bf16_f32<D, NH, NT>(q, k, k_stride, logits);
   }
   if constexpr (kQueryBf16<T>) return qk_tile_dot<Bf16Dot, D, NH, NT>(q, k, k_stride, logits);
   if constexpr (kDotInt16<T>) {
@@ -1083,7 +1136,7 @@ struct TaskView {
   int64_t num_kv_heads = 0, kv_head0 = 0;
   const float* qsum = nullptr;  // [heads]
   const float* qmul = nullptr;  // [heads], kDotInt16 only: Q.K^T ran on the int16 query, this times its logits
-  bool bf16_dot = true;  // fp8 rows through the byte tables: Q.K^T on vdpbf16ps (else fp32 FMAs), DecodeParams::bf16_dot
+  bool bf16_dot = true;  // DecodeParams::bf16_dot: Q.K^T on vdpbf16ps (else fp32 FMAs), int8 P.V pairing
 };
 
 // int8 per token and head, read directly. Q.K^T ran on the codes c of each token, so the
@@ -1530,7 +1583,9 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
       // callers' offsets h * D still find it); the scale (times fp8's tensor scale,
       // fp8_bf16_pairs giving the codes' own values) goes on the logits.
       T* row = reinterpret_cast<T*>(s.q.data() + h * D);
-      if (kFp8TableRows<R, D> && !p.bf16_dot) {  // fp32, in the order of Fp8Words::convert_f32
+      if (kBf16FmaRows<R, D> && !p.bf16_dot) {  // fp32, in the order of qk_tile_bf16_f32's widening
+        for (int64_t d = 0; d < D; ++d) s.q[h * D + bf16_widened_pos(d)] = to_f32(query[h * D + d]);
+      } else if (kFp8TableRows<R, D> && !p.bf16_dot) {  // fp32, in the order of Fp8Words::convert_f32
         for (int64_t d = 0; d < D; ++d) s.q[h * D + fp8_acc_pos(d)] = to_f32(query[h * D + d]);
       } else if (kFp8TableRows<R, D>) {  // bf16, in the order of Fp8Words::convert
         for (int64_t d = 0; d < D; ++d) row[fp8_query_pos(d)] = query[h * D + d];

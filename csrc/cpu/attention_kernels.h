@@ -53,8 +53,9 @@ struct PagedAttentionParams {
 // Decode (v1 and v2): one query row per sequence.
 struct DecodeParams : PagedAttentionParams {
   const float* alibi_slopes = nullptr;  // [num_heads] or nullptr
-  // avx512_bf16, fp8 caches at head sizes that are multiples of 64: Q.K^T on vdpbf16ps where
-  // true, on fp32 FMAs where false (cpu_bf16_dot_enabled: which is faster differs by CPU).
+  // avx512_bf16 decode: Q.K^T on vdpbf16ps where true, on fp32 FMAs where false (bf16 caches at
+  // head sizes that are multiples of 32, fp8 at multiples of 64; cpu_bf16_dot_enabled: which is
+  // faster differs by CPU), and int8 P.V on paired codes from kMinPairedHeadSize (always where false).
   bool bf16_dot = true;
   // v2 only: partition_size == 0 means v1 (one pass over each sequence, result in out).
   int64_t partition_size = 0;

@@ -42,8 +42,9 @@ bool cpu_amx_enabled();
 // (enabling it on a CPU without AMX is an error) and returns the previous setting.
 bool set_cpu_amx_op(bool enabled);
 
-// Whether the avx512_bf16 variant's decode over an fp8 cache (head sizes that are multiples
-// of 64) takes Q.K^T on vdpbf16ps rather than on fp32 FMAs. vdpbf16ps does twice an FMA's
+// Whether the avx512_bf16 variant's decode takes Q.K^T on vdpbf16ps rather than on fp32 FMAs
+// (a bf16 cache at head sizes that are multiples of 32, an fp8 one at multiples of 64; where
+// it is off, an int8 cache's P.V runs on paired codes at every head size). vdpbf16ps does twice an FMA's
 // products but its throughput differs by CPU: about one FMA's time on AMD Zen 4, four on Intel
 // Sapphire Rapids (where the FMAs then do twice the products per second). So it is measured
 // once per process (bf16_dot_cost) and taken where it costs under two FMAs;

@@ -314,8 +314,9 @@ def set_cpu_amx(enabled: bool) -> bool:
 
 
 def cpu_bf16_dot() -> bool:
-    """Whether decode over an fp8 KV cache (bf16 queries, avx512_bf16 variant, head sizes that are multiples of 64)
-    takes Q.K^T on `vdpbf16ps` rather than fp32 FMAs.
+    """Whether bf16 decode (avx512_bf16 variant) takes Q.K^T on `vdpbf16ps` rather than fp32 FMAs: over a bf16 cache
+    at head sizes that are multiples of 32, over an fp8 one at multiples of 64 (off, int8 caches also pair P.V's
+    codes at every head size).
 
     Which is faster depends on the CPU (`vdpbf16ps` costs about one FMA on AMD Zen 4, four on
     Intel Sapphire Rapids), so it is measured once per process; `PAGEDKV_CPU_BF16_DOT=0` or `1`
