@@ -149,7 +149,10 @@ preload tcmalloc for it), which took vLLM from 8.1-9.1 s to 7.7-8.1 s. Three run
 in-process runs). Where the time goes now (`offline_profile_bf16_amx_cpu.md`): GEMMs 3.2 s, decode attention
 1.2 s (at ~19 GB/s of K/V, near this box's ~24 GB/s for two threads), `silu_and_mul` 0.29 s and the norms
 0.19 s (0.48 and 0.27 s before: their outputs were among the re-faulted pages), prefill attention 0.26 s,
-the greedy pick 0.03 s (on the fused sampling op; `max` and its copy took 0.16 s), host work ~0.9 s."""),
+the greedy pick 0.03 s (on the fused sampling op; `max` and its copy took 0.16 s), host work ~0.9 s. The table
+is a later run the same day, after bf16 decode moved its Q.K^T from `vdpbf16ps` (four FMAs' time on this CPU)
+to fp32 FMAs and its dot-product sums to one shuffle tree: 1.17x / 1.19x (pagedkv 5.65 / 5.51 s, vLLM 6.58 s,
+in a fast phase of this box)."""),
     ("Prefill attention on AMX tiles (`bench/bench_kernels.py --prefill --dtypes bf16`)",
      "kernels_prefill_amx_cpu.md", [], """\
 bf16 prefill attention on the Xeon with AMX (2026-12-06): both products on AMX tiles
