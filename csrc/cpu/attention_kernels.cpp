@@ -698,8 +698,10 @@ constexpr bool kBf16FmaRows =
 // against the bf16 cache, bf16 B32 ctx 2048, LLC flushed (Intel Xeon with AMX, 2026-12-06,
 // bench/results/kernels_quantized_amx_cpu.md, before the bf16 cache's own FMA Q.K^T):
 // 32/8x128 heads e4m3 1.27 -> 1.33-1.38x, e5m2 1.30 -> 1.34-1.41x; 9/3x64 1.12 -> 1.20-1.21x
-// and 1.19 -> 1.25-1.27x. (Paired tokens
-// on vdpbf16ps for P.V, tried with the tables, were slower there than the fp32 FMAs.)
+// and 1.19 -> 1.25-1.27x. Tried there and dropped: P.V on paired tokens on vdpbf16ps (slower
+// than the fp32 FMAs), and Q.K^T with tokens in lanes (16 rows transposed by dwords, then 4 x 4
+// bytes in each lane, so no sums at the end): level in cache, 0.89x (9/3x64) and 0.78x
+// (32/8x128) from memory.
 template <int D>
 constexpr bool kFp8Tables = D % 64 == 0;
 
