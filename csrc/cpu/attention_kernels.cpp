@@ -28,7 +28,7 @@
 // lanes, no widening); the query is kept unscaled in bf16 (exactly the input) and
 // the scale is applied to the fp32 logits. That is on CPUs where vdpbf16ps is fast
 // (DecodeParams::bf16_dot); elsewhere (Sapphire Rapids: four FMAs' time) decode widens the
-// rows to fp32 and runs Q.K^T on FMAs against the fp32 query (qk_tile_bf16_f32). P.V stays in fp32 (the probabilities
+// rows to fp32 and runs Q.K^T on FMAs against the fp32 query (qk_tile_f32). P.V stays in fp32 (the probabilities
 // would have to be rounded to bf16 and V's rows interleaved in pairs of tokens).
 // There an fp8 cache's codes are read through byte tables (Fp8Words: vpermi2b, AVX512-VBMI)
 // at head sizes that are multiples of 64: five instructions give 64 codes' bf16 values
@@ -666,16 +666,26 @@ inline void pv_heads_dpwssd(const float* p, const uint8_t* v, int64_t v_stride, 
 }
 #endif
 
-// Where element d of a head's fp32 query goes so that it meets element d of a bf16 row widened
-// 32 at a time by qk_tile_bf16_f32: per 32 elements, the low then the high four words of each
-// 128-bit lane.
-constexpr int64_t bf16_widened_pos(int64_t d) {
-  const int64_t c = d / 32 * 32, r = d % 32, lane = r / 8, half = r % 8 / 4, j = r % 4;
-  return c + 16 * half + 4 * lane + j;
+// Where element d of a row sits after in-lane unpacks spread it over vectors: per 4 x Lane
+// elements (Lane of them in each of a vector's four 128-bit lanes), group g of Group elements
+// of every lane goes into vector g, lane by lane. Unpacks keep each lane's elements in its lane
+// and take its groups in turn, so the rows, the queries meeting them and the accumulators they
+// feed are kept in this order.
+template <int Lane, int Group>
+constexpr int64_t unpacked_pos(int64_t d) {
+  const int64_t c = d / (4 * Lane) * (4 * Lane), r = d % (4 * Lane);
+  return c + 4 * Group * (r % Lane / Group) + Group * (r / Lane) + r % Group;
 }
+// A bf16 row widened to fp32 32 elements at a time (widen_bf16_words: two vectors of four dwords a lane).
+constexpr int64_t bf16_widened_pos(int64_t d) { return unpacked_pos<8, 4>(d); }
+// fp8 codes through Fp8Words, 64 at a time: as bf16 words (convert: two vectors of eight words
+// a lane), the order of the bf16 query that meets them; as fp32 (convert_f32: four vectors of
+// four dwords a lane), the order of the fp32 query and of pv_heads_fp8_f32's accumulators.
+constexpr int64_t fp8_query_pos(int64_t d) { return unpacked_pos<16, 8>(d); }
+constexpr int64_t fp8_acc_pos(int64_t d) { return unpacked_pos<16, 4>(d); }
 
 // Whether bf16 rows at head size D can take Q.K^T on fp32 FMAs (where bf16_dot is off): whole
-// 32-element chunks.
+// 32-element chunks (Bf16Widen).
 template <typename R, int D>
 constexpr bool kBf16FmaRows =
 #if defined(CPU_CAPABILITY_AVX512_BF16)
@@ -731,6 +741,14 @@ const Fp8ByteTables& fp8_byte_tables() {
   return tables;
 }
 
+// 32 bf16 words as fp32 (a bf16 is the top half of an fp32, so the words go into dwords above
+// zero words): f0 holds each 128-bit lane's low four words, f1 its high four.
+inline void widen_bf16_words(__m512i w, __m512& f0, __m512& f1) {
+  const __m512i zero = _mm512_setzero_si512();
+  f0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w));
+  f1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w));
+}
+
 // The tables in registers, and the conversion.
 struct Fp8Words {
   __m512i hi0, hi1, lo0, lo1;
@@ -747,17 +765,27 @@ struct Fp8Words {
     w0 = _mm512_unpacklo_epi8(lo, hi);
     w1 = _mm512_unpackhi_epi8(lo, hi);
   }
-  // The fp32 values of 64 codes: f[q] lane i holds codes 16i + 4q + [0, 4) (a bf16 is the top
-  // half of an fp32, so the words go into dwords above zero words).
+  // The fp32 values of 64 codes: f[q] lane i holds codes 16i + 4q + [0, 4) (fp8_acc_pos).
   inline void convert_f32(__m512i x, __m512 f[4]) const {
     __m512i w0, w1;
     convert(x, w0, w1);
-    const __m512i zero = _mm512_setzero_si512();
-    f[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0));
-    f[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0));
-    f[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1));
-    f[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1));
+    widen_bf16_words(w0, f[0], f[1]);
+    widen_bf16_words(w1, f[2], f[3]);
   }
+};
+
+// How qk_tile_f32 reads a row chunk into fp32: kChunk elements into kVectors vectors.
+// fp8 codes, 64 at a time through the byte tables (code values: the scale goes on the logits).
+template <KVCacheDType F>
+struct Fp8Widen {
+  static constexpr int kChunk = 64, kVectors = 4;
+  Fp8Words tw{fp8_byte_tables<F, 0>()};
+  void load(const uint8_t* p, __m512* f) const { tw.convert_f32(_mm512_loadu_si512(p), f); }
+};
+// bf16 elements, 32 at a time by two unpacks.
+struct Bf16Widen {
+  static constexpr int kChunk = 32, kVectors = 2;
+  void load(const c10::BFloat16* p, __m512* f) const { widen_bf16_words(_mm512_loadu_si512(p), f[0], f[1]); }
 };
 
 // qk_tile over fp8 rows through the byte tables: q holds each head's bf16 query in
@@ -794,56 +822,30 @@ __attribute__((always_inline)) inline void qk_tile_fp8_tables(const float* q, co
   store_logits<NH, NT>(sums, logits);
 }
 
-// qk_tile over fp8 rows in fp32: q holds each head's fp32 query (unscaled) in fp8_acc_pos
-// order; each row's codes widened through the tables, the query read by the FMAs from L1.
-template <KVCacheDType F, int D, int NH, int NT>
-__attribute__((always_inline)) inline void qk_tile_fp8_f32(const float* q, const uint8_t* k, int64_t k_stride,
-                                                           float* logits) {
-  const Fp8Words tw(fp8_byte_tables<F, 0>());
+// qk_tile on fp32 FMAs over rows widened by W (Fp8Widen, Bf16Widen): q holds each head's fp32
+// query (unscaled) in the order W's vectors hold the row (fp8_acc_pos, bf16_widened_pos), read
+// by the FMAs from L1. Where vdpbf16ps costs more than two FMAs, twice its products on FMAs take
+// less time than the dot products: bf16 decode against vdpbf16ps, B32 ctx 2048 (Intel Xeon with
+// AMX, 2026-12-06), 9/3x64 and 32/8x128 heads 1.04x with the LLC flushed, 1.07-1.08x in cache.
+template <int D, int NH, int NT, typename W, typename R>
+__attribute__((always_inline)) inline void qk_tile_f32(const W& widen, const float* q, const R* k, int64_t k_stride,
+                                                       float* logits) {
+  static_assert(D % W::kChunk == 0, "whole chunks");
   Vec acc[NH * NT];
 #pragma GCC unroll 12
   for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
-#pragma GCC unroll 4
-  for (int c = 0; c < D; c += 64) {
+#pragma GCC unroll 8
+  for (int c = 0; c < D; c += W::kChunk) {
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      __m512 f[4];
-      tw.convert_f32(_mm512_loadu_si512(k + t * k_stride + c), f);
+      __m512 f[W::kVectors];
+      widen.load(k + t * k_stride + c, f);
 #pragma GCC unroll 8
       for (int h = 0; h < NH; ++h) {
         __m512 a = acc[h * NT + t];
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c + 16 * i), f[i], a);
+        for (int i = 0; i < W::kVectors; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c + 16 * i), f[i], a);
         acc[h * NT + t] = Vec(a);
-      }
-    }
-  }
-  store_logits<NH, NT>(acc, logits);
-}
-
-// qk_tile over bf16 rows on fp32 FMAs: each 32 elements widened by two unpacks under zero words
-// (a bf16 is the top half of an fp32); q holds each head's fp32 query (unscaled) in
-// bf16_widened_pos order. Where vdpbf16ps costs more than two FMAs, twice its products on FMAs
-// take less time than the dot products: bf16 decode against vdpbf16ps, B32 ctx 2048 (Intel Xeon
-// with AMX, 2026-12-06), 9/3x64 and 32/8x128 heads 1.04x with the LLC flushed, 1.07-1.08x in cache.
-template <int D, int NH, int NT>
-__attribute__((always_inline)) inline void qk_tile_bf16_f32(const float* q, const c10::BFloat16* k,
-                                                            int64_t k_stride, float* logits) {
-  const __m512i zero = _mm512_setzero_si512();
-  Vec acc[NH * NT];
-#pragma GCC unroll 12
-  for (int i = 0; i < NH * NT; ++i) acc[i] = Vec(0.f);
-#pragma GCC unroll 8
-  for (int c = 0; c < D; c += 32) {
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) {
-      const __m512i x = _mm512_loadu_si512(k + t * k_stride + c);
-      const __m512 f0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
-      const __m512 f1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
-#pragma GCC unroll 8
-      for (int h = 0; h < NH; ++h) {
-        __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c), f0, acc[h * NT + t]);
-        acc[h * NT + t] = Vec(_mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c + 16), f1, a));
       }
     }
   }
@@ -886,20 +888,6 @@ constexpr bool kFp8TableRows =
     false;
 #endif
 
-// Where element d of a head's bf16 query goes so that it meets code d in Fp8Words::convert's
-// order: per 64 elements, w0's words then w1's.
-constexpr int64_t fp8_query_pos(int64_t d) {
-  const int64_t c = d / 64 * 64, r = d % 64, lane = r / 16, half = r % 16 / 8, j = r % 8;
-  return c + 32 * half + 8 * lane + j;
-}
-
-// Where element d of a head's accumulator sits after pv_heads_fp8_pairs: per 64 elements, four
-// vectors of dword pairs, vector q lane i holding elements 16i + 4q + [0, 4).
-constexpr int64_t fp8_acc_pos(int64_t d) {
-  const int64_t c = d / 64 * 64, r = d % 64, lane = r / 16, q = r % 16 / 4, j = r % 4;
-  return c + 16 * q + 4 * lane + j;
-}
-
 // P.V on paired codes (pv_heads_dpwssd) from this head size on; below it the fp32 P.V, where
 // vdpbf16ps is fast (DecodeParams::bf16_dot). Its fixed costs per block and head (the weights
 // rounded to int16, the sums folded into the fp32 accumulator) do not shrink with the head
@@ -929,10 +917,10 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits,
   if constexpr (kFp8TableRows<T, D>) {
     const auto* codes = reinterpret_cast<const uint8_t*>(k);
     if (bf16_dot) return qk_tile_fp8_tables<kCodeFormat<T>, D, NH, NT>(q, codes, k_stride, logits);
-    return qk_tile_fp8_f32<kCodeFormat<T>, D, NH, NT>(q, codes, k_stride, logits);
+    return qk_tile_f32<D, NH, NT>(Fp8Widen<kCodeFormat<T>>{}, q, codes, k_stride, logits);
   }
   if constexpr (kBf16FmaRows<T, D>) {
-    if (!bf16_dot) return qk_tile_bf16_f32<D, NH, NT>(q, k, k_stride, logits);
+    if (!bf16_dot) return qk_tile_f32<D, NH, NT>(Bf16Widen{}, q, k, k_stride, logits);
   }
   if constexpr (kQueryBf16<T>) return qk_tile_dot<Bf16Dot, D, NH, NT>(q, k, k_stride, logits);
   if constexpr (kDotInt16<T>) {
@@ -1585,7 +1573,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
       // callers' offsets h * D still find it); the scale (times fp8's tensor scale,
       // fp8_bf16_pairs giving the codes' own values) goes on the logits.
       T* row = reinterpret_cast<T*>(s.q.data() + h * D);
-      if (kBf16FmaRows<R, D> && !p.bf16_dot) {  // fp32, in the order of qk_tile_bf16_f32's widening
+      if (kBf16FmaRows<R, D> && !p.bf16_dot) {  // fp32, in the order of Bf16Widen's vectors
         for (int64_t d = 0; d < D; ++d) s.q[h * D + bf16_widened_pos(d)] = to_f32(query[h * D + d]);
       } else if (kFp8TableRows<R, D> && !p.bf16_dot) {  // fp32, in the order of Fp8Words::convert_f32
         for (int64_t d = 0; d < D; ++d) s.q[h * D + fp8_acc_pos(d)] = to_f32(query[h * D + d]);
@@ -1680,7 +1668,7 @@ inline void store_acc(const PagedAttentionParams& p, T* dst, const float* src, f
   // fp8 rows were read as code values times fp8_mul's inverse (cpu/kv_dequant.h): the V multiplier goes here.
   const float mul = is_fp8(p.kv_format) ? scale * fp8_mul(p.kv_format, p.v_scale) : scale;
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-  if constexpr (kFp8TableRows<c10::Float8_e4m3fn, D>) {
+  if constexpr (kFp8Tables<D>) {
     if (is_fp8(p.kv_format)) {  // P.V ran on rows through the tables (pv_heads_fp8_f32)
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[fp8_acc_pos(d)] * mul);
       return;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,14 +84,20 @@ bool amx_supported() {
 #endif
 }
 
+// A 0/1 switch from the environment: its value, or nullopt where it is unset or empty.
+std::optional<bool> env_switch(const char* name) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return std::nullopt;
+  const std::string v(env);
+  TORCH_CHECK(v == "0" || v == "1", name, " must be 0 or 1, got '", v, "'");
+  return v == "1";
+}
+
 std::atomic<bool>& amx_selected() {
   static std::atomic<bool> value = [] {
-    const char* env = std::getenv("PAGEDKV_CPU_AMX");
-    if (env && *env) {
-      const std::string v(env);
-      TORCH_CHECK(v == "0" || v == "1", "PAGEDKV_CPU_AMX must be 0 or 1, got '", v, "'");
-      TORCH_CHECK(v == "0" || amx_supported(), "PAGEDKV_CPU_AMX=1 but this CPU (or kernel) has no AMX-BF16 tiles");
-      return v == "1";
+    if (const std::optional<bool> on = env_switch("PAGEDKV_CPU_AMX")) {
+      TORCH_CHECK(!*on || amx_supported(), "PAGEDKV_CPU_AMX=1 but this CPU (or kernel) has no AMX-BF16 tiles");
+      return *on;
     }
     return amx_supported();
   }();
@@ -102,12 +109,7 @@ constexpr double kBf16DotBreakEven = 2.0;
 
 std::atomic<bool>& bf16_dot_selected() {
   static std::atomic<bool> value = [] {
-    const char* env = std::getenv("PAGEDKV_CPU_BF16_DOT");
-    if (env && *env) {
-      const std::string v(env);
-      TORCH_CHECK(v == "0" || v == "1", "PAGEDKV_CPU_BF16_DOT must be 0 or 1, got '", v, "'");
-      return v == "1";
-    }
+    if (const std::optional<bool> on = env_switch("PAGEDKV_CPU_BF16_DOT")) return *on;
     // Only a CPU with AVX512-BF16 can run (and use) it.
     return best_supported() != CpuCapability::kAvx512Bf16 || AVX512_BF16::bf16_dot_cost() < kBf16DotBreakEven;
   }();
