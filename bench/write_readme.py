@@ -306,9 +306,14 @@ int8 about 1.1x at head size 128 and fp8 0-5%."""),
 `bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
 includes the query and output rotation of its rotated rows. On AVX2 the compute dtype is fp32 (dtype "auto"):
-there the 8-bit caches decode 1.36-1.63x faster than the fp32 cache at batch 32 x 2048. With bf16 compute they
-gain only 1.01-1.20x over the bf16 cache, which read half the fp32 cache's bytes in about the same time (the bf16
-and fp32 rows run minutes apart, and this VM's speed drifted up to 2x within minutes: compare within a row).
+there the 8-bit caches decode 1.25-1.54x faster than the fp32 cache at batch 32 x 2048 (2026-12-06). With bf16
+compute they gain only 0.91-1.15x over the bf16 cache, which read half the fp32 cache's bytes in about the same
+time (the bf16 and fp32 rows run minutes apart, and this VM's speed drifted up to 2x within minutes: compare within
+a row; on 2026-12-02 the same kernels' bf16 cache was 1.3x slower and the 8-bit ratios 1.01-1.20x). int8 with bf16
+or fp16 queries takes Q.K^T on int16 dot products (`vpmaddwd` against the query rounded to int16, as the AVX-512
+kernels' `vpdpwssd`; fp32 queries keep fp32 FMAs, whose rounding is finer): 1.25-1.34x faster int8 decode than with
+the fp32 Q.K^T, interleaved in the same runs (9/3x64, 2026-12-06); P.V on paired int8 codes measured 0.81-0.85x
+of the fp32 P.V there and was dropped (AVX2 has no integer multiply-add into an accumulator).
 Why, measured on 2026-12-05: on AVX2 an fp8 or int8 row runs the same fp32 code whatever the query's dtype (bf16
 and fp32 queries on one cache, interleaved: 14527 vs 14533 us e4m3, 13867 vs 13708 int8, B32 x 2048 32/8x128);
 the batch-32 decode takes the same time per token with its K/V in cache as from memory (ctx 256 in L3 against

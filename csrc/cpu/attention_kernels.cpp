@@ -36,8 +36,8 @@
 // this CPU runs faster (DecodeParams::bf16_dot: vdpbf16ps costs about one FMA on AMD Zen 4,
 // four on Intel Sapphire Rapids), and P.V on fp32 FMAs; other head sizes widen the codes to
 // bf16 by moving bit fields (fp8_bf16_pairs). An int8-per-token-head cache runs on integer
-// dot products (vpdpwssd, AVX512-VNNI): Q.K^T on the codes against the query quantized to
-// int16 per head, and (head sizes from kMinPairedHeadSize, every one where bf16_dot is off)
+// dot products (vpdpwssd, AVX512-VNNI; Q.K^T also under AVX2 with vpmaddwd): Q.K^T on the codes
+// against the query quantized to int16 per head, and (head sizes from kMinPairedHeadSize, every one where bf16_dot is off)
 // P.V on pairs of tokens' codes against the weights quantized to int16 per head and block,
 // both summed exactly in int32; the fp32 widening of every code (two instructions per 16
 // codes, more than the FMAs of a group's heads) is gone, and the int16 rounding (2^-16 of a
@@ -315,11 +315,20 @@ inline int64_t chunk_pos(int64_t i) {
   return i - r + (r % P) * kW + r / P;
 }
 
+// An int8-per-token-head code read with integer dot products against the query quantized to
+// int16 (kDotInt16); a plain uint8_t row is read through fp32.
+struct Int8DotCode {
+  uint8_t bits;
+};
+static_assert(sizeof(Int8DotCode) == 1, "a code is one byte");
+
 // Rows of a quantized cache read directly (no staging): fp8 codes and int8 codes.
 template <typename T>
 constexpr bool kFp8Row = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
 template <typename T>
-constexpr bool kCodeRow = kFp8Row<T> || std::is_same_v<T, uint8_t>;
+constexpr bool kInt8Row = std::is_same_v<T, uint8_t> || std::is_same_v<T, Int8DotCode>;
+template <typename T>
+constexpr bool kCodeRow = kFp8Row<T> || kInt8Row<T>;
 
 // The format of a row element type read directly.
 template <typename T>
@@ -501,8 +510,11 @@ inline __m512bh fp8_bf16_pairs(const uint8_t* row, int c) {
   return (__m512bh)_mm512_ternarylogic_epi32(magnitude, x, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
 }
 
-// The loop of the dot-product tiles: NH heads x NT tokens of accumulators, 32 elements of a
-// row per step, every K load (and widening) serving the NH heads, the sums reduced together
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
+// The loop of the dot-product tiles: NH heads x NT tokens of accumulators, Dot::kStep elements
+// of a row per step, every K load (and widening) serving the NH heads, the sums reduced together
 // at the end. Dot gives the accumulator, the loads of q and of a K row, and the instruction.
 template <typename Dot, int D, int NH, int NT, typename R>
 inline void qk_tile_dot(const float* q, const R* k, int64_t k_stride, float* logits) {
@@ -510,7 +522,7 @@ inline void qk_tile_dot(const float* q, const R* k, int64_t k_stride, float* log
 #pragma GCC unroll 12
   for (int i = 0; i < NH * NT; ++i) acc[i] = Dot::zero();
 #pragma GCC unroll 4
-  for (int c = 0; c < D; c += 32) {
+  for (int c = 0; c < D; c += Dot::kStep) {
     typename Dot::Words qv[NH];
 #pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) qv[h] = Dot::template load_query<D>(q + h * D, c);
@@ -526,10 +538,13 @@ inline void qk_tile_dot(const float* q, const R* k, int64_t k_stride, float* log
   for (int i = 0; i < NH * NT; ++i) sums[i] = Dot::sum(acc[i]);
   store_logits<NH, NT>(sums, logits);
 }
+#endif
 
+#if defined(CPU_CAPABILITY_AVX512_BF16)
 // qk_tile_dot on bf16 dot products: q holds each head's unscaled bf16 row at the start of its
 // fp32 row (see attend_rows); K rows are bf16 as they are, or fp8 codes widened to bf16.
 struct Bf16Dot {
+  static constexpr int kStep = 32;
   using Acc = __m512;
   using Words = __m512bh;
   static Acc zero() { return _mm512_setzero_ps(); }
@@ -573,6 +588,7 @@ inline __m512i load_words(const void* row, int c) {
 // integer dot products q_i . c (as floats), which affine_logits turns into q . k. Sums stay
 // below 2^31: |q_i| <= 32767, c <= 255 and D <= 256 give at most 2.14e9 (qk_tile asserts D).
 struct Int16Dot {
+  static constexpr int kStep = 32;
   using Acc = __m512i;
   using Words = __m512i;
   static Acc zero() { return _mm512_setzero_si512(); }
@@ -581,8 +597,8 @@ struct Int16Dot {
     return load_words<D>(q, c);
   }
   template <int D>
-  static Words load_key(const uint8_t* row, int c) {
-    return load_code_words<D>(row, c);
+  static Words load_key(const Int8DotCode* row, int c) {
+    return load_code_words<D>(reinterpret_cast<const uint8_t*>(row), c);
   }
   static Acc dot(Acc acc, Words a, Words b) { return _mm512_dpwssd_epi32(acc, a, b); }
   static Vec sum(Acc acc) { return Vec(_mm512_cvtepi32_ps(acc)); }
@@ -664,6 +680,41 @@ inline void pv_heads_dpwssd(const float* p, const uint8_t* v, int64_t v_stride, 
     next.step();
   }
 }
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// ---- int8 codes on integer dot products under AVX2 (vpmaddwd: 16 int16 products per
+// instruction, summed in pairs into int32 lanes, then vpaddd into the accumulator) ----
+//
+// Q.K^T only: the same arithmetic as the AVX-512 variant's vpdpwssd, in two instructions.
+// Widening 16 codes costs one vpmovzxbw, where the fp32 path took two instructions per 8 codes
+// (vpmovzxbd, vcvtdq2ps) for a group's few FMAs. int8 decode with it against the fp32 Q.K^T,
+// bf16 9/3x64 B32 ctx 2048, LLC flushed (AMD Zen 3, 2026-12-06, same runs): 1.25-1.34x
+// (its time against the bf16 cache's 0.68-0.73x -> 0.90-0.93x). P.V on paired codes
+// (vpmaddwd against the weights in int16, as pv_heads_dpwssd) measured 0.81-0.85x of the fp32
+// P.V there (weights rounded by scalar code): without a fused multiply-add of integers, an add per product pair is as many
+// instructions as the FMAs it replaces, and the weights' rounding comes on top.
+
+// qk_tile_dot on int16 dot products: q holds each head's query quantized to int16 at the start
+// of its fp32 row (quantize_query_i16), K rows are uint8 codes; as the AVX-512 Int16Dot, the
+// logits are the exact integer dot products (sums below 2^31 for D <= 256).
+struct Int16Dot {
+  static constexpr int kStep = 16;
+  using Acc = __m256i;
+  using Words = __m256i;
+  static Acc zero() { return _mm256_setzero_si256(); }
+  template <int D>
+  static Words load_query(const float* q, int c) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const int16_t*>(q) + c));
+  }
+  template <int D>
+  static Words load_key(const Int8DotCode* row, int c) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+  }
+  static Acc dot(Acc acc, Words a, Words b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  static Vec sum(Acc acc) { return Vec(_mm256_cvtepi32_ps(acc)); }
+};
+
 #endif
 
 // Where element d of a row sits after in-lane unpacks spread it over vectors: per 4 x Lane
@@ -897,11 +948,17 @@ constexpr bool kFp8TableRows =
 // so there every head size takes it. (bf16_dot is the measured trait that separates the two.)
 constexpr int kMinPairedHeadSize = 128;
 
-// Whether int8-per-token-head rows (uint8_t codes) are read with integer dot products in this variant.
+// Whether rows of R are int8 codes on integer dot products (attend_tokens picks them by kInt16Query).
 template <typename R>
-constexpr bool kDotInt16 =
-#if defined(CPU_CAPABILITY_AVX512_BF16)
-    std::is_same_v<R, uint8_t>;
+constexpr bool kDotInt16 = std::is_same_v<R, Int8DotCode>;
+
+// Whether an int8-per-token-head cache is read on integer dot products for queries of type T
+// in this variant. Not for fp32 queries: the int16 query's rounding (up to 2^-16 of its row's
+// largest value) is far below bf16's and fp16's own, not below fp32's.
+template <typename T>
+constexpr bool kInt16Query =
+#if defined(CPU_CAPABILITY_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
+    !std::is_same_v<T, float>;
 #else
     false;
 #endif
@@ -925,6 +982,12 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits,
   if constexpr (kQueryBf16<T>) return qk_tile_dot<Bf16Dot, D, NH, NT>(q, k, k_stride, logits);
   if constexpr (kDotInt16<T>) {
     static_assert(D <= 256, "int32 sums of D products of 32767 x 255");
+    return qk_tile_dot<Int16Dot, D, NH, NT>(q, k, k_stride, logits);
+  }
+#endif
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kDotInt16<T>) {
+    static_assert(D <= 256 && D % Int16Dot::kStep == 0, "int32 sums of D products of 32767 x 255; whole steps");
     return qk_tile_dot<Int16Dot, D, NH, NT>(q, k, k_stride, logits);
   }
 #endif
@@ -1013,7 +1076,9 @@ inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float*
                      bool bf16_dot) {
 #if defined(CPU_CAPABILITY_AVX512_BF16)
   if constexpr (kDotInt16<T>) {
-    if (D >= kMinPairedHeadSize || !bf16_dot) return pv_heads_dpwssd<D, NG>(p, v, v_stride, n, acc, next);
+    if (D >= kMinPairedHeadSize || !bf16_dot) {
+      return pv_heads_dpwssd<D, NG>(p, reinterpret_cast<const uint8_t*>(v), v_stride, n, acc, next);
+    }
   }
   if constexpr (kFp8TableRows<T, D>) {
     return pv_heads_fp8_f32<kCodeFormat<T>, D, NG>(p, reinterpret_cast<const uint8_t*>(v), v_stride, n, acc, next);
@@ -1338,7 +1403,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
       rows[num_rows++] = reinterpret_cast<const char*>(values(b));
     }
     uint32_t plane_bits = 0;
-    if constexpr (std::is_same_v<T, uint8_t>) {
+    if constexpr (kInt8Row<T>) {
       // The unit's planes are loaded before its rows, so their misses overlap the sweep's.
       for (int64_t b = b0; b < b1; ++b) plane_bits ^= touch_planes(tv, b);
     }
@@ -1348,6 +1413,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     // cost. Without it, bf16 B32 ctx 2048, LLC flushed (Intel Xeon with AMX, 2026-12-06): fp8
     // 1.02-1.08x on 9/3x64 heads and 1.10x on 32/8x128, int8 1.01x and 1.06x (1.12-1.16x in
     // cache); the bf16 cache, whose arithmetic is shorter, lost 1.14x on 9/3x64 without it.
+    // AVX2's int8 (vpmaddwd) ties with and without it (9/3x64, AMD Zen 3, 2026-12-06).
     float swept = 0.f;
     if constexpr (!kFp8TableRows<T, D> && !kDotInt16<T>) swept = touch_ranges(rows, num_rows, block_bytes);
     s.sink = swept + static_cast<float>(plane_bits & 1);
@@ -1355,7 +1421,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     BlockPrefetcher next;
     for (int64_t b = b1; b < b2; ++b) next.add(keys(b), block_bytes);
     for (int64_t b = b1; b < b2; ++b) next.add(values(b), block_bytes);
-    if constexpr (std::is_same_v<T, uint8_t>) {
+    if constexpr (kInt8Row<T>) {
       for (int64_t b = b1; b < b2; ++b) prefetch_planes(tv, b);
     }
     const int64_t token0 = b0 * bs;
@@ -1372,11 +1438,11 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
       const int k_from = b == b0 ? skip / 8 * 8 : 0;
-      if constexpr (std::is_same_v<T, uint8_t>) plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
+      if constexpr (kInt8Row<T>) plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
         qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + k_from * row_stride + h * D, row_stride, nb - k_from,
                        logits + h * G * kMaxBlockSize + t0 + k_from, next, tv.bf16_dot);
-        if constexpr (std::is_same_v<T, uint8_t>) {
+        if constexpr (kInt8Row<T>) {
           affine_logits(tv, h, s.plane.data(), k_from, nb, logits + h * G * kMaxBlockSize + t0);
         }
       }
@@ -1385,9 +1451,9 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
       const int v_from = b == b0 ? skip : 0;
-      if constexpr (std::is_same_v<T, uint8_t>) plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
+      if constexpr (kInt8Row<T>) plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-        if constexpr (std::is_same_v<T, uint8_t>) {
+        if constexpr (kInt8Row<T>) {
           affine_probs<T, D>(tv, h, s.plane.data(), v_from, nb, logits + h * G * kMaxBlockSize + t0,
                              s.acc.data() + h * G * D);
         }
@@ -1423,7 +1489,7 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
     const int n = static_cast<int>(std::min(bs, w.end - token0));
     const int64_t k_line = (b - first_block) * 2 * block_lines, v_line = k_line + block_lines;
     ahead.advance_to(k_line);
-    if constexpr (std::is_same_v<T, uint8_t>) {
+    if constexpr (kInt8Row<T>) {
       // The block's planes are loaded now, to be ready when its logits are (see attend_blocks_swept).
       s.sink = static_cast<float>(touch_planes(tv, b) & 1);
     }
@@ -1437,14 +1503,14 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
         ahead.advance_to(k_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
       }
     }
-    if constexpr (std::is_same_v<T, uint8_t>) {
+    if constexpr (kInt8Row<T>) {
       plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < nkv; ++h) {
         affine_logits(tv, h, s.plane.data(), first_group, n, logits + h * G * kMaxBlockSize);
       }
     }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
-    if constexpr (std::is_same_v<T, uint8_t>) {
+    if constexpr (kInt8Row<T>) {
       plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < nkv; ++h) {
         affine_probs<T, D>(tv, h, s.plane.data(), skip, n, logits + h * G * kMaxBlockSize,
@@ -1560,7 +1626,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
   const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
   const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
   const float q_scale = kFp8Row<R> ? p.scale * fp8_mul(p.kv_format, p.k_scale) : p.scale;
-  if constexpr (std::is_same_v<R, uint8_t>) {
+  if constexpr (kInt8Row<R>) {
     s.qsum.resize(heads);
     s.qmul.resize(heads);
     s.plane.resize(plane_floats_size(p.block_size, p.num_kv_heads));
@@ -1589,7 +1655,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
         s.q[h * D + chunk_pos<R>(d)] = x;
         sum += x;
       }
-      if constexpr (std::is_same_v<R, uint8_t>) s.qsum[h] = sum;
+      if constexpr (kInt8Row<R>) s.qsum[h] = sum;
     }
   }
   s.start(heads, D);
@@ -1605,7 +1671,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
                  kFp8Row<R> ? p.scale * p.k_scale : p.scale,
                  p.logits_soft_cap};
   tv.bf16_dot = p.bf16_dot;
-  if constexpr (std::is_same_v<R, uint8_t>) {
+  if constexpr (kInt8Row<R>) {
     tv.k_plane = p.k_plane;
     tv.v_plane = p.v_plane;
     tv.num_kv_heads = p.num_kv_heads;
@@ -1636,6 +1702,7 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
     case KVCacheDType::kFp8E5M2:
       return attend_rows<T, c10::Float8_e5m2, D>(p, w, s);
     case KVCacheDType::kInt8PerTokenHead:
+      if constexpr (kInt16Query<T>) return attend_rows<T, Int8DotCode, D>(p, w, s);
       return attend_rows<T, uint8_t, D>(p, w, s);
     case KVCacheDType::kInt4PerTokenHead:
       break;
