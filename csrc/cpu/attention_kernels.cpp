@@ -36,9 +36,9 @@
 // this CPU runs faster (DecodeParams::bf16_dot: vdpbf16ps costs about one FMA on AMD Zen 4,
 // four on Intel Sapphire Rapids), and P.V on fp32 FMAs; other head sizes widen the codes to
 // bf16 by moving bit fields (fp8_bf16_pairs). An int8-per-token-head cache runs on integer
-// dot products (vpdpwssd, AVX512-VNNI; Q.K^T also under AVX2 with vpmaddwd): Q.K^T on the codes
-// against the query quantized to int16 per head, and (head sizes from kMinPairedHeadSize, every one where bf16_dot is off)
-// P.V on pairs of tokens' codes against the weights quantized to int16 per head and block,
+// dot products (vpdpwssd, AVX512-VNNI; Q.K^T also under AVX2 with vpmaddwd): Q.K^T on the
+// codes against the query quantized to int16 per head, and (head sizes from
+// kMinPairedHeadSize, every one where bf16_dot is off) P.V on pairs of tokens' codes against the weights quantized to int16 per head and block,
 // both summed exactly in int32; the fp32 widening of every code (two instructions per 16
 // codes, more than the FMAs of a group's heads) is gone, and the int16 rounding (2^-16 of a
 // row's largest value) is far below the bf16 query's own.
@@ -692,8 +692,8 @@ inline void pv_heads_dpwssd(const float* p, const uint8_t* v, int64_t v_stride, 
 // bf16 9/3x64 B32 ctx 2048, LLC flushed (AMD Zen 3, 2026-12-06, same runs): 1.25-1.34x
 // (its time against the bf16 cache's 0.68-0.73x -> 0.90-0.93x). P.V on paired codes
 // (vpmaddwd against the weights in int16, as pv_heads_dpwssd) measured 0.81-0.85x of the fp32
-// P.V there (weights rounded by scalar code): without a fused multiply-add of integers, an add per product pair is as many
-// instructions as the FMAs it replaces, and the weights' rounding comes on top.
+// P.V there (weights rounded by scalar code): without a fused multiply-add of integers, an add
+// per product pair is as many instructions as the FMAs it replaces, and the rounding comes on top.
 
 // qk_tile_dot on int16 dot products: q holds each head's query quantized to int16 at the start
 // of its fp32 row (quantize_query_i16), K rows are uint8 codes; as the AVX-512 Int16Dot, the
@@ -980,14 +980,10 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits,
     if (!bf16_dot) return qk_tile_f32<D, NH, NT>(Bf16Widen{}, q, k, k_stride, logits);
   }
   if constexpr (kQueryBf16<T>) return qk_tile_dot<Bf16Dot, D, NH, NT>(q, k, k_stride, logits);
-  if constexpr (kDotInt16<T>) {
-    static_assert(D <= 256, "int32 sums of D products of 32767 x 255");
-    return qk_tile_dot<Int16Dot, D, NH, NT>(q, k, k_stride, logits);
-  }
 #endif
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (kDotInt16<T>) {
-    static_assert(D <= 256 && D % Int16Dot::kStep == 0, "int32 sums of D products of 32767 x 255; whole steps");
+#if defined(CPU_CAPABILITY_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kDotInt16<T>) {  // Int16Dot of this variant: vpdpwssd, or vpmaddwd + vpaddd
+    static_assert(D <= 256 && D % 16 == 0, "int32 sums of D products of 32767 x 255; whole 16-code steps");
     return qk_tile_dot<Int16Dot, D, NH, NT>(q, k, k_stride, logits);
   }
 #endif
