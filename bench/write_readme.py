@@ -306,10 +306,15 @@ int8 about 1.1x at head size 128 and fp8 0-5%."""),
 `bench/bench_kernels.py --quantized` on a 2-core AMD Zen 3 with AVX2 only, where pagedkv runs its `avx2` kernels
 and vLLM CPU refuses an fp8 cache (it needs AVX-512 or AMX), so only pagedkv's formats are compared. int4 here
 includes the query and output rotation of its rotated rows. On AVX2 the compute dtype is fp32 (dtype "auto"):
-there the 8-bit caches decode 1.25-1.54x faster than the fp32 cache at batch 32 x 2048 (2026-12-06). With bf16
-compute they gain only 0.91-1.15x over the bf16 cache, which read half the fp32 cache's bytes in about the same
-time (the bf16 and fp32 rows run minutes apart, and this VM's speed drifted up to 2x within minutes: compare within
-a row; on 2026-12-02 the same kernels' bf16 cache was 1.3x slower and the 8-bit ratios 1.01-1.20x). int8 with bf16
+there the 8-bit caches decode 1.23-1.46x faster than the fp32 cache at batch 32 x 2048 and int4 1.22-1.35x
+(2026-12-06, 20:58 UTC). With bf16 compute they gain only 0.97-1.12x over the bf16 cache (int4 1.02-1.08x), which
+read half the fp32 cache's bytes in about the same time (the bf16 and fp32 rows run minutes apart, and this VM's
+speed drifted up to 2x within minutes: compare within a row; on 2026-12-02 the same kernels' bf16 cache was 1.3x
+slower and the 8-bit ratios 1.01-1.20x). int4 is read directly since this run: a byte's two codes widened at once,
+the low nibbles (even elements) and the high ones (odd elements) into separate vectors that a query and accumulators
+kept in the same order meet (Q.K^T on int16 dot products as int8's with bf16 / fp16 queries); against the staging
+tile it replaced (rows dequantized into fp32 first), interleaved in one run at batch 32 x 2048: bf16 1.39x (9/3x64)
+and 1.58x (32/8x128), fp32 1.32x and 1.71x (auto/int4 was 0.61-0.71x with bf16 compute, 0.77-0.94x fp32). int8 with bf16
 or fp16 queries takes Q.K^T on int16 dot products (`vpmaddwd` against the query rounded to int16, as the AVX-512
 kernels' `vpdpwssd`; fp32 queries keep fp32 FMAs, whose rounding is finer): 1.25-1.34x faster int8 decode than with
 the fp32 Q.K^T, interleaved in the same runs (9/3x64, 2026-12-06); P.V on paired int8 codes measured 0.81-0.85x

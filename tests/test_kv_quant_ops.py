@@ -258,6 +258,24 @@ def test_decode_matches_reference(variant, fmt, dtype, head_size, num_heads, num
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_of_rows_of_4_kib_and_more_matches_reference(variant, fmt, dtype):
+    """32 kv heads of size 256: token rows of 4 KiB (int4) or 8 KiB (8-bit codes), which decode
+    streams in groups of rows instead of sweeping whole blocks; the kv heads' slices of a row sit
+    at head_size / 2 bytes apart in an int4 cache."""
+    if variant == "avx512_bf16" and dtype != torch.bfloat16:
+        pytest.skip("avx512_bf16 holds bf16 kernels only")
+    gen = _gen("decode-wide", fmt, dtype)
+    seq_lens = [5, 70, 130]
+    cache, tables, lens = _decode_case(fmt, dtype, 256, 64, 32, 16, seq_lens, gen)
+    query = torch.randn(len(seq_lens), 64, 256, generator=gen).to(dtype)
+    expected = reference.paged_attention(query, cache.key, cache.value, tables, lens, 1 / 16, **cache.op_args)
+    out = ops.paged_attention(query, cache.key, cache.value, tables, lens, 1 / 16, max(seq_lens), **cache.op_args)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 128])
 def test_decode_with_window_soft_cap_and_alibi_matches_reference(variant, fmt, dtype, head_size):
     if variant == "avx512_bf16" and dtype != torch.bfloat16:

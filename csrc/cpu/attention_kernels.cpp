@@ -48,12 +48,21 @@
 // and rounded to bf16 for them), with the same task split, layout ([head_size, rows]
 // transposed output) and online softmax.
 //
-// A quantized cache (fp8, int8 / int4 per token and head; cpu/kv_dequant.h) is read
-// by dequantizing rows into a small fp32 staging tile right before their arithmetic,
-// which then runs the fp32 code above: decode sweeps each block's codes into L1/L2,
-// then dequantizes one kv head's rows of the block at a time (bs x D floats, L1-sized)
-// for Q.K^T and again for P.V; prefill dequantizes its key and value tiles as it loads
-// them. The cache is read once, in 1 (or 1/2) byte a value instead of 2 or 4.
+// A quantized cache (fp8, int8 / int4 per token and head; cpu/kv_dequant.h) is read once, in 1
+// (or 1/2) byte a value instead of 2 or 4. Decode widens the codes in registers as it reads them
+// (above; int4 below); prefill, and decode where no direct read exists (int4 in the scalar
+// variant and at head sizes 80 and 112 under AVX-512), dequantize rows into a small fp32 staging
+// tile right before their arithmetic, which then runs the fp32 code: one kv head's rows of a
+// block at a time (bs x D floats, L1-sized) for Q.K^T and again for P.V, or prefill's key and
+// value tiles as it loads them.
+//
+// An int4 cache is read directly by the AVX2 and AVX-512 kernels: the two codes of a byte are
+// widened together, the low nibbles (a row's even elements) into one vector and the high nibbles
+// (its odd elements) into the next, and the query and the accumulators are kept in that order
+// (RowFormat, int4_query_pos), so no instruction interleaves nibbles. Q.K^T runs on integer dot
+// products against the int16 query where int8's does (Int4Dot), on fp32 FMAs otherwise; P.V on
+// fp32 FMAs. Against the staging tile, B32 ctx 2048, LLC flushed, interleaved (AMD Zen 3, AVX2,
+// 2026-12-06): bf16 9/3x64 heads 1.39x, 32/8x128 1.58x; fp32 1.32x and 1.71x.
 #include "cpu/attention_kernels.h"
 
 #include "common/window.h"
@@ -126,7 +135,7 @@ inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Whether Q.K^T of element type T runs on bf16 dot products (vdpbf16ps) in this variant; the
 // same T whose prefill runs on AMX tiles where PrefillParams::use_amx says so.
@@ -292,9 +301,26 @@ void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const F& f) {
 // accumulator live in this "chunk order" and the output is put back in order when
 // stored. Every other case (and AVX-512, whose 32-element chunks would not divide
 // head sizes 80 and 112) reads chunks of one vector in order.
+// An int4-per-token-head byte: two codes, element 2i of the row in the low nibble of byte i.
+// Int4Code rows are widened to fp32 for both products; Int4DotCode rows take Q.K^T on integer
+// dot products against the query quantized to int16 (kDotInt16), P.V on fp32 as Int4Code.
+struct Int4Code {
+  uint8_t bits;
+};
+struct Int4DotCode {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kInt4Row = std::is_same_v<T, Int4Code> || std::is_same_v<T, Int4DotCode>;
+// Values in one element of a row of T: two codes in an int4 byte, else one.
+template <typename T>
+constexpr int kPack = kInt4Row<T> ? 2 : 1;
+
 template <typename T>
 struct RowFormat {
-  static constexpr int parts = 1;
+  // int4 codes widen a byte's low nibbles (the even elements) into one vector and its high
+  // nibbles (the odd ones) into the next, as AVX2's bf16 words do their halves.
+  static constexpr int parts = kInt4Row<T> ? 2 : 1;
 };
 #if defined(CPU_CAPABILITY_AVX2)
 template <>
@@ -322,13 +348,16 @@ struct Int8DotCode {
 };
 static_assert(sizeof(Int8DotCode) == 1, "a code is one byte");
 
-// Rows of a quantized cache read directly (no staging): fp8 codes and int8 codes.
+// Rows of a quantized cache read directly (no staging): fp8 codes and int8 codes (one byte a
+// value, kCodeRow), int4 codes (two a byte), the per-token-head ones with their planes (kPlaneRow).
 template <typename T>
 constexpr bool kFp8Row = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
 template <typename T>
 constexpr bool kInt8Row = std::is_same_v<T, uint8_t> || std::is_same_v<T, Int8DotCode>;
 template <typename T>
 constexpr bool kCodeRow = kFp8Row<T> || kInt8Row<T>;
+template <typename T>
+constexpr bool kPlaneRow = kInt8Row<T> || kInt4Row<T>;
 
 // The format of a row element type read directly.
 template <typename T>
@@ -336,8 +365,14 @@ constexpr KVCacheDType kCodeFormat = std::is_same_v<T, c10::Float8_e4m3fn> ? KVC
                                      : std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2
                                                                            : KVCacheDType::kInt8PerTokenHead;
 
+// Chunk [c, c + kChunk<T>) of a row of T (p at the row's first element) as kParts<T> vectors.
 template <typename T>
-inline void load_chunk(const T* p, Vec* out) {
+inline void load_chunk(const T* row, int c, Vec* out) {
+  const T* p = row + c / kPack<T>;
+  if constexpr (kInt4Row<T>) {
+    load_int4_halves(reinterpret_cast<const uint8_t*>(p), out[0], out[1]);  // cpu/kv_dequant.h
+    return;
+  }
   if constexpr (kCodeRow<T>) {
     out[0] = load_codes<kCodeFormat<T>>(reinterpret_cast<const uint8_t*>(p));  // cpu/kv_dequant.h
     return;
@@ -352,7 +387,7 @@ inline void load_chunk(const T* p, Vec* out) {
     return;
   }
 #endif
-  if constexpr (!kCodeRow<T>) out[0] = load_f32(p);
+  if constexpr (!kCodeRow<T> && !kInt4Row<T>) out[0] = load_f32(p);
 }
 
 // out[i] = the sum of the lanes of v[i], i < 8. With AVX2 it is one transposing
@@ -604,6 +639,36 @@ struct Int16Dot {
   static Vec sum(Acc acc) { return Vec(_mm512_cvtepi32_ps(acc)); }
 };
 
+// qk_tile_dot on int16 dot products over int4 codes: 64 codes (32 bytes) widened to words
+// once, their low nibbles (the even elements) and high nibbles (the odd ones) two word vectors
+// met by the query's two halves in int4_query_pos' order. The last step of head sizes 80 and
+// 112 loads only the row's bytes (the query's words past them are zero).
+struct Int4Dot {
+  static constexpr int kStep = 64;
+  using Acc = __m512i;
+  struct Words {
+    __m512i even, odd;
+  };
+  static Acc zero() { return _mm512_setzero_si512(); }
+  template <int D>
+  static Words load_query(const float* q, int c) {
+    const int16_t* w = reinterpret_cast<const int16_t*>(q) + c;
+    return {_mm512_loadu_si512(w), _mm512_loadu_si512(w + 32)};
+  }
+  template <int D>
+  static Words load_key(const Int4DotCode* row, int c) {
+    const auto* p = reinterpret_cast<const uint8_t*>(row) + c / 2;
+    const __m256i raw = c + 64 <= D ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                    : _mm256_maskz_loadu_epi8((1u << ((D - c) / 2)) - 1, p);
+    const __m512i x = _mm512_cvtepu8_epi16(raw);
+    return {_mm512_and_si512(x, _mm512_set1_epi16(0x0F)), _mm512_srli_epi16(x, 4)};
+  }
+  static Acc dot(Acc acc, const Words& a, const Words& b) {
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc, a.even, b.even), a.odd, b.odd);
+  }
+  static Vec sum(Acc acc) { return Vec(_mm512_cvtepi32_ps(acc)); }
+};
+
 // Codes [c, c + 32) of rows r0 and r1 as (r0, r1) word pairs, one per int32 lane: lo holds
 // elements c + [0, 8) and c + [16, 24), hi c + [8, 16) and c + [24, 32) (the byte unpacks work
 // within 128-bit lanes); for the last 16 of a row, lo holds c + [0, 8) and hi c + [8, 16), upper
@@ -712,6 +777,33 @@ struct Int16Dot {
     return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
   }
   static Acc dot(Acc acc, Words a, Words b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  static Vec sum(Acc acc) { return Vec(_mm256_cvtepi32_ps(acc)); }
+};
+
+// Int16Dot over int4 codes: 32 codes (16 bytes) widened to words once, their low nibbles (the
+// even elements) and high nibbles (the odd ones) two word vectors met by the query's two halves
+// in int4_query_pos' order. The last step of head sizes 80 and 112 loads only the row's 8 bytes.
+struct Int4Dot {
+  static constexpr int kStep = 32;
+  using Acc = __m256i;
+  struct Words {
+    __m256i even, odd;
+  };
+  static Acc zero() { return _mm256_setzero_si256(); }
+  template <int D>
+  static Words load_query(const float* q, int c) {
+    const auto* w = reinterpret_cast<const __m256i*>(reinterpret_cast<const int16_t*>(q) + c);
+    return {_mm256_loadu_si256(w), _mm256_loadu_si256(w + 1)};
+  }
+  template <int D>
+  static Words load_key(const Int4DotCode* row, int c) {
+    const auto* p = reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(row) + c / 2);
+    const __m256i x = _mm256_cvtepu8_epi16(c + 32 <= D ? _mm_loadu_si128(p) : _mm_loadl_epi64(p));
+    return {_mm256_and_si256(x, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(x, 4)};
+  }
+  static Acc dot(Acc acc, const Words& a, const Words& b) {
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(a.even, b.even), _mm256_madd_epi16(a.odd, b.odd)));
+  }
   static Vec sum(Acc acc) { return Vec(_mm256_cvtepi32_ps(acc)); }
 };
 
@@ -948,9 +1040,31 @@ constexpr bool kFp8TableRows =
 // so there every head size takes it. (bf16_dot is the measured trait that separates the two.)
 constexpr int kMinPairedHeadSize = 128;
 
-// Whether rows of R are int8 codes on integer dot products (attend_tokens picks them by kInt16Query).
+// Whether rows of R are int8 or int4 codes on integer dot products (attend_tokens picks them by
+// kInt16Query).
 template <typename R>
-constexpr bool kDotInt16 = std::is_same_v<R, Int8DotCode>;
+constexpr bool kDotInt16 = std::is_same_v<R, Int8DotCode> || std::is_same_v<R, Int4DotCode>;
+
+// Whether this variant reads an int4 cache directly at head size D (its query and accumulators in
+// the order of the codes' halves): whole chunks of 2 x kW codes. Elsewhere (the scalar variant, head
+// sizes 80 and 112 under AVX-512) its rows are dequantized into the staging tile.
+template <int D>
+constexpr bool kInt4Direct =
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    D % kChunk<Int4Code> == 0;
+#else
+    false;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
+// Where element d of the int16 query meeting int4 codes sits (Int4Dot): per step of kStep
+// elements, the even ones in the first half, the odd ones in the second.
+constexpr int64_t int4_query_pos(int64_t d) {
+  constexpr int64_t S = Int4Dot::kStep;
+  const int64_t r = d % S;
+  return d - r + (r % 2) * (S / 2) + r / 2;
+}
+#endif
 
 // Whether an int8-per-token-head cache is read on integer dot products for queries of type T
 // in this variant. Not for fp32 queries: the int16 query's rounding (up to 2^-16 of its row's
@@ -984,7 +1098,11 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits,
 #if defined(CPU_CAPABILITY_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (kDotInt16<T>) {  // Int16Dot of this variant: vpdpwssd, or vpmaddwd + vpaddd
     static_assert(D <= 256 && D % 16 == 0, "int32 sums of D products of 32767 x 255; whole 16-code steps");
-    return qk_tile_dot<Int16Dot, D, NH, NT>(q, k, k_stride, logits);
+    if constexpr (kInt4Row<T>) {
+      return qk_tile_dot<Int4Dot, D, NH, NT>(q, k, k_stride, logits);
+    } else {
+      return qk_tile_dot<Int16Dot, D, NH, NT>(q, k, k_stride, logits);
+    }
   }
 #endif
   constexpr int P = kParts<T>;
@@ -1001,7 +1119,7 @@ inline void qk_tile(const float* q, const T* k, int64_t k_stride, float* logits,
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
       Vec kv[P];
-      load_chunk(k + t * k_stride + c, kv);
+      load_chunk(k + t * k_stride, c, kv);
 #pragma GCC unroll 8
       for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 2
@@ -1021,7 +1139,7 @@ template <typename T, int D>
 inline void qk_block(const float* q, int64_t G, const T* k, int64_t k_stride, int n, float* logits,
                      BlockPrefetcher& next, bool bf16_dot) {
   int64_t g = 0;
-  if constexpr (kCodeRow<T>) {
+  if constexpr (kCodeRow<T> || kInt4Row<T>) {
     // Codes cost a widening per chunk (more than the FMAs of two heads), so groups of four heads
     // take four heads x two tokens, and each chunk is widened once for the four.
     for (; g + 4 <= G; g += 4) {
@@ -1071,7 +1189,7 @@ template <typename T, int D, int NG>
 inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float* acc, BlockPrefetcher& next,
                      bool bf16_dot) {
 #if defined(CPU_CAPABILITY_AVX512_BF16)
-  if constexpr (kDotInt16<T>) {
+  if constexpr (std::is_same_v<T, Int8DotCode>) {
     if (D >= kMinPairedHeadSize || !bf16_dot) {
       return pv_heads_dpwssd<D, NG>(p, reinterpret_cast<const uint8_t*>(v), v_stride, n, acc, next);
     }
@@ -1089,7 +1207,7 @@ inline void pv_heads(const float* p, const T* v, int64_t v_stride, int n, float*
       for (int i = 0; i < NV; ++i) a[j][i] = Vec::loadu(acc + j * D + c + i * kW);
     for (int t = 0; t < n; ++t) {
       Vec vv[NV];
-      for (int i = 0; i < NC; ++i) load_chunk(v + t * v_stride + c + i * kChunk<T>, vv + i * P);
+      for (int i = 0; i < NC; ++i) load_chunk(v + t * v_stride, c + i * kChunk<T>, vv + i * P);
       for (int j = 0; j < NG; ++j) {
         const Vec pb(p[j * kMaxBlockSize + t]);
         for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(pb, vv[i], a[j][i]);
@@ -1383,11 +1501,12 @@ static_assert(2 * (kMaxBlockSize / 8) <= BlockPrefetcher::kMaxRanges, "a unit ha
 template <typename T, int D>
 void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScratch& s) {
   const int64_t G = tv.G, bs = tv.bs, row_stride = tv.row_stride;
+  constexpr int64_t E = D / kPack<T>;  // elements of one kv head's row
   const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
   const int64_t unit = swept_unit(bs);
   float* logits = s.logits.data();  // [heads, kMaxBlockSize]
   // Bytes of one block's K (or V) rows of this task: whole rows when the task has all kv heads.
-  const int64_t block_bytes = ((bs - 1) * row_stride + w.num_kv_heads * D) * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = ((bs - 1) * row_stride + w.num_kv_heads * E) * static_cast<int64_t>(sizeof(T));
   auto keys = [&](int64_t b) { return tv.key_cache + static_cast<int64_t>(tv.table[b]) * bs * row_stride; };
   auto values = [&](int64_t b) { return tv.value_cache + static_cast<int64_t>(tv.table[b]) * bs * row_stride; };
   for (int64_t b0 = first_block; b0 < end_block; b0 += unit) {
@@ -1399,7 +1518,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
       rows[num_rows++] = reinterpret_cast<const char*>(values(b));
     }
     uint32_t plane_bits = 0;
-    if constexpr (kInt8Row<T>) {
+    if constexpr (kPlaneRow<T>) {
       // The unit's planes are loaded before its rows, so their misses overlap the sweep's.
       for (int64_t b = b0; b < b1; ++b) plane_bits ^= touch_planes(tv, b);
     }
@@ -1417,7 +1536,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     BlockPrefetcher next;
     for (int64_t b = b1; b < b2; ++b) next.add(keys(b), block_bytes);
     for (int64_t b = b1; b < b2; ++b) next.add(values(b), block_bytes);
-    if constexpr (kInt8Row<T>) {
+    if constexpr (kPlaneRow<T>) {
       for (int64_t b = b1; b < b2; ++b) prefetch_planes(tv, b);
     }
     const int64_t token0 = b0 * bs;
@@ -1434,11 +1553,11 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
       const int k_from = b == b0 ? skip / 8 * 8 : 0;
-      if constexpr (kInt8Row<T>) plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
+      if constexpr (kPlaneRow<T>) plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-        qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + k_from * row_stride + h * D, row_stride, nb - k_from,
+        qk_block<T, D>(s.q.data() + h * G * D, G, keys(b) + k_from * row_stride + h * E, row_stride, nb - k_from,
                        logits + h * G * kMaxBlockSize + t0 + k_from, next, tv.bf16_dot);
-        if constexpr (kInt8Row<T>) {
+        if constexpr (kPlaneRow<T>) {
           affine_logits(tv, h, s.plane.data(), k_from, nb, logits + h * G * kMaxBlockSize + t0);
         }
       }
@@ -1447,13 +1566,13 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
     for (int64_t b = b0; b < b1; ++b) {
       const int t0 = static_cast<int>((b - b0) * bs), nb = std::min(static_cast<int>(bs), n - t0);
       const int v_from = b == b0 ? skip : 0;
-      if constexpr (kInt8Row<T>) plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
+      if constexpr (kPlaneRow<T>) plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-        if constexpr (kInt8Row<T>) {
+        if constexpr (kPlaneRow<T>) {
           affine_probs<T, D>(tv, h, s.plane.data(), v_from, nb, logits + h * G * kMaxBlockSize + t0,
                              s.acc.data() + h * G * D);
         }
-        pv_block<T, D>(logits + h * G * kMaxBlockSize + t0 + v_from, G, values(b) + v_from * row_stride + h * D,
+        pv_block<T, D>(logits + h * G * kMaxBlockSize + t0 + v_from, G, values(b) + v_from * row_stride + h * E,
                        row_stride, nb - v_from, s.acc.data() + h * G * D, next, tv.bf16_dot);
       }
     }
@@ -1468,6 +1587,7 @@ void attend_blocks_swept(const TaskView<T>& tv, const DecodeWork& w, DecodeScrat
 template <typename T, int D>
 void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeScratch& s) {
   const int64_t G = tv.G, bs = tv.bs, row_stride = tv.row_stride, nkv = w.num_kv_heads;
+  constexpr int64_t E = D / kPack<T>;  // elements of one kv head's row
   const int64_t first_block = w.begin / bs, end_block = (w.end + bs - 1) / bs;
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
   const int64_t block_bytes = bs * row_bytes;  // one block's K (or V) rows
@@ -1485,7 +1605,7 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
     const int n = static_cast<int>(std::min(bs, w.end - token0));
     const int64_t k_line = (b - first_block) * 2 * block_lines, v_line = k_line + block_lines;
     ahead.advance_to(k_line);
-    if constexpr (kInt8Row<T>) {
+    if constexpr (kPlaneRow<T>) {
       // The block's planes are loaded now, to be ready when its logits are (see attend_blocks_swept).
       s.sink = static_cast<float>(touch_planes(tv, b) & 1);
     }
@@ -1494,19 +1614,19 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
     const int first_group = skip / kStreamTokens * kStreamTokens;
     for (int t = first_group; t < n; t += kStreamTokens) {
       for (int64_t h = 0; h < nkv; ++h) {
-        qk_block<T, D>(s.q.data() + h * G * D, G, k + t * row_stride + h * D, row_stride, kStreamTokens,
+        qk_block<T, D>(s.q.data() + h * G * D, G, k + t * row_stride + h * E, row_stride, kStreamTokens,
                        logits + h * G * kMaxBlockSize + t, none, tv.bf16_dot);
         ahead.advance_to(k_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
       }
     }
-    if constexpr (kInt8Row<T>) {
+    if constexpr (kPlaneRow<T>) {
       plane_floats(tv.k_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < nkv; ++h) {
         affine_logits(tv, h, s.plane.data(), first_group, n, logits + h * G * kMaxBlockSize);
       }
     }
     block_softmax<T, D>(tv, token0, skip, n, logits, s);
-    if constexpr (kInt8Row<T>) {
+    if constexpr (kPlaneRow<T>) {
       plane_floats(tv.v_plane, tv.table[b] * bs, tv.num_kv_heads, bs, s.plane.data());
       for (int64_t h = 0; h < nkv; ++h) {
         affine_probs<T, D>(tv, h, s.plane.data(), skip, n, logits + h * G * kMaxBlockSize,
@@ -1517,7 +1637,7 @@ void attend_blocks_streamed(const TaskView<T>& tv, const DecodeWork& w, DecodeSc
       const int from = std::max(t, skip);
       const int tokens = std::min(t + kStreamTokens, n) - from;
       for (int64_t h = 0; h < nkv; ++h) {
-        pv_block<T, D>(logits + h * G * kMaxBlockSize + from, G, v + from * row_stride + h * D, row_stride, tokens,
+        pv_block<T, D>(logits + h * G * kMaxBlockSize + from, G, v + from * row_stride + h * E, row_stride, tokens,
                        s.acc.data() + h * G * D, none, tv.bf16_dot);
         ahead.advance_to(v_line + (t * row_bytes + (h + 1) * group_bytes / nkv) / 64);
       }
@@ -1579,12 +1699,22 @@ void attend_blocks_staged(const TaskView<float>& tv, const QuantRows& kq, const 
   }
 }
 
-// One query row times `scale`, quantized to int16 against its largest |x| for int8 codes on
-// integer dot products (kDotInt16): dst's first round_up(D, 32) int16 (zero past D) hold it,
-// mul its scale (x ~ mul * dst), sum = mul * the sum of dst, so that the zero points see
-// the same query as the codes. A non-finite query gives mul NaN, so the output is NaN as on
-// the other paths.
-template <typename T, int D>
+#if defined(CPU_CAPABILITY_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
+// Where element d of the int16 query sits for rows of R (kDotInt16), and how many words the
+// row holds (zero past D): in order for int8 codes, in int4_query_pos' order for int4.
+template <typename R>
+constexpr int64_t query_word_pos(int64_t d) {
+  return kInt4Row<R> ? int4_query_pos(d) : d;
+}
+template <typename R, int D>
+constexpr int64_t kQueryWords = kInt4Row<R> ? round_up(D, Int4Dot::kStep) : round_up(D, 32);
+
+// One query row times `scale`, quantized to int16 against its largest |x| for int8 or int4
+// codes on integer dot products (kDotInt16): dst's first kQueryWords<R, D> int16 (zero where no
+// element goes) hold it in query_word_pos<R>'s order, mul its scale (x ~ mul * dst), sum = mul
+// * the sum of dst, so that the zero points see the same query as the codes. A non-finite
+// query gives mul NaN, so the output is NaN as on the other paths.
+template <typename R, typename T, int D>
 inline void quantize_query_i16(const T* query, float scale, float* dst, float& mul, float& sum) {
   alignas(64) float x[D];
   float top = 0.f;
@@ -1596,16 +1726,19 @@ inline void quantize_query_i16(const T* query, float scale, float* dst, float& m
   }
   const float inv = finite && top > 0.f ? 32767.f / top : 0.f;
   auto* words = reinterpret_cast<int16_t*>(dst);
+  static_assert(kQueryWords<R, D> <= 2 * D, "the int16 row fits the head's fp32 row");
+  std::fill(words, words + kQueryWords<R, D>, int16_t{0});
   int64_t total = 0;
   for (int64_t d = 0; d < D; ++d) {
     const float r = finite ? std::clamp(x[d] * inv, -32767.f, 32767.f) : 0.f;
-    words[d] = static_cast<int16_t>(std::lrint(r));
-    total += words[d];
+    const int16_t word = static_cast<int16_t>(std::lrint(r));
+    words[query_word_pos<R>(d)] = word;
+    total += word;
   }
-  for (int64_t d = D; d < round_up(D, 32); ++d) words[d] = 0;
   mul = finite ? top / 32767.f : std::numeric_limits<float>::quiet_NaN();
   sum = mul * static_cast<float>(total);
 }
+#endif
 
 // Attention of the query heads of a group of kv heads over tokens [begin, end);
 // leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
@@ -1619,17 +1752,19 @@ template <typename T, typename R, int D>
 void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
   const int64_t G = p.num_heads / p.num_kv_heads;
   const int64_t heads = w.num_kv_heads * G;
-  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens
+  const int64_t row_stride = p.num_kv_heads * D / kPack<R>;  // elements between tokens
   const T* query = static_cast<const T*>(p.query) + w.seq * p.query_stride + w.kv_head0 * G * D;
   const float q_scale = kFp8Row<R> ? p.scale * fp8_mul(p.kv_format, p.k_scale) : p.scale;
-  if constexpr (kInt8Row<R>) {
+  if constexpr (kPlaneRow<R>) {
     s.qsum.resize(heads);
     s.qmul.resize(heads);
     s.plane.resize(plane_floats_size(p.block_size, p.num_kv_heads));
   }
   for (int64_t h = 0; h < heads; ++h) {
     if constexpr (kDotInt16<R>) {
-      quantize_query_i16<T, D>(query + h * D, q_scale, s.q.data() + h * D, s.qmul[h], s.qsum[h]);
+#if defined(CPU_CAPABILITY_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
+      quantize_query_i16<R, T, D>(query + h * D, q_scale, s.q.data() + h * D, s.qmul[h], s.qsum[h]);
+#endif
     } else if constexpr (kQueryBf16<R>) {
       // The bf16 row as given, in the first half of the head's fp32 row (so the
       // callers' offsets h * D still find it); the scale (times fp8's tensor scale,
@@ -1651,7 +1786,7 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
         s.q[h * D + chunk_pos<R>(d)] = x;
         sum += x;
       }
-      if constexpr (kInt8Row<R>) s.qsum[h] = sum;
+      if constexpr (kPlaneRow<R>) s.qsum[h] = sum;
     }
   }
   s.start(heads, D);
@@ -1660,14 +1795,14 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
                  p.block_size,
                  row_stride,
                  p.seq_lens[w.seq],
-                 static_cast<const R*>(p.key_cache) + w.kv_head0 * D,
-                 static_cast<const R*>(p.value_cache) + w.kv_head0 * D,
+                 static_cast<const R*>(p.key_cache) + w.kv_head0 * D / kPack<R>,
+                 static_cast<const R*>(p.value_cache) + w.kv_head0 * D / kPack<R>,
                  p.block_tables + w.seq * p.max_blocks_per_seq,
                  p.alibi_slopes ? p.alibi_slopes + w.kv_head0 * G : nullptr,
                  kFp8Row<R> ? p.scale * p.k_scale : p.scale,
                  p.logits_soft_cap};
   tv.bf16_dot = p.bf16_dot;
-  if constexpr (kInt8Row<R>) {
+  if constexpr (kPlaneRow<R>) {
     tv.k_plane = p.k_plane;
     tv.v_plane = p.v_plane;
     tv.num_kv_heads = p.num_kv_heads;
@@ -1686,8 +1821,8 @@ void attend_rows(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
 // leaves m, l and the unnormalized accumulators ([group heads, D], chunk order)
 // in the scratch. A group of several kv heads reads each block as one
 // contiguous stretch (token rows are [num_kv_heads, head_size]), which the
-// stream prefetchers, the TLB and the DRAM pages prefer. fp8 and int8 caches are
-// read directly (their codes widened in registers), int4 through the staging tile.
+// stream prefetchers, the TLB and the DRAM pages prefer. Quantized caches are read directly
+// (their codes widened in registers), int4 through the staging tile where kInt4Direct is off.
 template <typename T, int D>
 void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s) {
   switch (p.kv_format) {
@@ -1701,6 +1836,10 @@ void attend_tokens(const DecodeParams& p, const DecodeWork& w, DecodeScratch& s)
       if constexpr (kInt16Query<T>) return attend_rows<T, Int8DotCode, D>(p, w, s);
       return attend_rows<T, uint8_t, D>(p, w, s);
     case KVCacheDType::kInt4PerTokenHead:
+      if constexpr (kInt4Direct<D>) {
+        if constexpr (kInt16Query<T>) return attend_rows<T, Int4DotCode, D>(p, w, s);
+        return attend_rows<T, Int4Code, D>(p, w, s);
+      }
       break;
   }
   const int64_t G = p.num_heads / p.num_kv_heads;
@@ -1728,6 +1867,8 @@ inline void store_row(OutT* dst, const float* src, float scale, int64_t n) {
 template <typename T, int D>
 inline void store_acc(const PagedAttentionParams& p, T* dst, const float* src, float scale) {
   if (p.kv_format == KVCacheDType::kAuto) return store_row<T>(dst, src, scale, D);
+  // int4 rows read directly left P.V in the order of the codes' halves (RowFormat).
+  if (kInt4Direct<D> && p.kv_format == KVCacheDType::kInt4PerTokenHead) return store_row<Int4Code>(dst, src, scale, D);
   // fp8 rows were read as code values times fp8_mul's inverse (cpu/kv_dequant.h): the V multiplier goes here.
   const float mul = is_fp8(p.kv_format) ? scale * fp8_mul(p.kv_format, p.v_scale) : scale;
 #if defined(CPU_CAPABILITY_AVX512_BF16)

@@ -2,8 +2,9 @@
 // codes) into fp32. Included by attention_kernels.cpp only, so it is compiled once per
 // instruction-set variant (CPU_CAPABILITY), with an AVX-512, an AVX2 and a scalar body.
 //
-// The capability-specific part is two widening primitives (load_codes, load_int4_codes) that
-// the dequantizer here and the decode kernel's direct reads share. fp8 goes through fp16: an e5m2 byte is exactly the top byte of an fp16, and an e4m3
+// The capability-specific part is the widening primitives (load_codes, load_int4_codes,
+// load_int4_halves) that the dequantizer here and the decode kernel's direct reads share.
+// fp8 goes through fp16: an e5m2 byte is exactly the top byte of an fp16, and an e4m3
 // byte placed at fp16 bit 7 (sign at bit 15) is the same value times 2^-8 (exponent
 // bias 7 against 15, subnormals included), so vcvtph2ps, which handles fp16
 // subnormals in hardware, does the conversion and the 2^8 joins the tensor scale.
@@ -113,6 +114,30 @@ inline CodeVec load_int4_codes(const uint8_t* p) {
   float lanes[kCodeLanes];
   for (int i = 0; i < kCodeLanes; ++i) lanes[i] = static_cast<float>((p[i / 2] >> (4 * (i % 2))) & 0x0F);
   return CodeVec::loadu(lanes);
+#endif
+}
+
+// 2 * kCodeLanes int4 codes (kCodeLanes bytes from p) as fp32 in two vectors: even gets the
+// low nibbles (elements 2i), odd the high ones (2i + 1). One widening serves both, where the
+// in-order load_int4_codes interleaves the nibbles first; the decode kernel keeps its query and
+// accumulators in this order instead.
+inline void load_int4_halves(const uint8_t* p, CodeVec& even, CodeVec& odd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  even = CodeVec(_mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(0x0F))));
+  odd = CodeVec(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  even = CodeVec(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0x0F))));
+  odd = CodeVec(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)));
+#else
+  float lo[kCodeLanes], hi[kCodeLanes];
+  for (int i = 0; i < kCodeLanes; ++i) {
+    lo[i] = static_cast<float>(p[i] & 0x0F);
+    hi[i] = static_cast<float>(p[i] >> 4);
+  }
+  even = CodeVec::loadu(lo);
+  odd = CodeVec::loadu(hi);
 #endif
 }
 
