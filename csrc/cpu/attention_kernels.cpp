@@ -299,8 +299,12 @@ void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const F& f) {
 // instructions of widening them in order. Dot products do not care about element
 // order as long as the query is permuted the same way, so the query and the output
 // accumulator live in this "chunk order" and the output is put back in order when
-// stored. Every other case (and AVX-512, whose 32-element chunks would not divide
-// head sizes 80 and 112) reads chunks of one vector in order.
+// stored. int4 codes are read the same way on AVX2 and AVX-512 (a chunk of 2 x kW codes
+// is kW bytes: the low nibbles, the even elements, widen into one vector and the high
+// nibbles, the odd ones, into the next; kInt4Direct). Every other case (and bf16 under
+// AVX-512, whose 32-element chunks would not divide head sizes 80 and 112) reads chunks
+// of one vector in order.
+
 // An int4-per-token-head byte: two codes, element 2i of the row in the low nibble of byte i.
 // Int4Code rows are widened to fp32 for both products; Int4DotCode rows take Q.K^T on integer
 // dot products against the query quantized to int16 (kDotInt16), P.V on fp32 as Int4Code.
@@ -318,8 +322,6 @@ constexpr int kPack = kInt4Row<T> ? 2 : 1;
 
 template <typename T>
 struct RowFormat {
-  // int4 codes widen a byte's low nibbles (the even elements) into one vector and its high
-  // nibbles (the odd ones) into the next, as AVX2's bf16 words do their halves.
   static constexpr int parts = kInt4Row<T> ? 2 : 1;
 };
 #if defined(CPU_CAPABILITY_AVX2)
@@ -365,7 +367,7 @@ constexpr KVCacheDType kCodeFormat = std::is_same_v<T, c10::Float8_e4m3fn> ? KVC
                                      : std::is_same_v<T, c10::Float8_e5m2> ? KVCacheDType::kFp8E5M2
                                                                            : KVCacheDType::kInt8PerTokenHead;
 
-// Chunk [c, c + kChunk<T>) of a row of T (p at the row's first element) as kParts<T> vectors.
+// Elements [c, c + kChunk<T>) of a row of T (`row` at its first element) as kParts<T> vectors.
 template <typename T>
 inline void load_chunk(const T* row, int c, Vec* out) {
   const T* p = row + c / kPack<T>;
@@ -641,8 +643,8 @@ struct Int16Dot {
 
 // qk_tile_dot on int16 dot products over int4 codes: 64 codes (32 bytes) widened to words
 // once, their low nibbles (the even elements) and high nibbles (the odd ones) two word vectors
-// met by the query's two halves in int4_query_pos' order. The last step of head sizes 80 and
-// 112 loads only the row's bytes (the query's words past them are zero).
+// met by the query's two halves in int4_query_pos' order. A last step of fewer codes (head
+// size 96) loads only the row's bytes (the query's words past them are zero).
 struct Int4Dot {
   static constexpr int kStep = 64;
   using Acc = __m512i;
