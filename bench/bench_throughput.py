@@ -33,10 +33,14 @@ table's notes say which cores vLLM used.
 --pagedkv-kv-cache-mib M gives pagedkv's runs a budget of M MiB instead (a pool
 small enough that the unquantized cache must preempt where an 8-bit one need not).
 
+--rounds R runs every system R times, interleaved, the order rotated each round:
+this VM's speed drifts by up to 2x within minutes, so systems run one after the
+other compare within a round, not across the run.
+
 Usage:
     python3 bench/bench_throughput.py --json bench/results/throughput_cpu.json --out bench/results/throughput_cpu.md
     python3 bench/bench_throughput.py --systems pagedkv,pagedkv[fp8],pagedkv[int8_per_token_head] \
-        --pagedkv-kv-cache-mib 256 --out bench/results/throughput_kv_dtype_cpu.md
+        --pagedkv-kv-cache-mib 400 --rounds 3 --out bench/results/throughput_kv_dtype_cpu.md
     python3 bench/bench_throughput.py --num-requests 4 --prompt-len 16 48 --output-len 4 12 --systems pagedkv,hf-cb
 Stdout is the markdown table; progress goes to stderr.
 """
@@ -130,6 +134,7 @@ class SystemResult:
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     steps: dict | None = None  # pagedkv: per-step time and tensor-parallel communication (step_summary)
+    round_elapsed_s: list[float | None] = field(default_factory=list)  # --rounds: every round's time, in order
 
     @property
     def ok(self) -> bool:
@@ -437,6 +442,26 @@ def run_system(name: str, wl: Workload, warm: Workload, args: argparse.Namespace
     return result
 
 
+def run_rounds(wl: Workload, warm: Workload, args: argparse.Namespace, model_dir: Path) -> list[SystemResult]:
+    """Every system args.rounds times; round r runs them in the order rotated by r, so that no system is always
+    first or last while the machine's speed drifts. A system's result is its median run (the lower middle one
+    for an even count), with every round's time kept for the per-round ratios."""
+    names, runs = args.systems, {name: [] for name in args.systems}
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            log(f"-- round {r + 1} of {args.rounds}")
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(run_system(name, wl, warm, args, model_dir))
+    results = []
+    for name in names:
+        ok = sorted((x for x in runs[name] if x.ok), key=lambda x: x.elapsed_s)
+        result = ok[(len(ok) - 1) // 2] if ok else runs[name][0]
+        if args.rounds > 1:
+            result.round_elapsed_s = [x.elapsed_s if x.ok else None for x in runs[name]]
+        results.append(result)
+    return results
+
+
 # --- report -----------------------------------------------------------------------------------------------------
 
 def machine_info() -> dict:
@@ -455,7 +480,8 @@ def summarize(results: list[SystemResult], wl: Workload) -> list[dict]:
     ref = by_name.get(REFERENCE)
     rows = []
     for r in results:
-        row = {"system": r.name, "error": r.error, "notes": r.notes, "load_s": r.load_s, "steps": r.steps}
+        row = {"system": r.name, "error": r.error, "notes": r.notes, "load_s": r.load_s, "steps": r.steps,
+               "round_elapsed_s": r.round_elapsed_s}
         if r.ok:
             row.update(elapsed_s=r.elapsed_s, output_tok_s=wl.output_tokens / r.elapsed_s,
                        total_tok_s=(wl.prompt_tokens + wl.output_tokens) / r.elapsed_s,
@@ -491,6 +517,22 @@ def markdown_table(rows: list[dict], wl: Workload) -> str:
             f"| {'—' if same is None else f'{same}/{n}'} "
             f"| {'—' if prefix is None else f'{prefix:.1f} / {mean_out:.1f}'} | {notes} |")
     return "\n".join(lines).replace("—x", "—")
+
+
+def rounds_table(rows: list[dict]) -> str:
+    """--rounds: each system's time in every round, and in each round the first system's time over this one's
+    (> 1: faster than it), which the machine's drift from round to round does not move."""
+    runs = [r for r in rows if len(r.get("round_elapsed_s") or []) > 1]
+    if not runs:
+        return ""
+    base = runs[0]
+    lines = [f"| system | elapsed s per round | median | {base['system']} / this, per round |", "|---|---|---:|---|"]
+    for r in runs:
+        times = r["round_elapsed_s"]
+        ratios = [b / t if b and t else None for b, t in zip(base["round_elapsed_s"], times, strict=True)]
+        lines.append(f"| {r['system']} | {', '.join(fmt(t, '.2f') for t in times)} | {fmt(r.get('elapsed_s'), '.2f')} "
+                     f"| {', '.join(fmt(x, '.2f') for x in ratios)} |")
+    return "\n".join(lines)
 
 
 def agreement_table(results: list[SystemResult]) -> str:
@@ -580,8 +622,12 @@ def report_header(info: dict, wl: Workload, args: argparse.Namespace) -> str:
     return "\n".join(parts)
 
 
-def report_markdown(table: str, pairs: str, info: dict, wl: Workload, args: argparse.Namespace) -> str:
+def report_markdown(table: str, pairs: str, info: dict, wl: Workload, args: argparse.Namespace,
+                    rounds: str = "") -> str:
     parts = [report_header(info, wl, args), table, ""]
+    if rounds:
+        parts += [f"{args.rounds} interleaved rounds (the systems' order rotated each round); the table gives each "
+                  "system's median run:", "", rounds, ""]
     parts += ["Notes:",
               "- Only the generate() wall time of the workload is timed: loading (vLLM's cold start included) and "
               "a 2-request warm-up are not.",
@@ -662,6 +708,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "vLLM's come from --vllm-omp-bind")
     p.add_argument("--timeout-s", type=float, default=3600, help="give up on HF CB after this long")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed 2-request warm-up")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, interleaved (the order rotated each round); each "
+                        "system's row is its median run, and the report adds every round's time and ratio")
     p.add_argument("--model", help="checkpoint folder to run (with its tokenizer; default: the default model)")
     p.add_argument("--json", help="write the results (rows, outputs' agreement, machine info) here")
     p.add_argument("--out", help="write the markdown report here, e.g. bench/results/throughput_cpu.md")
@@ -672,6 +721,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = {s for s in args.systems if s not in SYSTEMS and not (s.startswith("pagedkv[") and s.endswith("]"))}
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
 
 
@@ -688,12 +739,14 @@ def main(argv: list[str] | None = None) -> None:
                        tuple(args.token_range))
     warm = make_warmup(args)
     log(f"workload: {workload_line(wl, args)}\nmodel: {model_dir}")
-    results = [run_system(name, wl, warm, args, model_dir) for name in args.systems]
+    results = run_rounds(wl, warm, args, model_dir)
     rows = summarize(results, wl)
     info = machine_info()
-    table, pairs = markdown_table(rows, wl), agreement_table(results)
+    table, pairs, rounds = markdown_table(rows, wl), agreement_table(results), rounds_table(rows)
     if results:
         print(table)
+    if rounds:
+        print("\n" + rounds)
     if pairs:
         print("\n" + pairs)
     tp_rows, tp_text = [], ""
@@ -707,7 +760,7 @@ def main(argv: list[str] | None = None) -> None:
              "results": [asdict(r) for r in results], "tensor_parallel": tp_rows}, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        report = report_markdown(table, pairs, info, wl, args) if results else report_header(info, wl, args)
+        report = report_markdown(table, pairs, info, wl, args, rounds) if results else report_header(info, wl, args)
         Path(args.out).write_text(report + ("\n## Tensor parallelism\n\n" + tp_text + "\n" if tp_text else ""))
     if args.plot:
         plot_throughput({"machine": info, "workload": workload_line(wl, args), "rows": rows}, args.plot)

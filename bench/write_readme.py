@@ -344,6 +344,15 @@ change (FMAs, and AVX-512 dot-product sums by one shuffle tree), which the ratio
 decode picks its "amx" path for bf16 queries here and its process stops with SIGILL at both block sizes (an
 instruction this CPU lacks), so the bf16 rows have no vLLM contender; its "vec" path runs the fp32 rows, where
 pagedkv's e4m3 is 1.07-1.29x faster (geomean 1.20-1.21)."""),
+    ("Quantized KV caches end to end: throughput in a pool the unquantized cache outgrows "
+     "(`bench/bench_throughput.py --pagedkv-kv-cache-mib 400`)", "throughput_kv_dtype_cpu.md", [], """\
+The throughput workload (fp32, the default model) with a 400 MiB KV budget, in which the fp32 cache holds 9,088
+tokens and must preempt (peak 567 blocks, 3 preemptions) while every quantized cache holds 3.8-7.1x more and need not;
+three interleaved rounds, each round's time against the unquantized run's in the same round (this VM's speed
+drifted from 24 s to 31 s for the same fp32 run between 2026-12-01 and this run). Greedy outputs part from the
+fp32 cache's where rounding flips a near-tie (`kv_fidelity_cpu.md` measures how far). The prefix-caching bench
+with 8-bit caches beside the unquantized one: [prefix_cache_kv_dtype_cpu.md](results/prefix_cache_kv_dtype_cpu.md)
+(hit rate and blocks equal, 5.4-5.6x throughput over caching off as the fp32 cache's 5.7x)."""),
     ("The prefix cache beyond the pool: host and disk tiers (`bench/bench_kv_tiers.py`)", "kv_tiers_cpu.md", [],
      """\
 Three workloads on the default model (issue 24's targets): a restart with the disk tier (first-request TTFT on a
