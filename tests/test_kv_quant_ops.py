@@ -233,7 +233,7 @@ def _decode_case(fmt, dtype, head_size, num_heads, num_kv_heads, block_size, seq
 @pytest.mark.parametrize("fmt", QUANTIZED)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads,block_size",
-                         [(64, 9, 3, 16), (128, 8, 8, 32), (80, 7, 1, 8), (256, 4, 2, 16)])
+                         [(64, 9, 3, 16), (128, 8, 8, 32), (80, 7, 1, 8), (256, 4, 2, 16), (96, 6, 2, 16)])
 def test_decode_matches_reference(variant, fmt, dtype, head_size, num_heads, num_kv_heads, block_size):
     if variant == "avx512_bf16" and dtype != torch.bfloat16:
         pytest.skip("avx512_bf16 holds bf16 kernels only")
