@@ -38,10 +38,11 @@
 // bf16 by moving bit fields (fp8_bf16_pairs). An int8-per-token-head cache runs on integer
 // dot products (vpdpwssd, AVX512-VNNI; Q.K^T also under AVX2 with vpmaddwd): Q.K^T on the
 // codes against the query quantized to int16 per head, and (head sizes from
-// kMinPairedHeadSize, every one where bf16_dot is off) P.V on pairs of tokens' codes against the weights quantized to int16 per head and block,
-// both summed exactly in int32; the fp32 widening of every code (two instructions per 16
-// codes, more than the FMAs of a group's heads) is gone, and the int16 rounding (2^-16 of a
-// row's largest value) is far below the bf16 query's own.
+// kMinPairedHeadSize, every one where bf16_dot is off) P.V on pairs of tokens' codes
+// against the weights quantized to int16 per head and block, both summed exactly in int32;
+// the fp32 widening of every code (two instructions per 16 codes, more than the FMAs of a
+// group's heads) is gone, and the int16 rounding (2^-16 of a row's largest value) is far
+// below the bf16 query's own.
 //
 // On CPUs with AMX-BF16 (PrefillParams::use_amx), bf16 prefill runs both products on AMX tiles
 // instead (prefill_task_amx, csrc/cpu/attention_amx.cpp; a quantized cache's rows dequantized
