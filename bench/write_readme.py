@@ -74,9 +74,14 @@ VM as much as the server. Each cell pools the three rounds' 96 requests; the com
 the client on the same cores. With the AVX2 GEMM of `packed_linear` and its equal row blocks (with the new
 tile but before the equal blocks, a run made the same way gave pagedkv's TTFT 0.61x / 0.82x / 0.99x vLLM's at
 1 / 2 / unbounded req/s, TPOT 0.86x / 1.21x / 1.17x). What bounds both servers here: a 256-token prefill
-is about 55 GFLOP, and the layer GEMMs of both run near the cores' fp32 FMA peak (~150 GFLOP/s measured on
-this box), so at 2 req/s and above both are saturated and TTFT is queueing on the same arithmetic; at 1 req/s
-the busier of the two queues longer.
+is about 55 GFLOP, and the layer GEMMs of both run at 130-160 GFLOP/s, where OpenBLAS's Zen kernels run too
+(`cpu_linear_kernels_avx2_cpu.md`: 0.86-1.08x pagedkv's time from 64 rows up). That is 55-65% of the FMA units'
+nominal rate (2 cores x 2 pipes x 8 lanes x 2 flops at ~3.9 GHz: a register-only FMA loop ran 252 GFLOP/s), but
+the 4 x 24 tile alone, its weights and rows in L1, ran at 76% of that loop (95 of 126 GFLOP/s on one core) with
+broadcast or plain loads alike, so little is left for a GEMM here. During a 2 req/s run the core process took
+195-200% CPU, the front end 1-5% and the client 1-7% (2026-12-07): at 2 req/s and above both servers are
+saturated and TTFT is queueing on the same arithmetic; at 1 req/s the busier of the two queues longer. On this
+box a 1.2x TTFT lead would need less work per request or a cheaper number format, not a faster fp32 GEMM.
 Idle TTFT of one request (interleaved, medians of 6): 256-token prompt pagedkv 505 ms vs vLLM 533 ms, 512
 tokens 1104 vs 1293 ms, 1024 tokens 2323 vs 2527 ms."""),
     ("Offline throughput on an AVX2 CPU (`bench/bench_throughput.py`)", "throughput_avx2_cpu.md", [], """\
@@ -102,7 +107,14 @@ once in order instead of in two strided half-row passes: 1 row went from 1.04x o
 (20.8 GB/s) between the 2026-12-04 and 2026-12-05 runs. Products of up to a tile of rows now read each panel as
 4 segments side by side (a core reads ~1.5x faster from four streams than from one); against the previous
 kernel, both builds alternated process by process on the same weights (2 threads, medians of 3): 1.09-1.31x at
-1 row, 1.12x at 2, 1.14-1.25x at 4, 0.98-1.02x from 16 rows up, where the rows stay in order."""),
+1 row, 1.12x at 2, 1.14-1.25x at 4, 0.98-1.02x from 16 rows up, where the rows stay in order.
+Since 2026-12-07 OpenBLAS's sgemm (numpy's, with kernels written for Zen) runs in the same rotation, its worker
+threads' spin after each call cut to 2^4 cycles (`OPENBLAS_THREAD_TIMEOUT=4`: at its default they held a core
+for milliseconds after each call and pagedkv's 16-row product on the next call took 6x its time). It is 1.5-2.7x
+pagedkv's time at 1-32 rows, 0.86-1.08x from 64 (the layer GEMMs; one thread each: 0.87-0.91x on prefill shapes),
+so prefill's GEMM is level with a tuned BLAS here. Tried and dropped (interleaved in one process): the input rows
+packed per tile ([M / 4][K][4], one stream instead of four): 0.94-1.05x; K chunks of 64, 96, 192 or 256 rows
+instead of 128: within 0.92-1.11x, no size ahead on every shape."""),
     ("The linear layers' GEMM in bf16 on an AVX2 CPU (`bench/bench_cpu_linear.py --kernels --dtype bfloat16`)",
      "cpu_linear_kernels_bf16_avx2_cpu.md", [], """\
 The same on bf16 weights. oneDNN has no bf16 GEMM on AVX2, so its side is the fp32 GEMM on the weights' exact

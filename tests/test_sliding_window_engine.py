@@ -17,8 +17,8 @@ import pytest
 import torch
 from model_util import torch_threads
 from pagedkv import LLM, SamplingParams
-from pagedkv.config import EngineArgs, ModelConfig, _max_model_len
-from pagedkv.engine.memory_pool import tokens_held_at_most
+from pagedkv.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, _max_model_len
+from pagedkv.engine.memory_pool import KVCacheSpec, plan_kv_cache, tokens_held_at_most
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,3 +143,17 @@ def test_pool_only_needs_a_window_and_a_chunk():
     assert tokens_held_at_most(1024, 16, None, 128) == 1024
     assert tokens_held_at_most(1024, 16, 32, 128) == (math.ceil((31 + 128) / 16) + 1) * 16
     assert tokens_held_at_most(40, 16, 32, 128) == 48  # never more than max_model_len's blocks
+
+
+def test_pool_check_takes_the_per_sequence_chunk_cap():
+    """With long_prefill_token_threshold a sequence's chunk is at most the threshold, so a sliding-window pool
+    need only hold the window and that chunk; without it, the whole step's budget."""
+    spec = KVCacheSpec(bytes_per_token=1024, block_size=16)
+    blocks = tokens_held_at_most(4096, 16, 32, 128) // 16  # 11: the window and a 128-token chunk
+    cache = CacheConfig(watermark=0.0)
+    capped = SchedulerConfig(max_num_batched_tokens=2048, max_model_len=4096, long_prefill_token_threshold=128)
+    plan = plan_kv_cache(spec, blocks, cache, capped, torch.device("cpu"), sliding_window=32)
+    assert plan.num_blocks == blocks
+    with pytest.raises(ValueError, match="sliding-window model"):
+        plan_kv_cache(spec, blocks, cache, SchedulerConfig(max_num_batched_tokens=2048, max_model_len=4096),
+                      torch.device("cpu"), sliding_window=32)
