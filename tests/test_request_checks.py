@@ -88,3 +88,62 @@ def test_prompt_forms():
     for bad in ([1, True], [1, 2.0], [1, "2"], 7):  # a bool or a float is no token id
         with pytest.raises(ValueError, match="a string, a list of token ids or a dict"):
             tokenize_prompt(None, bad)
+
+
+# --- SamplingParams' own checks, at their edges ------------------------------------------------------------------
+INT64_MAX = (1 << 63) - 1
+
+
+@pytest.mark.parametrize("param, allowed, refused_value", [
+    ("n", {"n": 1}, {"n": 0}),
+    ("n", {"n": 2}, {"n": True}),  # a bool is no count
+    ("temperature", {"temperature": 0.0}, {"temperature": -1e-9}),
+    ("top_p", {"top_p": 1.0}, {"top_p": 0.0}),
+    ("top_p", {"top_p": 1e-9}, {"top_p": 1.0 + 1e-9}),
+    ("min_p", {"min_p": 0.0}, {"min_p": -1e-9}),
+    ("min_p", {"min_p": 1.0}, {"min_p": 1.0 + 1e-9}),
+    ("repetition_penalty", {"repetition_penalty": 1e-9}, {"repetition_penalty": 0.0}),
+    ("top_k", {"top_k": -1}, {"top_k": -2}),
+    ("seed", {"seed": INT64_MAX}, {"seed": INT64_MAX + 1}),
+    ("seed", {"seed": -INT64_MAX - 1}, {"seed": -INT64_MAX - 2}),
+    ("max_tokens", {"max_tokens": 1}, {"max_tokens": 0}),
+    ("min_tokens", {"min_tokens": 0}, {"min_tokens": -1}),
+    ("min_tokens", {"min_tokens": 5, "max_tokens": 5}, {"min_tokens": 6, "max_tokens": 5}),
+    ("logprobs", {"logprobs": 0}, {"logprobs": -1}),
+    ("stop_token_ids", {"stop_token_ids": [0, INT64_MAX]}, {"stop_token_ids": [INT64_MAX + 1]}),
+    ("stop_token_ids", {"stop_token_ids": [0]}, {"stop_token_ids": [-1]}),
+    ("stop_token_ids", {"stop_token_ids": [1] * 1024}, {"stop_token_ids": [1] * 1025}),
+    ("stop", {"stop": ["s"] * 64}, {"stop": ["s"] * 65}),
+    ("stop", {"stop": ["s" * 1024]}, {"stop": ["s" * 1025]}),
+    ("stop", {"stop": "s"}, {"stop": [""]}),
+])
+def test_sampling_params_at_their_edges(param, allowed, refused_value):
+    SamplingParams(**allowed)
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(**refused_value)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("value", [True, float("nan"), float("inf"), "1.0", None])
+def test_float_params_must_be_finite_numbers(value):
+    with pytest.raises(SamplingParamsError, match="finite number"):
+        SamplingParams(temperature=value)
+
+
+def test_sampling_params_normalize():
+    assert SamplingParams(temperature=1e-5).temperature == 1e-2  # float32 logits would overflow below
+    assert SamplingParams(temperature=0.0).temperature == 0.0 and SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    assert SamplingParams(temperature=0.5).temperature == 0.5
+    assert SamplingParams(temperature=2).temperature == 2.0
+    assert SamplingParams(top_k=-1).top_k == 0
+    defaults = SamplingParams()
+    assert (defaults.n, defaults.top_k, defaults.max_tokens, defaults.min_tokens, defaults.ignore_eos,
+            defaults.skip_special_tokens, defaults.include_stop_str_in_output) == (1, 0, 16, 0, False, True, False)
+    assert SamplingParams(stop_token_ids=[7, 7, 9]).all_stop_token_ids == frozenset({7, 9})
+    for derived in ({"all_stop_token_ids": frozenset({1})}, {"stop_strings": ["x"]}):  # derived, not arguments
+        with pytest.raises(TypeError):
+            SamplingParams(**derived)
+    # A streamed output holds back all but one character of its longest stop string, and nothing without one.
+    assert SamplingParams().stop_holdback == 0
+    assert SamplingParams(stop=["ab", "xyz1"]).stop_holdback == 3
