@@ -96,7 +96,7 @@ def run_gemms(kernel: str, packed: list[tuple[int, object, int]], xs: dict[int, 
 
 
 def openblas_version() -> str:
-    """The BLAS numpy runs on, as numpy's build config names it, and its thread count."""
+    """The BLAS numpy runs on, as numpy's build config names it, and the OpenBLAS settings in the environment."""
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         name = f"{blas.get('name', '?')} {blas.get('version', '?')}"
@@ -139,20 +139,20 @@ def compare_kernels(args: argparse.Namespace) -> None:
             med = {name: statistics.median(t) for name, t in times.items()}
             row = {"group": group, "rows": m, **{f"{name}_ms": 1e3 * t for name, t in med.items()},
                    "speedup": med["onednn"] / med["pagedkv"]}
-            blas = []
+            blas_ms, blas_ratio = [], []
             if with_blas:
                 row["speedup_openblas"] = med["openblas"] / med["pagedkv"]
-                blas = [f"{row['openblas_ms']:.2f}", f"{row['speedup_openblas']:.2f}x"]
+                blas_ms, blas_ratio = [f"{row['openblas_ms']:.2f}"], [f"{row['speedup_openblas']:.2f}x"]
             data["rows"].append(row)
-            rows.append([m, f"{row['onednn_ms']:.2f}", *blas[:1], f"{row['pagedkv_ms']:.2f}", f"{row['speedup']:.2f}x",
-                         *blas[1:], f"{weight_bytes / med['pagedkv'] / 1e9:.1f}",
+            rows.append([m, f"{row['onednn_ms']:.2f}", *blas_ms, f"{row['pagedkv_ms']:.2f}", f"{row['speedup']:.2f}x",
+                         *blas_ratio, f"{weight_bytes / med['pagedkv'] / 1e9:.1f}",
                          f"{flops_per_row * m / med['pagedkv'] / 1e9:.0f}"])
             print(f"{group} M={m}: {row['speedup']:.2f}x", file=sys.stderr)
         title = ("the default model's 120 layer GEMMs (30 layers x qkv 576->960, o 576->576, gate_up 576->3072, "
                  "down 1536->576)" if group == "layers" else "the LM head 576->49152")
-        blas_cols = (["OpenBLAS ms"], ["OpenBLAS / pagedkv"]) if with_blas else ([], [])
+        blas_ms_col, blas_ratio_col = (["OpenBLAS ms"], ["OpenBLAS / pagedkv"]) if with_blas else ([], [])
         lines += [f"## {title}", "", markdown_table(
-            ["rows", "oneDNN ms", *blas_cols[0], "pagedkv ms", "oneDNN / pagedkv", *blas_cols[1],
+            ["rows", "oneDNN ms", *blas_ms_col, "pagedkv ms", "oneDNN / pagedkv", *blas_ratio_col,
              "pagedkv weights GB/s", "pagedkv GFLOP/s"], rows), ""]
     report = "\n".join(lines)
     print(report)
