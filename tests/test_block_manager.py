@@ -1,5 +1,7 @@
 """BlockManager operations and errors, on the C++ core and its pure-Python twin."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -169,6 +171,53 @@ def test_constructor_errors(backend):
         BlockManager(0, 8, backend=backend)
     with pytest.raises(ValueError, match="backend"):
         BlockManager(BS, 8, backend="rust")
+    for kwargs, name in ((dict(num_gpu_blocks=-1), "num_gpu_blocks"), (dict(num_cpu_blocks=2.5), "num_cpu_blocks"),
+                         (dict(num_cpu_blocks=-1), "num_cpu_blocks"), (dict(block_size=0), "block_size")):
+        args = dict(block_size=BS, num_gpu_blocks=8) | kwargs
+        with pytest.raises(ValueError, match=f"{name} must be a non-negative int"):
+            BlockManager(**args, backend=backend)
+    for window in (True, -1, "8", 2.0):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 0"):
+            BlockManager(BS, 8, sliding_window=window, backend=backend)
+
+
+def test_the_smallest_legal_values(backend):
+    """block_size 1, an empty pool, and a window of 0 (no window)."""
+    one = BlockManager(1, 2, backend=backend)
+    one.allocate(1, 2)
+    assert sorted(one.get_block_table(1)) == [0, 1] and one.num_free_gpu_blocks == 0
+    assert BlockManager(BS, 0, backend=backend).num_free_gpu_blocks == 0
+    assert BlockManager(BS, 8, backend=backend).num_free_cpu_blocks == 0  # no swap space unless asked
+    assert BlockManager(BS, 8, sliding_window=0, backend=backend).sliding_window is None
+
+
+def test_allocate_a_first_chunk_within_the_prompt(backend):
+    """num_tokens (a first chunk) must leave the cached prefix behind and stay within the prompt."""
+    bm = make(backend, enable_caching=True)
+    bm.allocate(1, list(range(1, 10)))  # 9 tokens: 2 full blocks cached
+    prompt = list(range(1, 10)) + [50, 51, 52]  # 12 tokens, the first 8 cached
+    for bad in (8, 13):
+        with pytest.raises(ValueError, match=r"num_tokens must be in \(8, 12\]"):
+            bm.allocate(2, prompt, num_tokens=bad)
+    assert 2 not in bm
+    assert bm.allocate(2, prompt, num_tokens=9) == 8
+    assert bm.allocate(3, prompt, num_tokens=12) == 8
+
+
+def test_can_append_one_token_by_default(backend):
+    bm = make(backend, num_gpu=1)
+    bm.allocate(1, BS - 1)  # one slot left in its block, no free block
+    assert bm.can_append(1) and not bm.can_append(1, num_new_tokens=2)
+
+
+def test_num_prefix_cache_seqs_counts_the_tracked_sequences(backend):
+    assert make(backend).num_prefix_cache_seqs == 0
+    bm = make(backend, enable_caching=True)
+    bm.allocate(1, [1, 2, 3])
+    bm.allocate(2, [4, 5])
+    assert bm.num_prefix_cache_seqs == 2
+    bm.free(1)
+    assert bm.num_prefix_cache_seqs == 1
 
 
 def test_swap_out_and_in_keeps_sharing(backend):
@@ -323,6 +372,9 @@ def test_fill_metadata_rejects_buffers_it_cannot_write():
         bm.fill_metadata([1], np.zeros(6, np.int32), sm, sl)
     with pytest.raises(ValueError, match="rows"):
         bm.fill_metadata([1, 1, 1], bt, sm, sl)
+    for not_a_buffer in ([0] * 6, types.SimpleNamespace(device="cpu")):  # a device alone is not a tensor
+        with pytest.raises(ValueError, match="block_tables must be a numpy array or a CPU torch tensor"):
+            bm.fill_metadata([1], not_a_buffer, sm, sl)
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])

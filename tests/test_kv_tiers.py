@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.kv_disk_store import DiskKVStore
 from pagedkv.core.kv_tiers import KVTiers
 
 BS = 4
@@ -73,6 +75,49 @@ def test_evicted_blocks_go_to_the_host_tier_and_come_back(backend):
     assert all(host.pool.ref_count(s) == 0 for s in match.tier.host_slots)
     stats = bm.tiers.stats
     assert stats.hits_host == 3 * BS and stats.restored_blocks_host == 3 and stats.offloaded_blocks >= 3
+
+
+def test_a_tier_hit_leaves_the_prompts_last_token_to_compute(backend):
+    """A prompt of exactly three blocks whose blocks all sit in the host tier: its last block holds its last
+    token, which must be computed, so only two blocks come from the tier."""
+    bm = manager(backend)
+    a = tokens(1, 3 * BS + 1)
+    run_prompt(bm, 0, a)
+    run_prompt(bm, 1, tokens(2, 4 * BS))
+    run_prompt(bm, 2, tokens(3, 4 * BS))  # a's three blocks are in the tier now
+    whole = bm.match_prefix(a[:3 * BS])
+    assert whole.hits == [] and len(whole.tier.host_slots) == 2 and whole.num_cached_tokens == 2 * BS
+    assert bm.match_prefix(a).num_cached_tokens == 3 * BS  # one token more: all three
+
+
+@pytest.mark.parametrize("events_first", [True, False], ids=["events-then-tier", "tier-then-events"])
+def test_host_tier_stores_are_kv_events_whichever_is_set_up_first(backend, events_first):
+    bm = BlockManager(BS, 8, 0, watermark=0.0, enable_caching=True, backend=backend)
+    if events_first:
+        bm.enable_kv_events()
+    bm.attach_tiers(6)
+    if not events_first:
+        bm.enable_kv_events()
+    a = tokens(1, 3 * BS + 1)
+    run_prompt(bm, 0, a)
+    run_prompt(bm, 1, tokens(2, 4 * BS))
+    run_prompt(bm, 2, tokens(3, 4 * BS))  # a's three blocks go to the host tier
+    log = bm.take_kv_events()
+    assert set(bm.prefix_cache.prompt_hashes(a)) <= set(log.stored_host)
+
+
+def test_tier_stats_count_lookups_hits_offloads_evictions_and_restores(backend):
+    """A 2-slot tier under a's three evicted blocks (leaf first: the third replaces a's last block, so a's first
+    two remain); a again restores those two."""
+    bm = manager(backend, num_blocks=8, host_slots=2)
+    a = tokens(1, 3 * BS + 1)
+    run_prompt(bm, 0, a)
+    run_prompt(bm, 1, tokens(2, 4 * BS))
+    run_prompt(bm, 2, tokens(3, 4 * BS))
+    s = bm.tiers.stats
+    assert (s.queries, s.offloaded_blocks, s.host_evictions, s.hits_host, s.restored_blocks_host) == (45, 3, 1, 0, 0)
+    assert run_prompt(bm, 3, a)[0] == 2 * BS
+    assert (s.queries, s.hits_host, s.restored_blocks_host, s.hits_disk, s.restored_blocks_disk) == (58, 8, 2, 0, 0)
 
 
 def test_tier_is_lru_and_never_offloads_a_key_twice(backend):
@@ -146,6 +191,7 @@ def test_attach_needs_caching_and_no_window():
 
 
 def test_tiers_without_host_or_disk_do_nothing():
+    assert BlockManager(BS, 8, enable_caching=True).attach_tiers().host is None  # no host slots unless asked
     t = KVTiers(BS)
     assert not t.enabled
     assert t.match([b"x" * 32]).num_blocks == 0
@@ -177,3 +223,119 @@ def test_random_workload_keeps_invariants(backend):
         bm.check_invariants()
         if backend == "cpp":  # the pure-Python pool has no separate walker
             bm.tiers.host.pool.check_invariants()
+
+
+def keyed(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def test_host_lookup_stops_at_the_first_missing_key(backend):
+    host = manager(backend, host_slots=4).tiers.host
+    s0, _ = host.store(keyed(0))
+    host.store(keyed(2))
+    assert host.lookup([keyed(0), keyed(1), keyed(2)]) == [s0]
+
+
+def test_storing_a_held_key_marks_it_recently_used(backend):
+    """A 2-slot tier holding k0, k1: k0 offered again is not stored twice but moves to the back of the LRU
+    order, so k2 replaces k1."""
+    host = manager(backend, host_slots=2).tiers.host
+    s0, _ = host.store(keyed(0))
+    s1, _ = host.store(keyed(1))
+    assert host.store(keyed(0)) == (None, None)
+    assert host.store(keyed(2)) == (s1, keyed(1))
+    assert host.lookup([keyed(0)]) == [s0] and host.lookup([keyed(1)]) == []
+
+
+def test_an_offload_batch_goes_on_past_a_key_the_tier_holds(backend):
+    tiers = manager(backend, host_slots=4).tiers
+    tiers.offload([(5, keyed(0))])
+    tiers.take_moves()
+    tiers.offload([(6, keyed(0)), (7, keyed(1))])
+    moves = tiers.take_moves()
+    assert [block for block, _ in moves.offload] == [7] and tiers.stats.offloaded_blocks == 2
+
+
+def test_tier_moves_are_true_when_any_copy_is_due(backend):
+    tiers = manager(backend, host_slots=4).tiers
+    assert tiers.enabled and not tiers.take_moves()
+    tiers.offload([(5, keyed(0))])
+    assert tiers.take_moves()  # an offload alone
+    tiers.restore_into(tiers.load(tiers.match([keyed(0)]), BS)[0], [3], None)
+    moves = tiers.take_moves()
+    assert moves and moves.offload == [] and moves.restore_host  # a restore alone
+
+
+def test_host_events_report_stores_and_replacements_and_forget_a_failed_steps(backend):
+    """With KV events: a stored key, the key its slot held before; a failed step's stores are not reported
+    (their slots were dropped). Without KV events nothing is kept."""
+    quiet = manager(backend, host_slots=1).tiers
+    quiet.offload([(5, keyed(0)), (6, keyed(1))])
+    assert quiet.take_events() == ([], [])
+    bm = manager(backend, host_slots=1)
+    bm.enable_kv_events()
+    tiers = bm.tiers
+    tiers.offload([(5, keyed(0))])
+    tiers.end_of_step()
+    tiers.offload([(6, keyed(1))])
+    assert tiers.take_events() == ([keyed(0), keyed(1)], [keyed(0)])
+    tiers.end_of_step()
+    tiers.offload([(7, keyed(2))])
+    tiers.end_of_step(failed=True)
+    assert tiers.take_events() == ([], [keyed(1)])
+
+
+def test_reset_prefix_cache_empties_the_host_tier(backend):
+    bm = manager(backend)
+    a = tokens(1, 3 * BS + 1)
+    run_prompt(bm, 0, a)
+    run_prompt(bm, 1, tokens(2, 4 * BS))
+    run_prompt(bm, 2, tokens(3, 4 * BS))
+    assert bm.match_prefix(a).num_cached_tokens == 3 * BS  # from the host tier
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(a).num_cached_tokens == 0 and bm.tiers.host.num_cached == 0
+
+
+# --- the disk tier, through the manager --------------------------------------------------------------------
+
+DISK_FP = {"model": "test", "block_size": BS}
+
+
+def disk_manager(backend: str, tmp_path, written: list[bytes]) -> tuple[BlockManager, DiskKVStore]:
+    """A disk-only tier holding `written` (each block's bytes: its key's first 16 bytes)."""
+    disk = DiskKVStore(tmp_path / "kv", DISK_FP, 16)
+    if written:
+        disk.store(written, np.stack([np.frombuffer(k[:16], np.uint8) for k in written]))
+        assert disk.flush(timeout=10)
+    bm = BlockManager(BS, 8, 0, watermark=0.0, enable_caching=True, backend=backend)
+    bm.attach_tiers(disk=disk)
+    return bm, disk
+
+
+def test_disk_hits_stop_at_the_first_missing_block(backend, tmp_path):
+    a = tokens(1, 3 * BS + 1)
+    h = BlockManager(BS, 1, enable_caching=True).prefix_cache.prompt_hashes(a)
+    bm, disk = disk_manager(backend, tmp_path, [h[0], h[2]])
+    m = bm.match_prefix(a)
+    assert m.hits == [] and m.tier.disk_keys == [h[0]] and m.num_cached_tokens == BS
+    assert bm.tiers.host is None and m.tier.host_slots == []
+    disk.close(timeout=5)
+
+
+def test_disk_blocks_are_restored_into_new_device_blocks_and_counted(backend, tmp_path):
+    """Two prompts admitted in one step, 2 and 1 disk blocks: the step's restore lists all three device blocks
+    with their bytes, in admission order."""
+    a, b = tokens(1, 3 * BS + 1), tokens(2, 2 * BS + 1)
+    hashes = BlockManager(BS, 1, enable_caching=True).prefix_cache.prompt_hashes
+    ha, hb = hashes(a), hashes(b)
+    bm, disk = disk_manager(backend, tmp_path, ha[:2] + hb[:1])
+    bm.begin_step()
+    assert bm.allocate(0, a) == 2 * BS
+    assert bm.allocate(1, b) == BS
+    restore = bm.take_tier_moves().restore_disk
+    assert restore.blocks == bm.get_block_table(0)[:2] + bm.get_block_table(1)[:1]
+    assert [bytes(p) for p in restore.payload] == [ha[0][:16], ha[1][:16], hb[0][:16]]
+    s = bm.tiers.stats
+    assert (s.queries, s.hits_disk, s.restored_blocks_disk, s.hits_host) == (len(a) + len(b), 3 * BS, 3, 0)
+    bm.check_invariants()
+    disk.close(timeout=5)

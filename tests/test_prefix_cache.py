@@ -69,6 +69,50 @@ def test_block_hashes_are_the_chain_of_full_blocks():
         block_hashes([2**63] * 4, BS)
 
 
+def test_block_size_one_hashes_every_token_and_zero_is_refused():
+    h0 = hash_block_tokens(None, [7])
+    assert block_hashes([7, 8], 1) == [h0, hash_block_tokens(h0, [8])]
+    assert PrefixCache(block_size=1).prompt_hashes([7, 8]) == block_hashes([7, 8], 1)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        PrefixCache(block_size=0)
+
+
+def test_kv_events_carry_each_stored_blocks_parent_and_tokens():
+    """What KV events report as stored, per step: a prompt's full blocks (each with its parent's key and its
+    tokens), a block an append fills, and after a swap-out whose blocks were evicted meanwhile, the blocks the
+    swap-in caches again, the first one included."""
+    bm = BlockManager(BS, 8, 8, 0.0, enable_caching=True)
+    bm.enable_kv_events()
+    prompt = list(range(1, 3 * BS + 2))  # three full blocks and one token
+    h = block_hashes(prompt + [99, 98, 97], BS)
+    bm.begin_step()
+    bm.allocate(1, prompt)
+    assert bm.take_kv_events().stored == [(h[0], None, prompt[:4]), (h[1], h[0], prompt[4:8]),
+                                          (h[2], h[1], prompt[8:12])]
+    bm.begin_step()
+    bm.append_slots(1, 3, [99, 98, 97])
+    assert bm.take_kv_events().stored == [(h[3], h[2], [prompt[12], 99, 98, 97])]
+    bm.swap_out(1)
+    bm.allocate(2, list(range(100, 100 + 8 * BS)))  # every block of the pool: seq 1's cached ones are evicted
+    bm.free(2)
+    bm.begin_step()
+    bm.swap_in(1)
+    stored = bm.take_kv_events().stored
+    assert [key for key, _, _ in stored] == h
+    assert stored[0] == (h[0], None, prompt[:4]) and stored[3][1] == h[2]
+
+
+def test_blocks_are_recorded_only_when_asked():
+    """KV events need each stored block's parent and tokens; without them the cache keeps none."""
+    for record in (False, True):
+        bm = BlockManager(BS, 8, 0, 0.0, enable_caching=True)
+        if record:  # as KV events turn it on; off by default
+            bm.prefix_cache.record_blocks = True
+        bm.allocate(1, list(range(1, 10)))
+        recorded = bm.prefix_cache.take_recorded()
+        assert len(recorded) == (2 if record else 0)
+
+
 def test_hash_algo_flag():
     with pytest.raises(ValueError, match="hash_algo"):
         hash_block_tokens(None, [1], hash_algo="md5")

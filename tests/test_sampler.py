@@ -200,6 +200,13 @@ def test_top_p_one_keeps_the_whole_vocabulary():
     assert torch.isfinite(out[0]).all(), f"{int((~torch.isfinite(out[0])).sum())} tokens dropped with top_p=1"
 
 
+def test_top_p_reached_exactly_keeps_no_more_tokens():
+    """Four equally likely tokens (0.25 each, exact in float32) and top_p 0.5: the first two reach it, so the
+    nucleus is those two (the smallest set whose mass is at least top_p)."""
+    out = filter_logits(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int64), torch.tensor([0.5]), torch.zeros(1))
+    assert int(torch.isfinite(out).sum()) == 2
+
+
 # --- repetition penalty ----------------------------------------------------------------------------
 
 def test_repetition_penalty_matches_hf():
@@ -261,6 +268,22 @@ def test_greedy_rows_in_a_sampled_batch_are_argmax():
     assert int(expected[2].argmax()) != int(logits[2].argmax())  # the penalty changed the greedy pick
 
 
+@pytest.mark.parametrize("filt", [dict(top_k=1), dict(top_p=0.01), dict(min_p=0.99)], ids=lambda f: next(iter(f)))
+def test_a_filter_on_one_row_of_a_batch_applies_to_that_row(filt):
+    """One row of 8 keeps only its most likely token (top_k 1, a tiny top_p, a min_p near 1); the others draw
+    unfiltered from the same nearly flat logits, so they spread over the vocabulary."""
+    n, vocab = 8, 50
+    logits = torch.zeros(n, vocab)
+    logits[:, 17] = 0.5  # the most likely token, with e^0.5 / (49 + e^0.5), about 3%, of the mass
+    name, value = next(iter(filt.items()))
+    off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}[name]
+    batch = _batch(n, **{name: [off] * 3 + [value] + [off] * 4})
+    sampler = Sampler(torch.Generator().manual_seed(5))
+    draws = [sampler(logits, batch).token_ids for _ in range(40)]
+    assert all(d[3] == 17 for d in draws)
+    assert len({d[r] for d in draws for r in (0, 1, 2, 4, 5, 6, 7)}) > 20
+
+
 # --- the draw follows the distribution -----------------------------------------------------------------
 
 LOGITS5 = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
@@ -273,7 +296,10 @@ CHI2_BOUND = 35.0
     dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.7, top_k=3), dict(temperature=1.0, top_p=0.8),
     dict(temperature=1.0, min_p=0.2), dict(temperature=1.3, top_k=4, top_p=0.9, min_p=0.05),
 ], ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
-def test_draws_follow_the_filtered_distribution(params):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fused", "torch"])
+def test_draws_follow_the_filtered_distribution(params, dtype):
+    """float32 on the CPU draws in the fused op; other dtypes (and CUDA) take the torch path (softmax, cumsum,
+    draw_from_cdf), here in float64."""
     t = params["temperature"]
     k, p, mp = params.get("top_k", 0), params.get("top_p", 1.0), params.get("min_p", 0.0)
     scaled = (LOGITS5 / t).tolist()
@@ -281,7 +307,7 @@ def test_draws_follow_the_filtered_distribution(params):
     assert margin > 1e-3 and len(keep) >= 2
     weights = torch.tensor([math.exp(x) if i in keep else 0.0 for i, x in enumerate(scaled)], dtype=torch.float64)
     expected = weights / weights.sum() * DRAWS
-    logits = LOGITS5.expand(DRAWS, 5).contiguous()
+    logits = LOGITS5.expand(DRAWS, 5).contiguous().to(dtype)
     out = Sampler(torch.Generator().manual_seed(1234))(logits, _batch(DRAWS, **params))
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=5).double()
     assert counts[expected == 0].sum() == 0, f"filtered tokens were drawn: {counts.tolist()}"
@@ -298,6 +324,32 @@ def test_draw_never_picks_a_filtered_token_at_the_extremes_of_u():
     cdf = weights.cumsum(-1)
     u = torch.tensor([[0.0], [0.75], [0.7501], [1.0 - 2.0 ** -24]])  # token 2 owns (0, 3], token 4 (3, 4]
     assert draw_from_cdf(cdf, u).tolist() == [2, 2, 4, 4]
+
+
+def test_draw_of_a_nan_row_stays_in_the_vocabulary():
+    from pagedkv.model.sampler import draw_from_cdf
+
+    cdf = torch.tensor([[1.0, 2.0, 3.0], [float("nan")] * 3])
+    assert draw_from_cdf(cdf, torch.tensor([[0.5], [0.5]])).tolist() == [1, 2]
+
+
+def test_penalties_and_bans_apply_to_the_rows_that_have_them():
+    """Greedy rows: a penalty on every row (not only some) moves each argmax; a ban on one row of three moves
+    that row's alone."""
+    logits = torch.tensor([[3.0, 2.0, 1.0]] * 3)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    penalised = _batch(3, temperature=0.0, all_greedy=True, penalties=[(4.0, [0])] * 3)
+    assert sampler(logits, penalised).token_ids == [1, 1, 1]
+    banned = _batch(3, temperature=0.0, all_greedy=True)
+    banned.banned = [None, [0, 1], None]
+    assert sampler(logits, banned).token_ids == [0, 2, 0]
+
+
+def test_logprobs_of_a_row_after_one_that_wants_none():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(3))
+    out = Sampler()(logits, _batch(3, temperature=0.0, num_logprobs=[None, 2, None], all_greedy=True))
+    assert out.logprobs[0] is None and out.logprobs[2] is None
+    assert len(out.logprobs[1]) == 2 and int(logits[1].argmax()) in out.logprobs[1]
 
 
 def test_draws_depend_on_the_generator():
