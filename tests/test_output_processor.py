@@ -13,13 +13,21 @@ from pagedkv.outputs import RequestMetrics
 from pagedkv.sampling_params import SamplingParams
 from transformers import AutoTokenizer
 
-FLAMINGO = [10813, 116, 119]  # one emoji in three byte tokens: the first two alone decode to U+FFFD
+FLAMINGO = "\U0001F9A9"  # one emoji the default model's tokenizer writes as three byte tokens
 EOS = 2
 
 
 @pytest.fixture(scope="module")
 def tok(default_model_dir):
     return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def flamingo(tok) -> list[int]:
+    """FLAMINGO's token ids: the first two alone decode to U+FFFD (an incomplete character)."""
+    ids = tok.encode(FLAMINGO)
+    assert len(ids) == 3 and tok.decode(ids[:2]).endswith("\ufffd") and tok.decode(ids) == FLAMINGO
+    return ids
 
 
 def feed(tok, sample: SampleState, ids: list[int]) -> list[str]:
@@ -33,25 +41,25 @@ def feed(tok, sample: SampleState, ids: list[int]) -> list[str]:
 
 # --- incremental detokenization ----------------------------------------------------------------------------
 
-def test_incremental_text_equals_one_decode_and_waits_for_whole_characters(tok):
+def test_incremental_text_equals_one_decode_and_waits_for_whole_characters(tok, flamingo):
     text = "Café \U0001F642 naïve x中文y, end.\n\nUser:"
-    ids = tok.encode(text) + FLAMINGO + tok.encode(" done")
+    ids = tok.encode(text) + flamingo + tok.encode(" done")
     sample = SampleState(0)
     news = feed(tok, sample, ids)
     assert sample.text == tok.decode(ids) == "".join(news)
     assert not any("\ufffd" in n for n in news)
     # The flamingo's first two byte tokens add nothing; its third adds the whole character.
     at = len(tok.encode(text))
-    assert news[at:at + 3] == ["", "", "\U0001F9A9"]
+    assert news[at:at + 3] == ["", "", FLAMINGO]
 
 
-def test_an_incomplete_character_leaves_the_offsets_where_they_were(tok):
+def test_an_incomplete_character_leaves_the_offsets_where_they_were(tok, flamingo):
     sample = SampleState(0, output_token_ids=tok.encode("ab"))
     update_text(tok, sample)
     offsets = (sample.prefix_offset, sample.read_offset)
-    feed(tok, sample, FLAMINGO[:2])
+    feed(tok, sample, flamingo[:2])
     assert (sample.prefix_offset, sample.read_offset) == offsets and sample.text == "ab"
-    assert feed(tok, sample, FLAMINGO[2:]) == ["\U0001F9A9"]
+    assert feed(tok, sample, flamingo[2:]) == [FLAMINGO]
     assert sample.read_offset == len(sample.output_token_ids)
 
 
@@ -260,10 +268,10 @@ def test_a_sample_ended_here_skips_its_late_tokens_not_its_siblings(tok):
     assert [c.text for c in outs[0].outputs] == ["Hi", " Yo"]
 
 
-def test_streamed_text_never_ends_in_half_a_character(tok):
+def test_streamed_text_never_ends_in_half_a_character(tok, flamingo):
     """max_tokens cuts the emoji after two of its three byte tokens: neither the deltas nor the final text
     carry the incomplete character."""
-    ids = tok.encode("ab") + FLAMINGO[:2]
+    ids = tok.encode("ab") + flamingo[:2]
     proc = OutputProcessor(tok)
     proc.add(request("r", SamplingParams(max_tokens=len(ids)), OutputKind.DELTA))
     outs, _ = proc.process([delta("r", [sample(0, ids[:-1])])])

@@ -356,6 +356,30 @@ def test_admission_of_a_cached_prefix_computes_and_counts_only_the_rest(num_gpu_
     assert second.seqs[0].num_computed_tokens == 3 * BS and second.metrics.num_cached_tokens == 3 * BS
 
 
+def test_a_prompt_whose_evictable_hits_leave_too_few_blocks_waits_unharmed():
+    """A 5-block prompt whose first 2 blocks are cached but evictable (counted among the 4 free blocks): the
+    estimate (3 new blocks) passes, but reviving the hits leaves 2, so the allocation fails. The prompt waits,
+    nothing is half-allocated, and it is admitted once a running sequence frees its blocks."""
+    sched = make_scheduler(num_gpu_blocks=6, caching=True)
+    first = make_request(sched, 1, 2 * BS + 1, max_tokens=1).seqs[0]
+    run_step(sched, 5)  # computed and finished at once: its 2 full blocks stay cached, evictable
+    holder = make_request(sched, 50, 2 * BS - 2, max_tokens=8).seqs[0]
+    holder.token_ids[:] = holder.request.prompt_token_ids[:] = list(range(300, 300 + 2 * BS - 2))
+    run_step(sched, 5)
+    prompt = list(first.request.prompt_token_ids[:2 * BS]) + list(range(70, 70 + 3 * BS - 4))
+    late = Request("r2", None, prompt, SamplingParams(max_tokens=4), RequestMetrics(0.0))
+    late.seqs.append(Sequence(2, late, 0, list(prompt)))
+    sched.add(late.seqs[0])
+    assert len(sched.bm.match_prefix(prompt).hits) == 2 and sched.bm.num_free_gpu_blocks == 4
+    out = sched.schedule()
+    assert out.decode_seqs == [holder] and out.prefill_seqs == [] and list(sched.waiting) == late.seqs
+    assert late.seqs[0].seq_id not in sched.bm and sched.bm.num_free_gpu_blocks == 4
+    sched.bm.check_invariants()
+    sched.finish(holder, "length")
+    out = sched.schedule()
+    assert out.prefill_seqs == late.seqs and out.prefill_lens == [len(prompt) - 2 * BS]
+
+
 def test_prefix_caching_hashes_a_block_a_decode_fills():
     """A 7-token prompt's first decode writes the 8th token: that full block is found by a prompt that starts
     with those 8 tokens (the sampled one included)."""
