@@ -398,6 +398,9 @@ def test_bad_params():
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=float("nan"))
+    smallest = BeamSearchParams(beam_width=1, max_tokens=1)  # the least each field allows
+    assert (smallest.ignore_eos, smallest.include_stop_str_in_output, smallest.skip_special_tokens) == (
+        False, False, True)  # vLLM's defaults
 
 
 def test_width_over_max_num_seqs_is_refused(tiny_loaded):
@@ -445,3 +448,20 @@ def test_beam_search_score_stays_defined_for_extreme_length_penalties():
     assert beam_search_score(10, -3.0, False, 1e308) == 0.0  # the length's power overflows: -3 / inf
     assert beam_search_score(10, -3.0, False, -1e308) == float("-inf")  # it underflows to 0
     assert beam_search_score(10, 0.0, False, -1e308) == 0.0
+    # Lengths below 2: a 1-token hypothesis divides by 1 whatever the penalty, an EOS-only one too.
+    assert beam_search_score(1, -2.0, False, 2.0) == -2.0
+    assert beam_search_score(1, -2.0, True, 2.0) == -2.0
+
+
+def test_live_beams_ending_in_eos_under_ignore_eos_finish_by_length():
+    """With ignore_eos EOS is a token like any other: a live beam that ends in it when the search ends reports
+    "length" and no stop reason."""
+    from pagedkv.core.beam_search import BeamGroup
+    from pagedkv.core.sequence import Request, Sequence
+    from pagedkv.outputs import RequestMetrics
+
+    params = BeamSearchParams(beam_width=1, max_tokens=2, ignore_eos=True)
+    req = Request("b", None, [5, 6], params.to_sampling_params(), RequestMetrics(0.0))
+    beam = Sequence(0, req, 0, [5, 6, 9, EOS])
+    (h,) = BeamGroup(params, EOS, 2).finish([beam])
+    assert (h.output_token_ids, h.finish_reason, h.stop_reason) == ([9, EOS], "length", None)
