@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+from pagedkv.core import block_hashes
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.kv_disk_store import DiskKVStore
 from pagedkv.core.kv_tiers import KVTiers
@@ -38,6 +39,16 @@ def run_prompt(bm: BlockManager, seq_id: int, prompt: list[int], extra=()) -> tu
     bm.free(seq_id)
     bm.check_invariants()
     return cached, moves
+
+
+def evict_a_prompt(bm: BlockManager) -> list[int]:
+    """Runs a prompt `a` of three full blocks and one token, then two of four blocks that take every free block
+    of an 8-block pool, so a's three cached blocks are evicted (into the host tier, if there is one). Returns a."""
+    a = tokens(1, 3 * BS + 1)
+    run_prompt(bm, 0, a)
+    run_prompt(bm, 1, tokens(2, 4 * BS))
+    run_prompt(bm, 2, tokens(3, 4 * BS))
+    return a
 
 
 @pytest.fixture(params=["cpp", "python"])
@@ -81,10 +92,7 @@ def test_a_tier_hit_leaves_the_prompts_last_token_to_compute(backend):
     """A prompt of exactly three blocks whose blocks all sit in the host tier: its last block holds its last
     token, which must be computed, so only two blocks come from the tier."""
     bm = manager(backend)
-    a = tokens(1, 3 * BS + 1)
-    run_prompt(bm, 0, a)
-    run_prompt(bm, 1, tokens(2, 4 * BS))
-    run_prompt(bm, 2, tokens(3, 4 * BS))  # a's three blocks are in the tier now
+    a = evict_a_prompt(bm)  # a's three blocks are in the tier now
     whole = bm.match_prefix(a[:3 * BS])
     assert whole.hits == [] and len(whole.tier.host_slots) == 2 and whole.num_cached_tokens == 2 * BS
     assert bm.match_prefix(a).num_cached_tokens == 3 * BS  # one token more: all three
@@ -98,22 +106,16 @@ def test_host_tier_stores_are_kv_events_whichever_is_set_up_first(backend, event
     bm.attach_tiers(6)
     if not events_first:
         bm.enable_kv_events()
-    a = tokens(1, 3 * BS + 1)
-    run_prompt(bm, 0, a)
-    run_prompt(bm, 1, tokens(2, 4 * BS))
-    run_prompt(bm, 2, tokens(3, 4 * BS))  # a's three blocks go to the host tier
+    a = evict_a_prompt(bm)  # a's three blocks go to the host tier
     log = bm.take_kv_events()
-    assert set(bm.prefix_cache.prompt_hashes(a)) <= set(log.stored_host)
+    assert set(block_hashes(a, BS)) <= set(log.stored_host)
 
 
 def test_tier_stats_count_lookups_hits_offloads_evictions_and_restores(backend):
     """A 2-slot tier under a's three evicted blocks (leaf first: the third replaces a's last block, so a's first
     two remain); a again restores those two."""
     bm = manager(backend, num_blocks=8, host_slots=2)
-    a = tokens(1, 3 * BS + 1)
-    run_prompt(bm, 0, a)
-    run_prompt(bm, 1, tokens(2, 4 * BS))
-    run_prompt(bm, 2, tokens(3, 4 * BS))
+    a = evict_a_prompt(bm)
     s = bm.tiers.stats
     assert (s.queries, s.offloaded_blocks, s.host_evictions, s.hits_host, s.restored_blocks_host) == (45, 3, 1, 0, 0)
     assert run_prompt(bm, 3, a)[0] == 2 * BS
@@ -287,10 +289,7 @@ def test_host_events_report_stores_and_replacements_and_forget_a_failed_steps(ba
 
 def test_reset_prefix_cache_empties_the_host_tier(backend):
     bm = manager(backend)
-    a = tokens(1, 3 * BS + 1)
-    run_prompt(bm, 0, a)
-    run_prompt(bm, 1, tokens(2, 4 * BS))
-    run_prompt(bm, 2, tokens(3, 4 * BS))
+    a = evict_a_prompt(bm)
     assert bm.match_prefix(a).num_cached_tokens == 3 * BS  # from the host tier
     bm.reset_prefix_cache()
     assert bm.match_prefix(a).num_cached_tokens == 0 and bm.tiers.host.num_cached == 0
@@ -301,34 +300,42 @@ def test_reset_prefix_cache_empties_the_host_tier(backend):
 DISK_FP = {"model": "test", "block_size": BS}
 
 
-def disk_manager(backend: str, tmp_path, written: list[bytes]) -> tuple[BlockManager, DiskKVStore]:
-    """A disk-only tier holding `written` (each block's bytes: its key's first 16 bytes)."""
-    disk = DiskKVStore(tmp_path / "kv", DISK_FP, 16)
-    if written:
-        disk.store(written, np.stack([np.frombuffer(k[:16], np.uint8) for k in written]))
-        assert disk.flush(timeout=10)
-    bm = BlockManager(BS, 8, 0, watermark=0.0, enable_caching=True, backend=backend)
-    bm.attach_tiers(disk=disk)
-    return bm, disk
+@pytest.fixture
+def disk_manager(backend, tmp_path):
+    """Factory of managers with a disk-only tier holding `written` (each block's bytes: its key's first 16
+    bytes); the store is closed at teardown, whatever the test did."""
+    stores = []
+
+    def make(written: list[bytes]) -> BlockManager:
+        disk = DiskKVStore(tmp_path / "kv", DISK_FP, 16)
+        stores.append(disk)
+        if written:
+            disk.store(written, np.stack([np.frombuffer(k[:16], np.uint8) for k in written]))
+            assert disk.flush(timeout=10)
+        bm = BlockManager(BS, 8, 0, watermark=0.0, enable_caching=True, backend=backend)
+        bm.attach_tiers(disk=disk)
+        return bm
+
+    yield make
+    for disk in stores:
+        disk.close(timeout=5)
 
 
-def test_disk_hits_stop_at_the_first_missing_block(backend, tmp_path):
+def test_disk_hits_stop_at_the_first_missing_block(disk_manager):
     a = tokens(1, 3 * BS + 1)
-    h = BlockManager(BS, 1, enable_caching=True).prefix_cache.prompt_hashes(a)
-    bm, disk = disk_manager(backend, tmp_path, [h[0], h[2]])
+    h = block_hashes(a, BS)
+    bm = disk_manager([h[0], h[2]])
     m = bm.match_prefix(a)
     assert m.hits == [] and m.tier.disk_keys == [h[0]] and m.num_cached_tokens == BS
     assert bm.tiers.host is None and m.tier.host_slots == []
-    disk.close(timeout=5)
 
 
-def test_disk_blocks_are_restored_into_new_device_blocks_and_counted(backend, tmp_path):
+def test_disk_blocks_are_restored_into_new_device_blocks_and_counted(disk_manager):
     """Two prompts admitted in one step, 2 and 1 disk blocks: the step's restore lists all three device blocks
     with their bytes, in admission order."""
     a, b = tokens(1, 3 * BS + 1), tokens(2, 2 * BS + 1)
-    hashes = BlockManager(BS, 1, enable_caching=True).prefix_cache.prompt_hashes
-    ha, hb = hashes(a), hashes(b)
-    bm, disk = disk_manager(backend, tmp_path, ha[:2] + hb[:1])
+    ha, hb = block_hashes(a, BS), block_hashes(b, BS)
+    bm = disk_manager(ha[:2] + hb[:1])
     bm.begin_step()
     assert bm.allocate(0, a) == 2 * BS
     assert bm.allocate(1, b) == BS
@@ -338,4 +345,3 @@ def test_disk_blocks_are_restored_into_new_device_blocks_and_counted(backend, tm
     s = bm.tiers.stats
     assert (s.queries, s.hits_disk, s.restored_blocks_disk, s.hits_host) == (len(a) + len(b), 3 * BS, 3, 0)
     bm.check_invariants()
-    disk.close(timeout=5)

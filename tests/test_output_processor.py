@@ -128,7 +128,8 @@ def test_final_text_drops_the_token_that_stopped_the_sample(tok):
     ids = tok.encode("Hello world")
     plain = SamplingParams(max_tokens=8)
     assert final_text(tok, ids + [EOS], plain, "stop", None) == "Hello world"
-    assert final_text(tok, ids + [tok.encode(".")[0]], plain, "stop", tok.encode(".")[0]) == "Hello world"
+    period = tok.encode(".")[0]  # a stop token id
+    assert final_text(tok, ids + [period], plain, "stop", period) == "Hello world"
     assert final_text(tok, ids, plain, "length", None) == "Hello world"
     # ignore_eos: a "stop" without a stop id is a stop string's, so the last token is text.
     ignoring = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -149,9 +150,10 @@ def request(rid: str, params: SamplingParams, kind: OutputKind = OutputKind.CUMU
     return RequestState(rid, "prompt", [5, 6], params, kind, RequestMetrics(arrival_time=1.0))
 
 
-def delta(rid: str, samples: list[SampleDelta], finished: bool = False, cached: int = 0) -> RequestDelta:
+def delta(rid: str, samples: list[SampleDelta], finished: bool = False, cached: int = 0,
+          error: str | None = None) -> RequestDelta:
     metrics = RequestMetrics(arrival_time=1.0, first_token_time=2.0, num_cached_tokens=cached)
-    return RequestDelta(rid, samples, finished, metrics_to_wire(metrics))
+    return RequestDelta(rid, samples, finished, metrics_to_wire(metrics), error)
 
 
 def sample(index: int, ids: list[int], finish: str | None = None, stop_reason=None, logprobs=None) -> SampleDelta:
@@ -232,8 +234,7 @@ def test_logprobs_build_up_with_their_cumulative_sum(tok):
 def test_an_error_fails_every_sample_of_the_request(tok):
     proc = OutputProcessor(tok)
     proc.add(request("r", SamplingParams(n=2, max_tokens=4, temperature=1.0)))
-    err = RequestDelta("r", [], True, metrics_to_wire(RequestMetrics(arrival_time=1.0)), "engine failed")
-    outs, _ = proc.process([err])
+    outs, _ = proc.process([delta("r", [], finished=True, error="engine failed")])
     out = outs[0]
     assert out.finished and out.error == "engine failed" and "r" not in proc.requests
     assert [(c.index, c.finish_reason) for c in out.outputs] == [(0, "error"), (1, "error")]

@@ -21,7 +21,14 @@ import math
 
 import pytest
 import torch
-from pagedkv.model.sampler import Sampler, SamplingBatch, apply_repetition_penalty, filter_logits, greedy_tokens
+from pagedkv.model.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_repetition_penalty,
+    draw_from_cdf,
+    filter_logits,
+    greedy_tokens,
+)
 from pagedkv.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -234,14 +241,15 @@ def test_repetition_penalty_matches_hf():
 # --- greedy --------------------------------------------------------------------------------------------
 
 def _batch(n: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None, penalties=None,
-           num_logprobs=None, all_greedy=False) -> SamplingBatch:
+           num_logprobs=None, all_greedy=False, banned=None) -> SamplingBatch:
     def col(v, dtype):
         return torch.tensor(v if isinstance(v, list) else [v] * n, dtype=dtype)
 
     return SamplingBatch(all_greedy=all_greedy, temperatures=col(temperature, torch.float32),
                          top_ps=col(top_p, torch.float32), top_ks=col(top_k, torch.int64),
                          min_ps=col(min_p, torch.float32), generators=generators or [None] * n,
-                         penalties=penalties or [None] * n, num_logprobs=num_logprobs or [None] * n)
+                         penalties=penalties or [None] * n, num_logprobs=num_logprobs or [None] * n,
+                         banned=banned)
 
 
 def test_all_greedy_is_argmax():
@@ -318,8 +326,6 @@ def test_draws_follow_the_filtered_distribution(params, dtype):
 
 
 def test_draw_never_picks_a_filtered_token_at_the_extremes_of_u():
-    from pagedkv.model.sampler import draw_from_cdf
-
     weights = torch.tensor([[0.0, 0.0, 3.0, 0.0, 1.0, 0.0, 0.0]] * 4)  # zeros before, between and after
     cdf = weights.cumsum(-1)
     u = torch.tensor([[0.0], [0.75], [0.7501], [1.0 - 2.0 ** -24]])  # token 2 owns (0, 3], token 4 (3, 4]
@@ -327,8 +333,6 @@ def test_draw_never_picks_a_filtered_token_at_the_extremes_of_u():
 
 
 def test_draw_of_a_nan_row_stays_in_the_vocabulary():
-    from pagedkv.model.sampler import draw_from_cdf
-
     cdf = torch.tensor([[1.0, 2.0, 3.0], [float("nan")] * 3])
     assert draw_from_cdf(cdf, torch.tensor([[0.5], [0.5]])).tolist() == [1, 2]
 
@@ -340,8 +344,7 @@ def test_penalties_and_bans_apply_to_the_rows_that_have_them():
     sampler = Sampler(torch.Generator().manual_seed(0))
     penalised = _batch(3, temperature=0.0, all_greedy=True, penalties=[(4.0, [0])] * 3)
     assert sampler(logits, penalised).token_ids == [1, 1, 1]
-    banned = _batch(3, temperature=0.0, all_greedy=True)
-    banned.banned = [None, [0, 1], None]
+    banned = _batch(3, temperature=0.0, all_greedy=True, banned=[None, [0, 1], None])
     assert sampler(logits, banned).token_ids == [0, 2, 0]
 
 

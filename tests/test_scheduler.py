@@ -52,6 +52,26 @@ def running_decode(sched: Scheduler, seq_id: int, num_computed: int) -> Sequence
     return seq
 
 
+def swapped_out(sched: Scheduler, seq_id: int, num_computed: int) -> Sequence:
+    """A sequence preempted by swap: its `num_computed` tokens' blocks in the CPU pool, its next token sampled."""
+    seq = make_seq(seq_id, num_computed)
+    sched.bm.allocate(seq.seq_id, num_computed)
+    sched.bm.swap_out(seq.seq_id)
+    seq.num_computed_tokens, seq.status = num_computed, SequenceStatus.SWAPPED
+    seq.token_ids.append(7)
+    sched.swapped.append(seq)
+    return seq
+
+
+def running_prompt(sched: Scheduler, seq_id: int, num_prompt: int, num_computed: int) -> Sequence:
+    """A running sequence part way through its prompt: `num_computed` of its `num_prompt` tokens are cached."""
+    seq = make_seq(seq_id, num_prompt)
+    sched.bm.allocate(seq.seq_id, num_computed)
+    seq.num_computed_tokens, seq.status = num_computed, SequenceStatus.RUNNING
+    sched.running.append(seq)
+    return seq
+
+
 def test_admission_keeps_the_watermark_free():
     sched = make_scheduler(num_gpu_blocks=20, watermark=0.25)
     assert sched.bm.core.watermark_blocks == 5
@@ -82,12 +102,7 @@ def test_swap_in_counts_the_blocks_running_decodes_take_this_step(num_gpu_blocks
     (2 blocks, +1 for its own decode) comes back only if its 3 blocks fit beside those 2."""
     sched = make_scheduler(num_gpu_blocks, num_cpu_blocks=8, mode="swap")
     a, b = running_decode(sched, 1, 2 * BS), running_decode(sched, 2, 2 * BS)
-    c = make_seq(3, 2 * BS)
-    sched.bm.allocate(c.seq_id, 2 * BS)
-    sched.bm.swap_out(c.seq_id)
-    c.num_computed_tokens, c.status = 2 * BS, SequenceStatus.SWAPPED
-    c.token_ids.append(7)
-    sched.swapped.append(c)
+    c = swapped_out(sched, 3, 2 * BS)
     assert sched.bm.num_free_gpu_blocks == num_gpu_blocks - 4
     out = sched.schedule()
     assert out.preempted == []
@@ -118,26 +133,6 @@ def test_preemption_takes_the_latest_arrived_running_sequence():
     assert out.preempted == [last] and out.decode_seqs == [first]
     assert last.status is SequenceStatus.WAITING and last.num_computed_tokens == 0
     assert sched.waiting[0] is last
-
-
-def swapped_out(sched: Scheduler, seq_id: int, num_computed: int) -> Sequence:
-    """A sequence preempted by swap: its `num_computed` tokens' blocks in the CPU pool, its next token sampled."""
-    seq = make_seq(seq_id, num_computed)
-    sched.bm.allocate(seq.seq_id, num_computed)
-    sched.bm.swap_out(seq.seq_id)
-    seq.num_computed_tokens, seq.status = num_computed, SequenceStatus.SWAPPED
-    seq.token_ids.append(7)
-    sched.swapped.append(seq)
-    return seq
-
-
-def running_prompt(sched: Scheduler, seq_id: int, num_prompt: int, num_computed: int) -> Sequence:
-    """A running sequence part way through its prompt: `num_computed` of its `num_prompt` tokens are cached."""
-    seq = make_seq(seq_id, num_prompt)
-    sched.bm.allocate(seq.seq_id, num_computed)
-    seq.num_computed_tokens, seq.status = num_computed, SequenceStatus.RUNNING
-    sched.running.append(seq)
-    return seq
 
 
 def test_running_sequences_stop_at_the_token_budget():
@@ -557,7 +552,7 @@ def run_steps(sched: Scheduler, max_steps: int) -> int:
         if out.is_empty:
             break
         peak = max(peak, sched.bm.num_used_gpu_blocks)
-        rows = list(out.decode_seqs) + [s for i, s in enumerate(out.prefill_seqs) if out.sampled(i)]
+        rows = sampled_rows(out)
         sched.update_from_output(out, rows, SamplerOutput([5] * len(rows), [None] * len(rows)), now=1.0)
         sched.bm.check_invariants()
     assert sched.num_unfinished == 0, "did not finish in max_steps"
@@ -624,7 +619,7 @@ def make_beam_request(sched: Scheduler, num_prompt: int, width: int, max_tokens:
 def beam_step(sched: Scheduler, candidates: dict[int, float]) -> tuple[SchedulerOutput, StepUpdate]:
     """Schedules a step; every sampled row gets the same candidates ({token: logprob})."""
     out = sched.schedule()
-    rows = list(out.decode_seqs) + [s for i, s in enumerate(out.prefill_seqs) if out.sampled(i)]
+    rows = sampled_rows(out)
     entry = {t: Logprob(lp) for t, lp in candidates.items()}
     sampled = SamplerOutput([next(iter(candidates))] * len(rows), [dict(entry) for _ in rows])
     return out, sched.update_from_output(out, rows, sampled, now=1.0)
