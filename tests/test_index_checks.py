@@ -263,3 +263,110 @@ def test_window_validator_agrees_with_the_op_checks():
         ops.paged_prefill_attention(out, qp, kc, vc, tables, qsl, lens, 0.1, 6, 40, sliding_window=10)
         with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[2\] = -5 is outside the cache"):
             ops.paged_prefill_attention(out, qp, kc, vc, tables, qsl, lens, 0.1, 6, 40, sliding_window=12)
+
+
+# ---- the limits: each edge the cache can hold passes, one step past it is refused --------------
+
+
+def test_every_decode_limit_is_inclusive():
+    """seq_len 0, seq_len == max_seq_len == the table's capacity, block ids 0 and num_blocks - 1 in use,
+    the last slot: all valid."""
+    tables = np.array([[0, 3, 1], [2, -7, 5]], dtype=np.int32)  # 2 rows x 3 columns: capacity 48 tokens
+    lens = np.array([48, 0], dtype=np.int32)  # the empty sequence reads no block
+    ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16, max_seq_len=48,
+                                 slot_mapping=np.array([63, -1], dtype=np.int64))
+    ops.validate_decode_metadata(np.zeros((1, 1), dtype=np.int32), np.array([1]), num_blocks=1, block_size=1)
+    lens[0] = 49
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 49 exceeds max_seq_len = 48"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16, max_seq_len=48)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 49 needs more blocks than block_tables holds "
+                                         r"\(3 blocks x block_size 16 = 48 tokens\)"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=16)
+
+
+def test_the_first_bad_entry_is_named_after_good_ones_at_the_edge():
+    """Entries right at a limit come before the bad one: the message names the bad one's index."""
+    tables = np.zeros((3, 2), dtype=np.int32)
+    for lens, message in (([0, 0, -1], r"seq_lens\[2\] = -1 is negative"),
+                          ([32, 33, 1], r"seq_lens\[1\] = 33 needs more blocks"),
+                          ([20, 21, 1], r"seq_lens\[1\] = 21 exceeds max_seq_len = 20")):
+        with pytest.raises(ValueError, match=message):
+            ops.validate_decode_metadata(tables, np.array(lens), num_blocks=4, block_size=16, max_seq_len=20
+                                         if "max_seq_len" in message else None)
+
+
+def test_a_single_sequence_batch_is_checked():
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = -1 is negative"):
+        ops.validate_decode_metadata(np.zeros((1, 2), dtype=np.int32), np.array([-1]), num_blocks=4, block_size=16)
+
+
+@pytest.mark.parametrize("num_blocks,block_size", [(0, 16), (4, 0), (-1, 16), (4, -16)])
+def test_an_empty_cache_or_block_is_refused(num_blocks, block_size):
+    tables, lens = _good_decode()
+    with pytest.raises(ValueError, match=rf"num_blocks and block_size must be positive, got {num_blocks} and "
+                                         rf"{block_size}"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=num_blocks, block_size=block_size)
+
+
+@pytest.mark.parametrize("seq_len,used", [(16, 1), (17, 2), (32, 2)])
+def test_blocks_in_use_are_exactly_ceil_seq_len_over_block_size(seq_len, used):
+    """The block holding the last token is checked (even with one token in it); the next one is not."""
+    tables = np.array([[1, 2, 3]], dtype=np.int32)
+    tables[0, used:] = -1  # padding
+    ops.validate_decode_metadata(tables, np.array([seq_len]), num_blocks=4, block_size=16)
+    tables[0, used - 1] = 4
+    with pytest.raises(ValueError, match=rf"block_tables\[0\]\[{used - 1}\] = 4 is outside the cache"):
+        ops.validate_decode_metadata(tables, np.array([seq_len]), num_blocks=4, block_size=16)
+
+
+def test_a_window_starting_on_a_block_boundary_leaves_the_block_before_it_unread():
+    """seq_len 40, block 8, window 8: keys 32..39, all in block 4; block 3 (keys 24..31) is unread.
+    Window 1 (the last key alone) likewise reads block 4 only; with block size 1 a window of 40
+    reads block 0 too."""
+    tables = np.array([[-1, -1, -1, -1, 2]], dtype=np.int32)
+    lens = np.array([40], dtype=np.int32)
+    for window in (8, 1):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=8, sliding_window=window)
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[3\] = -1"):
+        ops.validate_decode_metadata(tables, lens, num_blocks=4, block_size=8, sliding_window=9)
+    ones = np.full((1, 40), 3, dtype=np.int32)
+    ones[0, 0] = -1
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[0\] = -1"):
+        ops.validate_decode_metadata(ones, lens, num_blocks=4, block_size=1, sliding_window=40)
+    ops.validate_decode_metadata(ones, lens, num_blocks=4, block_size=1, sliding_window=39)
+
+
+def test_a_prefill_sequence_without_new_tokens_under_a_window():
+    """q_len 0 (a sequence in the batch with nothing new): its window is counted from position seq_len,
+    as the op's check counts it, so a window of 9 from position 40 starts at key 32 (block 4)."""
+    tables = np.array([[-1, -1, -1, -1, 2], [0, 0, 0, 0, 0]], dtype=np.int32)
+    lens = np.array([40, 1], dtype=np.int32)
+    qsl = np.array([0, 0, 1], dtype=np.int32)
+    ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=8, num_tokens=1, sliding_window=9)
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[3\] = -1"):
+        ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=8, num_tokens=1,
+                                      sliding_window=10)
+
+
+def test_prefill_without_a_window_checks_every_block_in_use():
+    tables, lens, qsl = _good_prefill()
+    tables[1, 0] = -2  # sequence 1's first block: its 16 cached tokens
+    with pytest.raises(ValueError, match=r"block_tables\[1\]\[0\] = -2 is outside the cache"):
+        ops.validate_prefill_metadata(tables, lens, qsl, num_blocks=4, block_size=16, num_tokens=9)
+
+
+def test_every_prefill_limit_is_inclusive():
+    """q_len 0, q_len == max_query_len, q_len == seq_len: valid; the first bad sequence is the one named."""
+    tables = np.array([[3, 0], [1, 2], [0, 0]], dtype=np.int32)
+    lens = np.array([5, 20, 4], dtype=np.int32)
+    ops.validate_prefill_metadata(tables, lens, np.array([0, 5, 5, 9]), num_blocks=4, block_size=16, num_tokens=9,
+                                  max_query_len=5)
+    with pytest.raises(ValueError, match=r"query_start_loc\[2\] = 6, query_start_loc\[3\] = 5"):
+        ops.validate_prefill_metadata(tables, lens, np.array([0, 0, 6, 5]), num_blocks=4, block_size=16,
+                                      num_tokens=5)
+    with pytest.raises(ValueError, match=r"sequence 1 has 6 query tokens .* more than max_query_len = 5"):
+        ops.validate_prefill_metadata(tables, lens, np.array([0, 5, 11, 11]), num_blocks=4, block_size=16,
+                                      num_tokens=11, max_query_len=5)
+    with pytest.raises(ValueError, match=r"sequence 2 has 5 query tokens but seq_lens\[2\] = 4"):
+        ops.validate_prefill_metadata(tables, lens, np.array([0, 5, 5, 10]), num_blocks=4, block_size=16,
+                                      num_tokens=10)
