@@ -10,7 +10,8 @@ import torch
 from pagedkv.cli import main
 from pagedkv.config import ModelConfig
 from pagedkv.engine.memory_pool import kv_cache_spec
-from pagedkv.kv_calc import count_params_from_config, kv_calc, parse_bytes
+from pagedkv.kv_calc import count_params_from_config, format_report, kv_budget, kv_calc, parse_bytes
+from pagedkv.supported import MODEL_TYPES
 
 LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -86,6 +87,7 @@ def test_no_room_for_kv_is_an_error(tmp_path):
 
 def test_parse_bytes():
     assert parse_bytes("536870912") == 536_870_912
+    assert parse_bytes(12345) == 12345
     assert parse_bytes("16GiB") == 16 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1.5e9") == 1_500_000_000
@@ -162,3 +164,72 @@ def test_cli_names_the_kv_cache_dtype(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["kv_cache_dtype"] == "fp8_e4m3"
     with pytest.raises(SystemExit):
         main(["kv-calc", path, "--kv-cache-dtype", "fp4"])
+
+
+@pytest.mark.parametrize("text,value", [("7", 7), ("7b", 7), ("7k", 7 * 10**3), ("7KB", 7 * 10**3), ("7m", 7 * 10**6),
+                                        ("7MB", 7 * 10**6), ("7g", 7 * 10**9), ("7gb", 7 * 10**9),
+                                        ("7T", 7 * 10**12), ("7TB", 7 * 10**12), ("7KiB", 7 << 10),
+                                        ("7MiB", 7 << 20), ("7 GiB", 7 << 30), ("7TiB", 7 << 40), ("0.5GiB", 1 << 29)])
+def test_parse_bytes_every_unit(text, value):
+    """Decimal units (k, KB, ...) are powers of 10, binary ones (KiB, ...) powers of 2, any case."""
+    assert parse_bytes(text) == value
+
+
+# Per family, the settings that change its parameter count (biases, tying, q/k norms, experts).
+_FAMILY_SETTINGS = {
+    "llama": [{}, {"tie_word_embeddings": True}, {"attention_bias": True, "mlp_bias": True}],
+    "qwen2": [{"tie_word_embeddings": True}], "mistral": [{}], "granite": [{}],
+    "mixtral": [{"num_local_experts": 4, "num_experts_per_tok": 2}],
+    "qwen3": [{}], "qwen3_moe": [{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                  "mlp_only_layers": [1]}],
+    "gemma2": [{}], "gemma3_text": [{}], "phi3": [{"pad_token_id": 0}], "olmo2": [{"pad_token_id": 0}],
+}
+
+
+@pytest.mark.parametrize("model_type,settings", [(t, s) for t in MODEL_TYPES for s in _FAMILY_SETTINGS[t]])
+def test_parameters_from_the_config_equal_transformers_count(model_type, settings):
+    """Every supported family, from its config alone: the count transformers' own model of that config has
+    (both built on the meta device), so --gpu-memory budgets subtract the real weights."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=1000, hidden_size=256, intermediate_size=320, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
+    hf_config = transformers.AutoConfig.for_model(model_type, **shape, **settings)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    expected = sum(p.numel() for p in hf.parameters())
+    assert count_params_from_config(ModelConfig.from_hf(hf_config.to_dict())) == expected
+
+
+def test_kv_budget_limits():
+    """utilization in (0, 1]; a budget of exactly nothing is no room; an explicit budget wins."""
+    assert kv_budget(100, None, 1000, 1.0, 0) == (900, "1.0 x 1000 - weights 100")
+    assert kv_budget(100, None, 1000, 0.5, 50) == (350, "0.5 x 1000 - weights 100 - activations 50")
+    assert kv_budget(100, 7, 1000, 5.0, 0) == (7, "--kv-cache-memory")
+    assert kv_budget(100, None, None, 0.9, 0) == (None, "none given")
+    for utilization in (0.0, 1.01, -0.5):
+        with pytest.raises(ValueError, match=rf"gpu_memory_utilization must be in \(0, 1\], got {utilization}"):
+            kv_budget(100, None, 1000, utilization, 0)
+    with pytest.raises(ValueError, match=r"no room for a KV cache: .* = 0 bytes"):
+        kv_budget(500, None, 1000, 0.5, 0)
+    assert kv_budget(499, None, 1000, 0.5, 0)[0] == 1
+
+
+def test_settings_out_of_range_are_refused(tmp_path):
+    path = write_config(tmp_path)
+    with pytest.raises(ValueError, match="context must be >= 1 token, got -3"):
+        kv_calc(path, context=-3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        kv_calc(path, tensor_parallel_size=0)
+    assert kv_calc(path, context=1, dtype="float16").bytes_per_sequence == 16 * 524_288  # one whole block
+
+
+def test_report_per_device_under_tensor_parallelism(tmp_path):
+    """More ranks than KV heads: each rank keeps one head (replicated); the table says "per device"."""
+    path = write_config(tmp_path, num_key_value_heads=2)
+    r = kv_calc(path, dtype="float16", tensor_parallel_size=4, kv_cache_memory=1 << 30)
+    assert r.num_kv_heads == 1 and r.bytes_per_token == 2 * 32 * 1 * 128 * 2
+    table = format_report(r)
+    assert "32 layers x 1 KV heads per device x head_dim 128, float16, tensor parallel 4" in table
+    assert "per token       16,384 bytes per device" in table
+    single = format_report(kv_calc(path, dtype="float16", kv_cache_memory=1 << 30))
+    assert "32 layers x 2 KV heads x head_dim 128, float16\n" in single and "per device" not in single

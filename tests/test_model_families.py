@@ -234,6 +234,51 @@ def test_longrope_greedy_matches_hf_generate(longrope_checkpoint):
     assert assert_greedy_matches_hf(path, hf, prompts, max_tokens=8) >= 2 * 8
 
 
+# YaRN variants as configs carry them: Qwen2.5 / Qwen3 long context (factor 4 over 32768, here over 64), a
+# DeepSeek-style mscale / mscale_all_dim pair, an explicit attention_factor, untruncated bounds, no factor (the
+# stretch is then max_position_embeddings / original), and beta bounds that meet (a step, no ramp).
+YARN = [
+    {"factor": 4.0, "original_max_position_embeddings": 64},
+    {"factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 1.0,
+     "beta_fast": 24, "beta_slow": 2},
+    {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.3, "truncate": False},
+    {"factor": None, "original_max_position_embeddings": 128},
+    {"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 2, "beta_slow": 2},
+]
+
+
+@pytest.mark.parametrize("yarn", YARN)
+def test_yarn_frequencies_equal_transformers(yarn):
+    """pagedkv's YaRN inverse frequencies and cos/sin multiplier are transformers' for the same config."""
+    from pagedkv.model.rotary import rope_frequencies
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, **yarn}
+    cfg = transformers.Qwen3Config(**_COMMON, rope_parameters=rope)
+    theirs, their_mult = ROPE_INIT_FUNCTIONS["yarn"](cfg, torch.device("cpu"))
+    ours, our_mult = rope_frequencies(64, 1e4, rope, cfg.max_position_embeddings, None)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    assert our_mult == pytest.approx(their_mult, rel=1e-12)
+    assert not torch.equal(ours, rope_frequencies(64, 1e4, None, 512, None)[0])  # the rule did something
+
+
+def test_yarn_checkpoint_logits_and_greedy_match_hf(tmp_path):
+    """A tiny Qwen3 with YaRN (factor 4 over a pretraining length of 64), prompts past that length: logits
+    and greedy ids equal HF's."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, **YARN[0]}
+    cfg = transformers.Qwen3Config(**_COMMON, rope_parameters=rope, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(13)
+    hf = transformers.Qwen3ForCausalLM(cfg).float().eval()
+    randomize(hf, 14)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(ModelSource(tmp_path), torch.float32, CPU)
+    tokens = random_tokens(23, 90)
+    assert_close_fp32(PagedRunner(model, torch.float32).step([], [(0, tokens)]), hf_logits(hf, tokens), "yarn")
+    prompts = [random_tokens(600 + i, n) for i, n in enumerate((70, 33))]
+    assert assert_greedy_matches_hf(tmp_path, hf, prompts, max_tokens=6) >= 2 * 6
+
+
 @pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral"))
 def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
     """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2) and sharded
@@ -263,6 +308,22 @@ def test_config_the_kernels_cannot_run_is_refused(change, message, checkpoints, 
     edit_config(path, **change)
     with pytest.raises(ValueError, match=message):
         load_model(ModelSource(path), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("family", ("gemma2", "gemma3", "gemma3_mm"))
+def test_gemma_config_without_tie_word_embeddings_is_tied(family, checkpoints, tmp_path):
+    """Gemma's published config.json files leave tie_word_embeddings out (transformers' Gemma configs default
+    it to True) and their checkpoints hold no lm_head.weight: the LM head is the embedding, as in HF."""
+    path = copy_checkpoint(checkpoints[family][0], tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    for part in (cfg, cfg.get("text_config", {})):
+        part.pop("tie_word_embeddings", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(ModelSource(path), torch.float32, CPU)
+    assert model.config.tie_word_embeddings
+    tokens = random_tokens(11, 20)
+    assert_close_fp32(PagedRunner(model, torch.float32).step([], [(0, tokens)]),
+                      hf_logits(checkpoints[family][1], tokens), f"{family} without tie_word_embeddings")
 
 
 def test_checkpoint_missing_an_expert_is_refused(checkpoints, tmp_path):

@@ -13,7 +13,8 @@ The budget is either `--kv-cache-memory` bytes, or a device of
 `--gpu-memory` bytes of which `--gpu-memory-utilization` goes to weights +
 KV cache (vLLM's rule). The weights are subtracted: their parameter count
 comes from the safetensors headers when the folder has them (exact), else
-from the config (the Llama-family formula), times the dtype's bytes. The
+from pagedkv's own model for the config built on the meta device (exact for
+the supported families, no memory), times the dtype's bytes. The
 engine also subtracts the activation peak it measures at start-up, which a
 config cannot tell; `--activation-memory` lets one subtract an estimate.
 """
@@ -32,12 +33,11 @@ import torch
 from pagedkv.config import SUPPORTED_BLOCK_SIZES, ModelConfig, resolve_dtype
 from pagedkv.engine.memory_pool import kv_cache_spec, tokens_held_at_most
 from pagedkv.kv_cache import SCALE_PAIR_BYTES, kv_cache_format
+from pagedkv.model.registry import model_class
 from pagedkv.supported import kv_cache_format_refusal
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                         "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -64,17 +64,14 @@ def find_config(model: str | Path | None) -> Path:
 
 
 def count_params_from_config(cfg: ModelConfig) -> int:
-    """Parameters of a decoder from its shape (embeddings, attention, gated MLP or experts, norms, LM head)."""
-    h, q_dim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    kv_dim = cfg.num_key_value_heads * cfg.head_dim
-    attn = h * q_dim + 2 * h * kv_dim + q_dim * h
-    if cfg.attention_bias:
-        attn += q_dim + 2 * kv_dim
-    dense = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h if cfg.mlp_bias else 0)
-    experts = cfg.num_experts * (3 * h * (cfg.moe_intermediate_size or cfg.intermediate_size) + h)  # + router row
-    mlp = sum(experts if cfg.is_moe_layer(i) else dense for i in range(cfg.num_hidden_layers))
-    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return embeddings + cfg.num_hidden_layers * (attn + 2 * h) + mlp + h  # two norms per layer, the final norm
+    """Parameters of the model pagedkv would build for `cfg`, counted on the meta device (no memory, ~ms).
+
+    The count is that of the engine's own modules (tied LM head once, q/k norms, biases, experts), so it
+    cannot drift from what the engine loads; it equals transformers' count for every supported family.
+    """
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg)
+    return sum(p.numel() for p in model.parameters())
 
 
 def count_params_from_safetensors(folder: Path) -> int | None:

@@ -29,6 +29,10 @@ from pagedkv.supported import ARCHITECTURES, MODEL_TYPES, SUPPORTED_HEAD_SIZES, 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Families whose transformers config class ties the LM head to the embeddings unless config.json says otherwise;
+# their published config.json files leave the key out (google/gemma-2-2b) and their checkpoints hold no
+# lm_head.weight. Every other family defaults to an LM head of its own.
+_TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
 
 def _positive(**values: Any) -> None:
@@ -177,7 +181,7 @@ class ModelConfig:
             rope_local_theta=local_theta,
             partial_rotary_factor=partial,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=_window(hf, model_type),

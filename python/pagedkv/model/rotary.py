@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE), with the Llama-3, linear and LongRoPE (Phi-3.5 / Phi-4) scaling rules.
+"""Rotary position embedding (RoPE), with the Llama-3, linear, YaRN (Qwen long context, DeepSeek) and LongRoPE
+(Phi-3.5 / Phi-4) scaling rules.
 
 The rotation is the "rotate half" (GPT-NeoX) form that HF's Llama, Mistral
 and Qwen2 use: dims [0, d/2) pair with [d/2, d). cos/sin are tabulated once,
@@ -42,6 +43,44 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for stretching positions by `factor`: 0.1 mscale ln(factor) + 1 (1 when not
+    stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any],
+                     max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (NTK-by-parts): (inverse frequencies, cos/sin multiplier).
+
+    Frequencies that turn more than beta_fast times within the pretraining length
+    (original_max_position_embeddings) are kept, those turning fewer than beta_slow times are divided by
+    `factor` (interpolated), and a linear ramp over the rotary dims blends the two between; cos and sin grow
+    by yarn_mscale(factor), or mscale / mscale_all_dim's ratio (DeepSeek), or the config's attention_factor.
+    Without `factor` the stretch is max_position_embeddings / original, as transformers reads it.
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_turning(rotations: float) -> float:  # the rotary dim whose wavelength fits `rotations` times
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    # 0 where a frequency is kept, 1 where it is interpolated (high == low: a step, not a division by zero).
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low or 0.001)).clamp(0, 1)
+    inv_freq = rope_inv_freq(rotary_dim, theta, None)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention = scaling.get("attention_factor") or (
+        yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+        else yarn_mscale(factor))
+    return inv_freq, float(attention)
+
+
 def rope_kind(scaling: dict[str, Any] | None) -> str:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     return "longrope" if kind == "su" else kind  # "su": LongRoPE's first name in Phi-3 configs
@@ -76,12 +115,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    raise ValueError(f"unsupported rope scaling {kind!r}; pagedkv supports default, llama3, linear and longrope")
+    raise ValueError(f"unsupported rope scaling {kind!r}; pagedkv supports default, llama3, linear, yarn and "
+                     f"longrope")
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
                      max_model_len: int | None) -> tuple[torch.Tensor, float]:
-    """(float32 [head_dim / 2] inverse frequencies, cos/sin multiplier: 1 but for LongRoPE) of any rule."""
+    """(float32 [head_dim / 2] inverse frequencies, cos/sin multiplier: 1 but for LongRoPE and YaRN) of any rule."""
+    if rope_kind(scaling) == "yarn":
+        return yarn_frequencies(head_dim, theta, scaling, max_position)
     if rope_kind(scaling) != "longrope":
         return rope_inv_freq(head_dim, theta, scaling), 1.0
     long, factors, mult = longrope_factors(scaling, max_position, max_model_len)
