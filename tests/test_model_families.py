@@ -263,20 +263,28 @@ def test_yarn_frequencies_equal_transformers(yarn):
 
 
 def test_yarn_checkpoint_logits_and_greedy_match_hf(tmp_path):
-    """A tiny Qwen3 with YaRN (factor 4 over a pretraining length of 64), prompts past that length: logits
-    and greedy ids equal HF's."""
+    """A tiny Qwen3 with YaRN (factor 4 over a pretraining length of 64) and max_position_embeddings 128: the
+    model runs to 64 x 4 = 256 positions (vLLM's rule; Qwen3's 32768 x 4 over its 40960), and past both
+    lengths its logits and greedy ids equal HF's; a longer max_model_len is refused, naming the stretch."""
+    from pagedkv import LLM
+
     rope = {"rope_type": "yarn", "rope_theta": 1e4, **YARN[0]}
-    cfg = transformers.Qwen3Config(**_COMMON, rope_parameters=rope, tie_word_embeddings=True)
+    cfg = transformers.Qwen3Config(**(_COMMON | {"max_position_embeddings": 128}), rope_parameters=rope,
+                                   tie_word_embeddings=True)
     cfg._attn_implementation = "eager"
     torch.manual_seed(13)
     hf = transformers.Qwen3ForCausalLM(cfg).float().eval()
     randomize(hf, 14)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model = load_model(ModelSource(tmp_path), torch.float32, CPU)
-    tokens = random_tokens(23, 90)
+    assert model.config.position_limit == 256 and model.rotary_emb.cos_sin.shape[0] == 256
+    tokens = random_tokens(23, 200)
     assert_close_fp32(PagedRunner(model, torch.float32).step([], [(0, tokens)]), hf_logits(hf, tokens), "yarn")
-    prompts = [random_tokens(600 + i, n) for i, n in enumerate((70, 33))]
-    assert assert_greedy_matches_hf(tmp_path, hf, prompts, max_tokens=6) >= 2 * 6
+    prompts = [random_tokens(600 + i, n) for i, n in enumerate((170, 33))]
+    assert assert_greedy_matches_hf(tmp_path, hf, prompts, max_tokens=6, max_model_len=None) >= 2 * 6
+    with pytest.raises(ValueError, match=r"max_model_len=257 exceeds the model's YaRN-stretched length "
+                                         r"\(original_max_position_embeddings x factor\) \(256\)"):
+        LLM(model=str(tmp_path), skip_tokenizer_init=True, device="cpu", max_model_len=257)
 
 
 @pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral"))

@@ -292,9 +292,11 @@ class EngineArgs:
 
 
 def _max_model_len(cfg: ModelConfig, asked: int | None) -> int:
-    limit = cfg.max_position_embeddings
+    limit = cfg.position_limit
     if asked is not None and asked > limit:
-        raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
+        what = ("max_position_embeddings" if limit == cfg.max_position_embeddings
+                else "YaRN-stretched length (original_max_position_embeddings x factor)")
+        raise ValueError(f"max_model_len={asked} exceeds the model's {what} ({limit})")
     # No cap at the sliding window: the attention ops take the window, and the block manager keeps only the
     # blocks inside it (ModelConfig.kv_sliding_window).
     return asked or limit

@@ -158,7 +158,7 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
     # "auto": the checkpoint's own dtype (float16 when the config names none), i.e. what it was trained/stored in.
     torch_dtype = resolve_dtype((cfg.torch_dtype or torch.float16) if dtype == "auto" else dtype, None,
                                 torch.device("cpu"))
-    context = context or cfg.max_position_embeddings
+    context = context or cfg.position_limit
     if context < 1:
         raise ValueError(f"context must be >= 1 token, got {context}")
     spec = kv_cache_spec(cfg, torch_dtype, block_size, tensor_parallel_size, fmt.name)

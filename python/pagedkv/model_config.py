@@ -116,6 +116,16 @@ class ModelConfig:
 
     # --- derived ------------------------------------------------------------------------------------
 
+    @property
+    def position_limit(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, or with YaRN the pretraining length
+        stretched by its factor where that is longer (vLLM's rule: Qwen3's 32768 x 4 = 131072 over its 40960)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("factor"):
+            stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+            return max(self.max_position_embeddings, stretched)
+        return self.max_position_embeddings
+
     def layer_window(self, layer: int) -> int:
         """The sliding window of `layer` (its keys are the last `window` positions), 0 for full attention."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else 0

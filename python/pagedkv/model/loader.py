@@ -128,7 +128,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None = None) -> CausalLM:
     """Builds the model for `source` in `dtype` on `device` and loads every weight.
 
-    max_model_len: the engine's longest sequence, if it is set (LongRoPE checkpoints choose their factors by it).
+    max_model_len: the engine's longest sequence, if it is set, else the model's position limit (the rotary tables
+    hold that many positions; LongRoPE checkpoints choose their factors by it).
     """
     if source.gguf_file:
         hf_config, weights = load_gguf(source)
@@ -137,7 +138,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         hf_config = json.loads((source.path / "config.json").read_text())
         weights = iter_safetensors(source.path, lazy=get_tp_size() > 1)
     cfg = ModelConfig.from_hf(hf_config)
-    cfg.max_model_len = max_model_len
+    cfg.max_model_len = max_model_len or cfg.position_limit  # the engine's default (EngineArgs), rotary tables too
     cls = model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -150,7 +150,9 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_dim
         # mult: LongRoPE scales cos and sin (HF's attention_scaling).
         inv_freq, mult = rope_frequencies(self.rotary_dim, theta, scaling, max_position, max_model_len)
-        rows = min(max_position, max_model_len) if max_model_len else max_position
+        # max_model_len is at most the model's position limit (EngineArgs checks), which YaRN may put past
+        # max_position_embeddings (ModelConfig.position_limit).
+        rows = max_model_len or max_position
         freqs = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq)
         # [rows, rotary_dim]: cos of the half-dims, then sin; one gather per step serves every layer.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mult, persistent=False)
