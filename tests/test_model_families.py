@@ -287,6 +287,31 @@ def test_yarn_checkpoint_logits_and_greedy_match_hf(tmp_path):
         LLM(model=str(tmp_path), skip_tokenizer_init=True, device="cpu", max_model_len=257)
 
 
+def test_hf_overrides_turn_yarn_on_without_editing_the_checkpoint(tmp_path):
+    """hf_overrides (vLLM's; --hf-overrides on the CLI, a JSON object) sets rope_scaling over a plain Qwen3
+    checkpoint's config.json: greedy ids equal HF's model of the same weights with YaRN in its config, past
+    max_position_embeddings; what is not a JSON object is refused."""
+    from pagedkv.config import EngineArgs
+
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, **YARN[0]}
+    shape = _COMMON | {"max_position_embeddings": 128}
+    torch.manual_seed(15)
+    plain = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, tie_word_embeddings=True)).float()
+    randomize(plain, 16)
+    plain.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = transformers.Qwen3Config(**shape, rope_parameters=rope, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    hf = transformers.Qwen3ForCausalLM(cfg).float().eval()
+    hf.load_state_dict(plain.state_dict())
+    prompts = [random_tokens(700 + i, n) for i, n in enumerate((150, 40))]
+    overrides = json.dumps({"rope_scaling": rope})
+    assert assert_greedy_matches_hf(tmp_path, hf, prompts, max_tokens=6, max_model_len=None,
+                                    hf_overrides=overrides, engine_core="process") >= 2 * 6
+    for bad in ("[1, 2]", "{rope", 7):
+        with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+            EngineArgs(hf_overrides=bad)
+
+
 @pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral"))
 def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
     """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2) and sharded

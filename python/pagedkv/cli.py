@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-config", default=None,
                    help="KV cache events for routers, vLLM's JSON: e.g. '{\"enable_kv_cache_events\": true, "
                         "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' (needs --enable-prefix-caching)")
+    p.add_argument("--hf-overrides", default=None,
+                   help="keys set over the checkpoint's config.json, a JSON object (vLLM's): e.g. '{\"rope_scaling\": "
+                        "{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}}'")
     p.add_argument("--kv-cache-dir-size", type=float, default=None,
                    help="GiB the --kv-cache-dir may hold (least recently used files go first); default: no limit")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
@@ -86,7 +89,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "engine_core": ns.engine_core, "cpu_threads_bind": ns.cpu_threads_bind,
             "kv_cache_dtype": ns.kv_cache_dtype, "calculate_kv_scales": ns.calculate_kv_scales,
             "kv_offloading_size": ns.kv_offloading_size, "kv_cache_dir": ns.kv_cache_dir,
-            "kv_cache_dir_size": ns.kv_cache_dir_size, "kv_events_config": ns.kv_events_config}
+            "kv_cache_dir_size": ns.kv_cache_dir_size, "kv_events_config": ns.kv_events_config,
+            "hf_overrides": ns.hf_overrides}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

@@ -135,6 +135,20 @@ class KVEventsConfig:
         return cls(**value)
 
 
+def _json_object(name: str, value: str | dict | None) -> dict | None:
+    """A dict given as itself or as a JSON object string (the CLI's); None stays None."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be a JSON object, got {value!r}: {e}") from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError(f"{name} must be a JSON object, got {value!r}")
+
+
 def _check_tiers(c) -> None:
     """The tier settings of a CacheConfig or EngineArgs: sizes in GiB, and prefix caching on."""
     for name in ("kv_offloading_size", "kv_cache_dir_size"):
@@ -263,9 +277,14 @@ class EngineArgs:
     kv_cache_dir_size: float | None = None
     # KV cache events for routers (pagedkv.engine.kv_events): vLLM's KVEventsConfig as a JSON string or dict.
     kv_events_config: str | dict | None = None
+    # Keys set over the checkpoint's config.json before the model is built (vLLM's hf_overrides), as a dict or
+    # a JSON object: e.g. {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    # "original_max_position_embeddings": 32768}} for a long context without editing the checkpoint.
+    hf_overrides: str | dict | None = None
 
     def __post_init__(self) -> None:
         kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
+        self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
         events = KVEventsConfig.parse(self.kv_events_config)
         if events is not None and events.enabled and not self.enable_prefix_caching:
             raise ValueError("kv_events_config: KV cache events report the prefix cache's blocks; they need "

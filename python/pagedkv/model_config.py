@@ -122,7 +122,8 @@ class ModelConfig:
         stretched by its factor where that is longer (vLLM's rule: Qwen3's 32768 x 4 = 131072 over its 40960)."""
         scaling = self.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("factor"):
-            stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+            original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+            stretched = int(original * scaling["factor"])
             return max(self.max_position_embeddings, stretched)
         return self.max_position_embeddings
 
@@ -272,8 +273,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
     local = params.pop(SLIDING, None)
     params = params.pop(FULL, None) or params
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
-        # Older Phi-3 configs keep the pretraining length at the top level.
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su", "yarn"):
+        # Older Phi-3 configs (and some YaRN ones) keep the pretraining length at the top level.
         scaling = dict(scaling)
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
     theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))

@@ -43,7 +43,7 @@ from pagedkv.engine.memory_pool import KVCachePlan
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
-from pagedkv.model.loader import LoadedModel, generation_defaults, resolve_model
+from pagedkv.model.loader import LoadedModel, generation_defaults, read_hf_config, resolve_model
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -76,7 +76,7 @@ def _start_tensor_parallel(args: EngineArgs, loaded: LoadedModel | None) -> TPRu
     if source.gguf_file:
         raise ValueError("tensor parallelism loads safetensors checkpoints shard by shard; a GGUF file would be "
                          "dequantized whole on every rank: save it as safetensors first")
-    ModelConfig.from_pretrained(source.path).check_tensor_parallel_size(tp)
+    ModelConfig.from_hf(read_hf_config(source, args.hf_overrides)).check_tensor_parallel_size(tp)
     return start_tensor_parallel(tp, args.device, functools.partial(serve_steps, args))
 
 

@@ -124,18 +124,26 @@ def load_gguf(source: ModelSource) -> tuple[dict, Iterator[tuple[str, torch.Tens
     return cfg, iter(hf.state_dict().items())
 
 
+def read_hf_config(source: ModelSource, hf_overrides: dict | None = None) -> dict:
+    """The checkpoint's config.json as a dict, `hf_overrides`' keys set over it (EngineArgs.hf_overrides)."""
+    hf_config = json.loads((source.path / "config.json").read_text())
+    return hf_config | (hf_overrides or {})
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None = None) -> CausalLM:
+               max_model_len: int | None = None, hf_overrides: dict | None = None) -> CausalLM:
     """Builds the model for `source` in `dtype` on `device` and loads every weight.
 
     max_model_len: the engine's longest sequence, if it is set, else the model's position limit (the rotary tables
-    hold that many positions; LongRoPE checkpoints choose their factors by it).
+    hold that many positions; LongRoPE checkpoints choose their factors by it). hf_overrides: keys set over the
+    checkpoint's config (EngineArgs.hf_overrides).
     """
     if source.gguf_file:
         hf_config, weights = load_gguf(source)
+        hf_config |= hf_overrides or {}
     else:
         # Sharded: read each tensor's slice only (at size 1 a whole read is the same and simpler).
-        hf_config = json.loads((source.path / "config.json").read_text())
+        hf_config = read_hf_config(source, hf_overrides)
         weights = iter_safetensors(source.path, lazy=get_tp_size() > 1)
     cfg = ModelConfig.from_hf(hf_config)
     cfg.max_model_len = max_model_len or cfg.position_limit  # the engine's default (EngineArgs), rotary tables too
@@ -225,10 +233,11 @@ class LoadedModel:
         device = device or resolve_device(args.device)
         source = resolve_model(args.model)
         start = time.perf_counter()
-        checkpoint_dtype = None if source.gguf_file else ModelConfig.from_pretrained(source.path).torch_dtype
+        checkpoint_dtype = (None if source.gguf_file
+                            else ModelConfig.from_hf(read_hf_config(source, args.hf_overrides)).torch_dtype)
         dtype = resolve_dtype(args.dtype, checkpoint_dtype, device)
         torch.manual_seed(args.seed)
-        model = load_model(source, dtype, device, args.max_model_len)
+        model = load_model(source, dtype, device, args.max_model_len, args.hf_overrides)
         tokenizer = None if args.skip_tokenizer_init or not with_tokenizer else load_tokenizer(source, args.tokenizer)
         name = str(args.model) if args.model else source.name
         logger.info("loaded %s (%s, %s) in %.1f s", name, dtype, device, time.perf_counter() - start)

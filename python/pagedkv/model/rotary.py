@@ -59,7 +59,7 @@ def yarn_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any],
     by yarn_mscale(factor), or mscale / mscale_all_dim's ratio (DeepSeek), or the config's attention_factor.
     Without `factor` the stretch is max_position_embeddings / original, as transformers reads it.
     """
-    original = scaling["original_max_position_embeddings"]
+    original = scaling.get("original_max_position_embeddings") or max_position
     factor = scaling.get("factor") or max_position / original
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
