@@ -233,3 +233,21 @@ def test_report_per_device_under_tensor_parallelism(tmp_path):
     assert "per token       16,384 bytes per device" in table
     single = format_report(kv_calc(path, dtype="float16", kv_cache_memory=1 << 30))
     assert "32 layers x 2 KV heads x head_dim 128, float16\n" in single and "per device" not in single
+
+
+def test_small_edges_of_the_report(tmp_path, capsys):
+    """A config naming no dtype sizes in float16; a window of 17 at block 16 holds 3 blocks (a decoding
+    token's 17 keys may straddle two, +1); two ranks say "per device"; int8's rule names whole head_dim bytes."""
+    path = tmp_path / "nodtype"
+    write_config(path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["torch_dtype"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert kv_calc(str(path)).dtype == "float16"
+    window = kv_calc(write_config(tmp_path / "w", architectures=["MistralForCausalLM"], model_type="mistral",
+                                  sliding_window=17), dtype="float16", context=4096)
+    assert window.bytes_per_sequence == 3 * window.bytes_per_block
+    two = format_report(kv_calc(write_config(tmp_path / "tp"), dtype="float16", tensor_parallel_size=2))
+    assert "16 KV heads per device" in two and ", tensor parallel 2" in two
+    assert main(["kv-calc", write_config(tmp_path / "i8"), "--kv-cache-dtype", "int8_per_token_head"]) == 0
+    assert "(2 x layers x KV heads x (head_dim bytes + 4-byte scale pair))" in capsys.readouterr().out
