@@ -251,3 +251,18 @@ def test_small_edges_of_the_report(tmp_path, capsys):
     assert "16 KV heads per device" in two and ", tensor parallel 2" in two
     assert main(["kv-calc", write_config(tmp_path / "i8"), "--kv-cache-dtype", "int8_per_token_head"]) == 0
     assert "(2 x layers x KV heads x (head_dim bytes + 4-byte scale pair))" in capsys.readouterr().out
+
+
+def test_hf_overrides_turn_on_yarn_and_its_longer_context(tmp_path, capsys):
+    """Qwen3-8B's shape (40960 positions) with YaRN x4 over 32768 set through --hf-overrides: the default
+    context is the stretched 131072 tokens, as the engine's max_model_len would be."""
+    path = write_config(tmp_path, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=8,
+                        max_position_embeddings=40960, torch_dtype="bfloat16")
+    assert kv_calc(path).context == 40960
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    r = kv_calc(path, hf_overrides=yarn, kv_cache_memory=64 << 30)
+    assert r.context == 131072 and r.bytes_per_sequence == 131072 * r.bytes_per_token
+    assert main(["kv-calc", path, "--hf-overrides", json.dumps(yarn), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 131072
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        kv_calc(path, hf_overrides="[]")

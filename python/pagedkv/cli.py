@@ -181,7 +181,8 @@ def cmd_kv_calc(ns: argparse.Namespace) -> int:
     result = kv_calc(ns.model, ns.dtype, ns.block_size, ns.context,
                      None if ns.kv_cache_memory is None else parse_bytes(ns.kv_cache_memory),
                      None if ns.gpu_memory is None else parse_bytes(ns.gpu_memory), ns.gpu_memory_utilization,
-                     ns.tensor_parallel_size, parse_bytes(ns.activation_memory), kv_cache_dtype=ns.kv_cache_dtype)
+                     ns.tensor_parallel_size, parse_bytes(ns.activation_memory), kv_cache_dtype=ns.kv_cache_dtype,
+                     hf_overrides=ns.hf_overrides)
     print(result.to_json() if ns.json else format_report(result))
     return 0
 
@@ -202,6 +203,7 @@ def add_kv_calc_parser(sub) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--activation-memory", default="0", help="bytes of activations to subtract too (default 0)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices; figures are per device")
+    p.add_argument("--hf-overrides", default=None, help="keys set over the config.json, a JSON object (as serve's)")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=cmd_kv_calc)
 

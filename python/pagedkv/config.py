@@ -135,7 +135,7 @@ class KVEventsConfig:
         return cls(**value)
 
 
-def _json_object(name: str, value: str | dict | None) -> dict | None:
+def parse_json_object(name: str, value: str | dict | None) -> dict | None:
     """A dict given as itself or as a JSON object string (the CLI's); None stays None."""
     if value is None or isinstance(value, dict):
         return value
@@ -284,7 +284,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
-        self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
+        self.hf_overrides = parse_json_object("hf_overrides", self.hf_overrides)
         events = KVEventsConfig.parse(self.kv_events_config)
         if events is not None and events.enabled and not self.enable_prefix_caching:
             raise ValueError("kv_events_config: KV cache events report the prefix cache's blocks; they need "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.config import SUPPORTED_BLOCK_SIZES, ModelConfig, resolve_dtype
+from pagedkv.config import SUPPORTED_BLOCK_SIZES, ModelConfig, parse_json_object, resolve_dtype
 from pagedkv.engine.memory_pool import kv_cache_spec, tokens_held_at_most
 from pagedkv.kv_cache import SCALE_PAIR_BYTES, kv_cache_format
 from pagedkv.model.registry import model_class
@@ -139,10 +139,13 @@ def kv_budget(weight_bytes: int, kv_cache_memory: int | None, gpu_memory: int | 
 def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: int = 16, context: int | None = None,
             kv_cache_memory: int | None = None, gpu_memory: int | None = None,
             gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-            activation_memory: int = 0, kv_cache_dtype: str = "auto") -> KVCalcResult:
+            activation_memory: int = 0, kv_cache_dtype: str = "auto",
+            hf_overrides: str | dict | None = None) -> KVCalcResult:
     """Sizes the KV cache of `model` (see the module docstring). context: default the model's max length.
 
     dtype: the compute dtype (the weights' bytes, and the cache's under kv_cache_dtype "auto").
+    hf_overrides: keys set over the config.json, as the engine's (e.g. YaRN's rope_scaling, which moves the
+    model's max length).
     """
     fmt = kv_cache_format(kv_cache_dtype)
     if tensor_parallel_size < 1:
@@ -150,7 +153,8 @@ def kv_calc(model: str | Path | None = None, dtype: str = "auto", block_size: in
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
     config_path = find_config(model)
-    cfg = ModelConfig.from_pretrained(config_path.parent)
+    overrides = parse_json_object("hf_overrides", hf_overrides) or {}
+    cfg = ModelConfig.from_hf(json.loads(config_path.read_text()) | overrides)
     cfg.check_tensor_parallel_size(tensor_parallel_size)
     problem = kv_cache_format_refusal(fmt, cfg.head_dim, block_size)
     if problem:

@@ -116,7 +116,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if kind == "linear":
         return inv_freq / scaling["factor"]
     raise ValueError(f"unsupported rope scaling {kind!r}; pagedkv supports default, llama3, linear, yarn and "
-                     f"longrope")
+                     "longrope")
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
@@ -148,7 +148,7 @@ class RotaryEmbedding(nn.Module):
         its factors by it."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        # mult: LongRoPE scales cos and sin (HF's attention_scaling).
+        # mult: LongRoPE and YaRN scale cos and sin (HF's attention_scaling).
         inv_freq, mult = rope_frequencies(self.rotary_dim, theta, scaling, max_position, max_model_len)
         # max_model_len is at most the model's position limit (EngineArgs checks), which YaRN may put past
         # max_position_embeddings (ModelConfig.position_limit).
