@@ -14,6 +14,7 @@ import logging
 import pytest
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.engine.kv_advice import AdviceLog, AdvisorSettings, IntervalStats, KVAdvisor
+from pagedkv.engine.kv_advice_rules import RULES, Configs, Observation, Stretch
 from pagedkv.engine.llm_engine import EngineStats
 
 SETTINGS = AdvisorSettings(interval_s=1.0, sustain_intervals=3, sustain_s=5.0, refire_s=60.0)
@@ -200,6 +201,97 @@ def test_low_hit_rate_without_divergence_or_with_tier_hits_is_quiet():
 
 
 # --- current(), the server's log -------------------------------------------------------------------------------
+# --- the rules themselves, at their thresholds (pure functions of one interval or one stretch) ----------------
+RULE = {r.name: r for r in RULES}
+
+
+def interval(**fields) -> IntervalStats:
+    base = dict(seconds=1.0, prompt_tokens=0, generation_tokens=0, prompt_tokens_per_s=0.0,
+                generation_tokens_per_s=0.0, prefix_cache_queries=0, prefix_cache_hits=0, prefix_cache_hit_rate=0.0,
+                num_preemptions=0, kv_cache_usage=0.5, num_running=1, num_waiting=0)
+    return IntervalStats(**(base | fields))
+
+
+def observation(long_share=None, longest_seq=0, warnings=0, positions=None, **fields) -> Observation:
+    return Observation(interval(**fields), long_share, longest_seq, warnings, positions or {})
+
+
+def configs(block_size: int = 16, **cache) -> Configs:
+    return Configs(CacheConfig(block_size=block_size, **cache), SchedulerConfig(max_num_seqs=8))
+
+
+@pytest.mark.parametrize("rule,fields,held", [
+    ("kv_underused", dict(kv_cache_usage=0.6999, num_waiting=1), True),
+    ("kv_underused", dict(kv_cache_usage=0.70, num_waiting=1), False),  # "under 70%"
+    ("kv_underused", dict(kv_cache_usage=0.1, num_waiting=0), False),  # nobody waits: nothing to admit
+    ("kv_pressure", dict(kv_cache_usage=0.95), True),  # "above 95%", the boundary included
+    ("kv_pressure", dict(kv_cache_usage=0.9499), False),
+    ("kv_pressure", dict(kv_cache_usage=0.5, num_preemptions=1), True),  # a preemption means a full pool
+    ("prefix_divergence", dict(prefix_cache_queries=100, prefix_cache_hit_rate=0.0499), True),
+    ("prefix_divergence", dict(prefix_cache_queries=100, prefix_cache_hit_rate=0.05), False),
+    ("prefix_divergence", dict(prefix_cache_queries=0), None),  # no prompt looked up: says nothing
+])
+def test_each_rule_holds_on_its_side_of_the_threshold(rule, fields, held):
+    assert RULE[rule].holds(observation(**fields), configs()) is held
+
+
+@pytest.mark.parametrize("block_size,share,held", [(8, 0.6, True), (16, 0.51, True), (16, 0.5, False),
+                                                   (32, 0.9, False), (16, None, None)])
+def test_long_sequences_rule_wants_small_blocks_and_over_half_long(block_size, share, held):
+    """"Mostly > 4K": over half the running sequences; only blocks of 8 and 16 are small; no lengths: no verdict."""
+    assert RULE["long_seqs_small_blocks"].holds(observation(long_share=share), configs(block_size)) is held
+
+
+def test_a_stretch_sums_counters_and_keeps_extremes():
+    s = Stretch(start=0.0)
+    s.add(observation(seconds=2.5, kv_cache_usage=0.4, num_waiting=0, num_running=0, num_preemptions=1,
+                      prefix_cache_queries=100, prefix_cache_hits=10, long_share=0.25, longest_seq=9000, warnings=1,
+                      positions={40: 1}))
+    assert (s.waiting_max, s.running_max, s.usage_min, s.usage_max) == (0, 0, 0.4, 0.4)
+    assert _stretch(observation(longest_seq=0)).longest_seq == 0
+    s.add(observation(seconds=1.5, kv_cache_usage=0.8, num_waiting=3, num_running=5, num_preemptions=2,
+                      prefix_cache_queries=300, prefix_cache_hits=30, longest_seq=5000, warnings=2,
+                      positions={64: 3}))
+    assert (s.intervals, s.seconds, s.preemptions, s.queries, s.hits) == (2, 4.0, 3, 400, 40)
+    assert (s.usage_min, s.usage_max, s.usage_mean) == (0.4, 0.8, pytest.approx(0.6))
+    assert (s.waiting_max, s.running_max, s.longest_seq, s.divergence_warnings) == (3, 5, 9000, 3)
+    assert s.long_share_sum == 0.25 and s.hit_rate == pytest.approx(0.1)
+    assert s.divergence_positions == {64: 3}  # the detector's running tally: the latest holds all
+    assert Stretch(start=0.0).usage_mean == 0.0 and Stretch(start=0.0).hit_rate == 0.0
+
+
+def _stretch(*observations: Observation) -> Stretch:
+    s = Stretch(start=0.0)
+    for obs in observations:
+        s.add(obs)
+    return s
+
+
+def test_advice_numbers_are_rounded_for_reading():
+    """Usages, shares and hit rates to 4 decimals, seconds to 1."""
+    s = _stretch(observation(seconds=12.34, kv_cache_usage=0.123456, num_waiting=2, num_preemptions=1,
+                             prefix_cache_queries=700, prefix_cache_hits=1, long_share=0.654321, warnings=1))
+    cfg = configs(enable_prefix_caching=True, kv_cache_memory=1 << 30)
+    _, _, under = RULE["kv_underused"].advise(s, cfg)
+    assert (under["kv_cache_usage_max"], under["seconds"]) == (0.1235, 12.3)
+    _, _, full = RULE["kv_pressure"].advise(s, cfg)
+    assert (full["kv_cache_usage_max"], full["kv_cache_usage_mean"], full["prefix_cache_hit_rate"],
+            full["seconds"]) == (0.1235, 0.1235, 0.0014, 12.3)
+    _, _, long = RULE["long_seqs_small_blocks"].advise(s, cfg)
+    assert (long["long_seq_share"], long["long_seq_tokens"], long["seconds"]) == (0.6543, 4096, 12.3)
+    _, _, div = RULE["prefix_divergence"].advise(s, cfg)
+    assert (div["prefix_cache_hit_rate"], div["seconds"]) == (0.0014, 12.3)
+
+
+@pytest.mark.parametrize("queries,hits,warnings,fires", [(512, 0, 1, True), (511, 0, 1, False),
+                                                         (1000, 50, 1, False), (1000, 49, 1, True),
+                                                         (1000, 0, 0, False)])
+def test_divergence_advice_needs_enough_prompts_a_low_rate_and_a_warning(queries, hits, warnings, fires):
+    """At least 512 looked-up prompt tokens, a hit rate under 5% over the stretch, and the detector's word."""
+    s = _stretch(observation(prefix_cache_queries=queries, prefix_cache_hits=hits, warnings=warnings))
+    assert (RULE["prefix_divergence"].advise(s, configs()) is not None) is fires
+
+
 def test_current_is_json_able_and_one_entry_per_rule():
     w = Workload(max_num_seqs=4)
     w.run(6, usage=0.4, running=4, waiting=2, seq_lens=[5000, 5000])
