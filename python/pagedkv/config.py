@@ -121,13 +121,7 @@ class KVEventsConfig:
         """From a JSON string (the CLI's), a dict or a config; None stays None. Unknown keys are refused."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config must be a JSON object, got {value!r}: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
+        value = parse_json_object("kv_events_config", value)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
