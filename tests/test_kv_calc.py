@@ -183,6 +183,13 @@ _FAMILY_SETTINGS = {
     "qwen3": [{}], "qwen3_moe": [{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                   "mlp_only_layers": [1]}],
     "gemma2": [{}], "gemma3_text": [{}], "phi3": [{"pad_token_id": 0}], "olmo2": [{"pad_token_id": 0}],
+    "gemma": [{}], "smollm3": [{"pad_token_id": 0}], "olmo3": [{"pad_token_id": 0}],
+    "qwen2_moe": [{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 96, "mlp_only_layers": [1]}],
+    "olmoe": [{"num_experts": 4, "num_experts_per_tok": 2}],
+    "granitemoe": [{"num_local_experts": 4, "num_experts_per_tok": 2}],
+    "granitemoeshared": [{"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 96}],
+    "glm": [{"pad_token_id": 0}], "glm4": [{"pad_token_id": 0}],
 }
 
 

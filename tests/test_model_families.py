@@ -17,7 +17,17 @@ away from their neutral values, so that a missing feature shows in the logits:
 * olmo2: post-norms and a q/k norm over all heads;
 * granite: embedding, residual, attention and logit multipliers;
 * mistral_window: Mistral with every layer sliding (window < prompt);
-* mixtral, qwen3_moe: top-k mixtures of experts (fused expert path).
+* mixtral, qwen3_moe: top-k mixtures of experts (fused expert path);
+* gemma: Gemma 1, the Llama layer with (1 + w) norms, scaled embeddings, GeGLU;
+* smollm3: NoPE on every second layer (`no_rope_layers`);
+* olmo3: OLMo 2's layer with alternating sliding/full layers and their own rope bases;
+* qwen2_moe: routed experts without renormalization plus a sigmoid-gated
+  shared expert, q/k/v bias, one dense layer;
+* olmoe: experts with a q/k norm over all heads and `clip_qkv` small enough to bite;
+* granitemoe, granitemoeshared: stacked expert tensors, Granite's multipliers,
+  and an ungated shared expert;
+* glm, glm4: interleaved (GPT-J order) partial rotary, q/k/v bias, fused
+  gate_up; GLM-4-0414's post-sublayer norms.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -100,11 +110,45 @@ def _config(family: str):
         return T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(
             **_COMMON, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=96, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[1])
+    return _config_2(family)
+
+
+def _config_2(family: str):
+    T = transformers
+    granite = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05, logits_scaling=2.0,
+                   num_local_experts=8, num_experts_per_tok=2)
+    if family == "gemma":
+        return T.GemmaForCausalLM, T.GemmaConfig(**_COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "smollm3":
+        return T.SmolLM3ForCausalLM, T.SmolLM3Config(**_COMMON, no_rope_layer_interval=2, pad_token_id=0,
+                                                     bos_token_id=1, eos_token_id=2)
+    if family == "olmo3":
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        return T.Olmo3ForCausalLM, T.Olmo3Config(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING,
+                                                 rope_parameters=rope, pad_token_id=0, eos_token_id=2)
+    if family == "qwen2_moe":
+        return T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig(
+            **_COMMON | {"num_hidden_layers": 3}, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=96,
+            shared_expert_intermediate_size=160, mlp_only_layers=[1])
+    if family == "olmoe":
+        # OLMoE's head size is hidden_size / num_attention_heads (it reads no head_dim).
+        return T.OlmoeForCausalLM, T.OlmoeConfig(**_COMMON | {"hidden_size": 256}, num_experts=8,
+                                                 num_experts_per_tok=4, clip_qkv=1.5, pad_token_id=0, eos_token_id=2)
+    if family == "granitemoe":
+        return T.GraniteMoeForCausalLM, T.GraniteMoeConfig(**_COMMON, **granite)
+    if family == "granitemoeshared":
+        return T.GraniteMoeSharedForCausalLM, T.GraniteMoeSharedConfig(**_COMMON, **granite,
+                                                                       shared_intermediate_size=80)
+    if family in ("glm", "glm4"):
+        cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
+        return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
     raise AssertionError(family)
 
 
 FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
-            "qwen3_moe")
+            "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
+            "glm4")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
@@ -151,6 +195,17 @@ def test_checkpoints_carry_their_features(checkpoints):
     assert ours["phi3"].rotary_dim == 32 and ours["phi3"].kv_sliding_window == WINDOW
     assert ours["mistral_window"].kv_sliding_window == WINDOW
     assert [ours["qwen3_moe"].is_moe_layer(i) for i in range(2)] == [True, False]
+    more = {f: _ours(checkpoints, f) for f in ("smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoeshared", "glm")}
+    assert more["smollm3"].config.no_rope_layers == (1,) and more["smollm3"].config.tie_word_embeddings
+    assert more["olmo3"].config.layer_window(0) == WINDOW and more["olmo3"].config.rope_local_theta == 1e4
+    assert more["qwen2_moe"].config.shared_expert_intermediate_size == 160
+    assert [more["qwen2_moe"].config.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    assert more["qwen2_moe"].layers[0].self_attn.qkv_proj.bias is not None
+    assert more["qwen2_moe"].layers[0].self_attn.o_proj.bias is None
+    assert more["olmoe"].config.clip_qkv == 1.5 and not more["olmoe"].config.norm_topk_prob
+    assert more["granitemoeshared"].layers[0].mlp.shared_expert_gate is None
+    assert more["granitemoeshared"].config.norm_topk_prob
+    assert more["glm"].config.rotary_dim == 32 and more["glm"].layers[0].self_attn.o_proj.bias is None
 
 
 def test_rotary_tables_hold_max_model_len_positions(checkpoints):
@@ -190,6 +245,41 @@ def test_llm_greedy_matches_hf_generate(family, checkpoints):
     prompts = [random_tokens(300 + i, n) for i, n in enumerate((5, 30, 47, 13))]
     compared = assert_greedy_matches_hf(path, hf, prompts, max_tokens=10)
     assert compared >= 3 * 10
+
+
+def test_glm_interleaved_rotary_equals_halves_rotary_on_permuted_heads():
+    """GPT-J-order rotary on a head equals NeoX-order rotary on the head's rows permuted by
+    interleaved_to_halves, so q . k is unchanged when both are permuted (what the GLM loader relies on)."""
+    from pagedkv.model.glm import interleaved_to_halves, permute_heads
+
+    head_dim, rotary_dim, heads, n = 64, 32, 3, 7
+    order = interleaved_to_halves(head_dim, rotary_dim)
+    assert order[:4].tolist() == [0, 2, 4, 6] and order[16:18].tolist() == [1, 3] and order[32:].tolist() == list(
+        range(32, 64))
+    angles = torch.rand(n, rotary_dim // 2, dtype=torch.float64) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+
+    def interleaved(x):  # GLM's: pairs (2i, 2i + 1) turn by angle i
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        c, s = cos[:, None], sin[:, None]
+        return torch.cat([torch.stack((a * c - b * s, b * c + a * s), -1).flatten(-2), rest], -1)
+
+    def halves(x):  # pagedkv's kernels': pairs (i, i + rotary_dim / 2)
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        a, b = rot[..., :rotary_dim // 2], rot[..., rotary_dim // 2:]
+        c, s = cos[:, None], sin[:, None]
+        return torch.cat([a * c - b * s, b * c + a * s, rest], -1)
+
+    q, k = torch.randn(n, heads, head_dim, dtype=torch.float64), torch.randn(n, heads, head_dim, dtype=torch.float64)
+    torch.testing.assert_close(halves(q[..., order]), interleaved(q)[..., order])
+    scores = (interleaved(q) * interleaved(k)).sum(-1)
+    torch.testing.assert_close((halves(q[..., order]) * halves(k[..., order])).sum(-1), scores)
+    weight = torch.randn(heads * head_dim, 5)
+    torch.testing.assert_close(permute_heads(weight, heads, order).view(heads, head_dim, 5),
+                               weight.view(heads, head_dim, 5)[:, order])
+    with pytest.raises(ValueError, match="does not hold 2 heads of 64"):
+        permute_heads(weight, 2, order)
 
 
 LONGROPE_ORIGINAL = 64
@@ -312,10 +402,11 @@ def test_hf_overrides_turn_yarn_on_without_editing_the_checkpoint(tmp_path):
             EngineArgs(hf_overrides=bad)
 
 
-@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral"))
+@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm"))
 def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
-    """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2) and sharded
-    experts (Mixtral) at tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
+    """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2), sharded
+    experts (Mixtral), a sharded shared expert beside them (Qwen2-MoE) and q/k heads permuted for GLM's
+    interleaved rotary, split by head, at tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.model.default_model import ensure_default_model
 

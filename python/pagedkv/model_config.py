@@ -12,7 +12,10 @@ families add, each with the value that means "not used" as its default:
 * Granite: embedding, residual, attention and logit multipliers;
 * Phi: `partial_rotary_factor` (the share of each head that rotates);
 * mixture of experts: `num_experts`, `num_experts_per_tok`,
-  `moe_intermediate_size`, `norm_topk_prob`, and which layers are dense.
+  `moe_intermediate_size`, `norm_topk_prob`, which layers are dense, and the
+  width of an always-on shared expert (Qwen2-MoE, Granite-MoE-shared);
+* SmolLM3: `no_rope_layers`, the layers that attend without rotary positions
+  (NoPE); OLMo / OLMoE: `clip_qkv`, a clamp on the projected q, k and v.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # Families whose transformers config class ties the LM head to the embeddings unless config.json says otherwise;
 # their published config.json files leave the key out (google/gemma-2-2b) and their checkpoints hold no
 # lm_head.weight. Every other family defaults to an LM head of its own.
-_TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+_TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                    "SmolLM3ForCausalLM")
+# Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
+# `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
+_QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
+# Families whose config.json honours `sliding_window` only with `use_sliding_window` set.
+_WINDOW_SWITCHED = ("qwen", "smollm3")
 
 
 def _positive(**values: Any) -> None:
@@ -77,6 +86,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    shared_expert_intermediate_size: int = 0
+    no_rope_layers: tuple[int, ...] = ()
+    clip_qkv: float | None = None
     max_model_len: int | None = None  # the engine's, set at load: LongRoPE picks its factors by it
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -92,6 +104,8 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"clip_qkv must be a positive number or null, got {self.clip_qkv!r}")
         if self.head_dim not in SUPPORTED_HEAD_SIZES:
             raise ValueError(f"head_dim {self.head_dim} has no paged-attention kernel; supported: "
                              f"{SUPPORTED_HEAD_SIZES}")
@@ -126,6 +140,16 @@ class ModelConfig:
             stretched = int(original * scaling["factor"])
             return max(self.max_position_embeddings, stretched)
         return self.max_position_embeddings
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias: attention_bias, except in the families whose bias
+        is on q/k/v only (Qwen2, Qwen2-MoE, GLM)."""
+        return self.attention_bias and self.architecture not in _QKV_BIAS_ONLY
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether `layer` applies rotary positions (False for SmolLM3's NoPE layers)."""
+        return layer not in self.no_rope_layers
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of `layer` (its keys are the last `window` positions), 0 for full attention."""
@@ -170,6 +194,9 @@ class ModelConfig:
         if arch in TEXT_OF_MULTIMODAL and "text_config" in hf:
             hf = _text_config(hf)
             model_type = hf.get("model_type", "")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError(f"{arch} with use_bidirectional_attention is an encoder (embedding model); pagedkv "
+                             "runs causal decoders")
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         dtype = hf.get("torch_dtype") or hf.get("dtype")
@@ -185,7 +212,7 @@ class ModelConfig:
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             model_type=model_type,
-            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            hidden_act=_hidden_act(hf, model_type),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -193,7 +220,7 @@ class ModelConfig:
             partial_rotary_factor=partial,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in _QKV_BIAS_ONLY))),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=_window(hf, model_type),
             layer_types=_layer_types(hf, model_type, layers),
@@ -207,9 +234,14 @@ class ModelConfig:
             num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
             num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
             moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "mixtral")),
+            # Mixtral and Granite-MoE always renormalize (Granite: a softmax over the top-k logits, the same).
+            norm_topk_prob=bool(hf.get("norm_topk_prob", model_type in ("mixtral", "granitemoe", "granitemoeshared"))),
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            shared_expert_intermediate_size=(hf.get("shared_expert_intermediate_size")
+                                             or hf.get("shared_intermediate_size") or 0),
+            no_rope_layers=_no_rope_layers(hf, layers),
+            clip_qkv=hf.get("clip_qkv"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=[] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos],
             torch_dtype=_DTYPE_NAMES.get(str(dtype).replace("torch.", "")) if dtype else None,
@@ -226,7 +258,8 @@ class ModelConfig:
         heads split evenly or (tp a multiple of them) replicated."""
         kv = self.num_key_value_heads
         return (tp >= 1 and self.num_attention_heads % tp == 0 and self.mlp_shard_size % tp == 0
-                and self.intermediate_size % tp == 0 and self.vocab_size % tp == 0 and (kv % tp == 0 or tp % kv == 0))
+                and self.intermediate_size % tp == 0 and self.shared_expert_intermediate_size % tp == 0
+                and self.vocab_size % tp == 0 and (kv % tp == 0 or tp % kv == 0))
 
     def check_tensor_parallel_size(self, tp: int) -> None:
         """Refuses a tensor-parallel size the model does not shard over, listing those it does."""
@@ -272,6 +305,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
     params = dict(hf.get("rope_parameters") or {})
     local = params.pop(SLIDING, None)
     params = params.pop(FULL, None) or params
+    if local and local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling on the sliding-window layers ({local.get('rope_type')!r}) is not supported; "
+                         "pagedkv scales the full-attention layers' rotary positions only")
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su", "yarn"):
         # Older Phi-3 configs (and some YaRN ones) keep the pretraining length at the top level.
@@ -283,9 +319,29 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
     return theta, dict(scaling) if scaling else None, None if local_theta is None else float(local_theta), partial
 
 
+def _hidden_act(hf: dict[str, Any], model_type: str) -> str:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    # Gemma 1's published configs say "gelu" and mean the tanh approximation (transformers and vLLM read it so).
+    return "gelu_pytorch_tanh" if model_type == "gemma" and act == "gelu" else act
+
+
+def _no_rope_layers(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The NoPE layers of a SmolLM3 config: `no_rope_layers` flags each layer 1 (rotates) or 0, else every
+    `no_rope_layer_interval`-th layer skips rotary positions."""
+    flags = hf.get("no_rope_layers")
+    if flags is None and hf.get("no_rope_layer_interval"):
+        interval = hf["no_rope_layer_interval"]
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not flags:
+        return ()
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
+
+
 def _window(hf: dict[str, Any], model_type: str) -> int | None:
-    # Qwen2/3 configs carry a sliding_window that only applies with use_sliding_window.
-    if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
+    # Qwen2/3 and SmolLM3 configs carry a sliding_window that only applies with use_sliding_window.
+    if model_type.startswith(_WINDOW_SWITCHED) and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window") or None
 

@@ -34,7 +34,7 @@ from pagedkv.model.layers import (
 )
 from pagedkv.model.parallel_state import all_gather_last_dim, get_tp_rank, get_tp_size
 from pagedkv.model.protocol import KVCache
-from pagedkv.model.rotary import RotaryEmbedding, StepPositions
+from pagedkv.model.rotary import NoRotation, RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
 
 # (our fused parameter, checkpoint part, shard) for checkpoints that store q/k/v and gate/up apart.
@@ -45,6 +45,13 @@ STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qk
 # Gated activations by HF's `hidden_act` / `hidden_activation` names.
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
                 "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+
+def split_gate_up(name: str, tensor, intermediate_size: int) -> tuple[tuple[str, int, object], ...]:
+    """A checkpoint's fused gate_up_proj [2 I, hidden] (Phi-3, GLM) -> its gate and up rows as the two parts of
+    pagedkv's merged projection (loaded per part, so each tensor-parallel rank takes its own columns)."""
+    i = intermediate_size
+    return (name, 0, tensor.narrow(0, 0, i)), (name, 1, tensor.narrow(0, i, i))
 
 
 def check_activation(act: str) -> None:
@@ -99,18 +106,19 @@ class DecoderAttention(nn.Module):
     """QKV projection, optional q/k RMSNorm, rotary + cache write, paged attention, output projection.
 
     qk_norm: None; "head" (one RMSNorm over each head's dims: Qwen3, Gemma 3); or "full" (over all heads'
-    dims of the projection: OLMo 2; under tensor parallelism q and k are gathered for it).
+    dims of the projection: OLMo 2, OLMoE; under tensor parallelism q and k are gathered for it).
+    rope: the layer's rotary table, or a `NoRotation` for a NoPE layer.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, *, qk_norm: str | None = None,
-                 norm_cls: type[RMSNorm] = RMSNorm, o_bias: bool | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation, *,
+                 qk_norm: str | None = None, norm_cls: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.head_dim = d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
                                           bias=cfg.attention_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size,
-                                        bias=cfg.attention_bias if o_bias is None else o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.clip_qkv = cfg.clip_qkv  # OLMoE: q, k and v clamped to [-clip, clip] after the q/k norms
         self.rotary_emb = rope  # shared by the layers that use the same table (registered once per model)
         self.qk_norm = qk_norm
         if qk_norm == "head":
@@ -143,6 +151,9 @@ class DecoderAttention(nn.Module):
         elif self.qk_norm == "full":
             q, k = self._full_norm(self.q_norm, q), self._full_norm(self.k_norm, k)
         v = qkv[:, qs + ks:].view(t, self.num_kv_heads, d)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = self.rotary_emb.apply(pos, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v, kv_cache,
                                   meta.slot_mapping, calibrate=meta.calibrate_kv_scales)
         return self.o_proj(self.attn(q, kv_cache, meta))
@@ -173,6 +184,7 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, cfg.rotary_dim, cfg.max_model_len)
+        self.no_rotation = NoRotation() if cfg.no_rope_layers else None  # SmolLM3's NoPE layers
         # Gemma 3's sliding layers rotate with their own base.
         self.rotary_emb_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
                                                  None, cfg.rotary_dim, cfg.max_model_len)
@@ -182,7 +194,9 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size))
 
-    def rope_for_layer(self, layer: int) -> RotaryEmbedding:
+    def rope_for_layer(self, layer: int) -> RotaryEmbedding | NoRotation:
+        if not self.config.layer_rotates(layer):
+            return self.no_rotation
         if self.rotary_emb_local is not None and self.config.layer_window(layer):
             return self.rotary_emb_local
         return self.rotary_emb

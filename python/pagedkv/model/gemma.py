@@ -1,4 +1,8 @@
-"""Gemma 2 and Gemma 3 (text): scaled embeddings, four norms per layer, GeGLU, per-layer sliding windows.
+"""Gemma 1, 2 and 3 (text): scaled embeddings, (1 + w) norms, GeGLU; Gemma 2/3 add four norms per layer and
+per-layer sliding windows.
+
+* Gemma 1 (and CodeGemma) is the Llama layer with these norms, embeddings and
+  GeGLU; its configs' legacy `hidden_act: gelu` means the tanh approximation.
 
 * RMSNorm scales by (1 + weight); the checkpoint stores `weight`, pagedkv adds
   the 1 when loading so the fused norm kernels serve it unchanged.
@@ -26,6 +30,7 @@ from torch import nn
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, KVCache, add_and_norm
 from pagedkv.model.layers import RMSNorm, default_weight_loader
+from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model.rotary import RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
 
@@ -43,7 +48,13 @@ class GemmaRMSNorm(RMSNorm):
         default_weight_loader(param, tensor.float() + 1.0)
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Gemma 1: norms before attention and before the MLP only."""
+
+    NORM_CLS = GemmaRMSNorm
+
+
+class Gemma2DecoderLayer(nn.Module):
     QK_NORM: str | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
@@ -64,14 +75,14 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3DecoderLayer(GemmaDecoderLayer):
+class Gemma3DecoderLayer(Gemma2DecoderLayer):
     QK_NORM = "head"
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
     norm_cls = GemmaRMSNorm
 
-    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module] = GemmaDecoderLayer) -> None:
+    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module] = Gemma2DecoderLayer) -> None:
         super().__init__(cfg, layer_cls)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -79,6 +90,11 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         # HF multiplies by sqrt(hidden_size) held in the model dtype: round it the same way.
         scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype).item()
         return hidden.mul_(scale)
+
+
+class GemmaForCausalLM(Gemma2ForCausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, GemmaDecoderLayer)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -20,15 +20,15 @@ from pagedkv.model_config import ModelConfig
 
 
 class LlamaDecoderLayer(nn.Module):
-    QK_NORM: str | None = None  # Qwen3 normalizes each q and k head
+    QK_NORM: str | None = None  # Qwen3 normalizes each q and k head; OLMoE all heads at once
+    NORM_CLS: type[RMSNorm] = RMSNorm  # Gemma's (1 + w)
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer, rope, qk_norm=self.QK_NORM,
-                                          o_bias=cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM")
+        self.self_attn = DecoderAttention(cfg, layer, rope, qk_norm=self.QK_NORM, norm_cls=self.NORM_CLS)
         self.mlp = self.make_mlp(cfg, layer)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.NORM_CLS(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.NORM_CLS(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier  # Granite; 1.0 elsewhere
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, pos: StepPositions, kv_cache: KVCache,

@@ -49,8 +49,10 @@ from torch import nn
 
 from pagedkv import ops
 from pagedkv.model.cpu_linear import pack_expert_weight
+from pagedkv.model.decoder import GatedMLP
 from pagedkv.model.layers import _check_dim, _divide, _set_loader, default_weight_loader
 from pagedkv.model.parallel_state import all_reduce, get_tp_rank, get_tp_size
+from pagedkv.model_config import ModelConfig
 
 # Per-expert checkpoint names -> the part of the stacked parameters they fill.
 _PER_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down",
@@ -227,3 +229,25 @@ class FusedMoE(nn.Module):
         _check_dim(loaded, lead, self.hidden_size, "an expert's down projection (hidden_size)")
         _check_dim(loaded, lead + 1, self.intermediate_size, "an expert's down projection (intermediate_size)")
         dest.copy_(loaded.narrow(lead + 1, self.tp_rank * self.inter_per_rank, self.inter_per_rank))
+
+
+class SharedExpertMoE(FusedMoE):
+    """FusedMoE plus one always-on SwiGLU expert of width `shared_expert_intermediate_size` (Qwen2-MoE,
+    Granite-MoE-shared), optionally scaled per token by sigmoid(shared_expert_gate(x)) (Qwen2-MoE):
+        out = moe(x) + [sigmoid(x @ g^T) *] shared_expert(x).
+    Parameters are named as Qwen2-MoE's block: `gate`, `experts.*`, `shared_expert.*`, `shared_expert_gate`.
+    """
+
+    def __init__(self, cfg: ModelConfig, gated: bool) -> None:
+        super().__init__(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                         cfg.moe_intermediate_size or cfg.intermediate_size, renormalize=cfg.norm_topk_prob)
+        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
+        # Replicated [1, hidden]: one gate value per token.
+        self.shared_expert_gate = Router(cfg.hidden_size, 1) if gated else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> [T, H] (all-reduced over the tensor-parallel group)."""
+        shared = self.shared_expert(hidden)
+        if self.shared_expert_gate is not None:
+            shared = shared.mul_(torch.sigmoid(self.shared_expert_gate(hidden)))
+        return super().forward(hidden).add_(shared)

@@ -1,9 +1,11 @@
-"""OLMo 2: norms after attention and after the MLP (none before), and a q/k RMSNorm over all heads.
+"""OLMo 2 and OLMo 3: norms after attention and after the MLP (none before), and a q/k RMSNorm over all heads.
 
 Each sublayer's output is normalized before it joins the residual stream:
     h = x + post_attention_layernorm(attn(x)); out = h + post_feedforward_layernorm(mlp(h)).
 The q and k norms span every head of the projection, so under tensor
 parallelism the heads are gathered for them (DecoderAttention, qk_norm "full").
+OLMo 3 is the same layer with sliding-window attention on three layers of
+every four (`layer_types`); its sliding layers keep their own rope settings.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedkv.model.decoder import DecoderForCausalLM
+from pagedkv.model.decoder import DecoderForCausalLM, split_gate_up
 from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model_config import ModelConfig
 
@@ -29,6 +29,5 @@ class Phi3ForCausalLM(DecoderForCausalLM):
             return ((name, "q", tensor.narrow(0, 0, q)), (name, "k", tensor.narrow(0, q, kv)),
                     (name, "v", tensor.narrow(0, q + kv, kv)))
         if ".gate_up_proj." in name:
-            i = cfg.intermediate_size
-            return (name, 0, tensor.narrow(0, 0, i)), (name, 1, tensor.narrow(0, i, i))
+            return split_gate_up(name, tensor, cfg.intermediate_size)
         return super().split_checkpoint_tensor(name, tensor)

@@ -201,6 +201,18 @@ class RotaryEmbedding(nn.Module):
         return self(q, cos, sin)
 
 
+class NoRotation(nn.Module):
+    """A NoPE layer's stand-in for RotaryEmbedding (SmolLM3: every fourth layer attends without positions):
+    the same `apply`, which writes k and v to the cache and leaves q and k unrotated."""
+
+    def apply(self, pos: StepPositions, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+              slot_mapping: torch.Tensor, calibrate: bool = False) -> torch.Tensor:
+        if calibrate and kv_cache.format.is_fp8:
+            calibrate_fp8_scales(kv_cache, k, v)
+        ops.reshape_and_cache(k, v, kv_cache.key, kv_cache.value, slot_mapping, **kv_cache.op_args)
+        return q
+
+
 class StepPositions:
     """One step's positions int64 [num_tokens], and each rotary table's cos/sin rows for them, looked up once per
     step and shared by every layer (only on the unfused path: the fused kernel reads the table itself)."""

@@ -1,0 +1,95 @@
+"""GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf) and GLM-4-0414 (Glm4ForCausalLM): interleaved partial rotary.
+
+* Rotary positions turn only the first `partial_rotary_factor` of each head,
+  and in GPT-J's interleaved order: dims (2i, 2i + 1) form pair i. pagedkv's
+  rotary kernels pair dim i with i + rotary_dim / 2 (GPT-NeoX's order), so
+  the loader permutes each q and k head's rotary rows (weights and bias) into
+  that order. q . k is a sum over dims and both sides move alike, so the
+  attention scores do not change; V and the output projection are untouched,
+  and the KV cache simply holds keys in the permuted order.
+* q/k/v have a bias, the output projection none; gate/up are fused in the
+  checkpoint (loaded per part, as Phi-3's).
+* GLM-4-0414 normalizes each sublayer's output before the residual add
+  (`post_self_attn_layernorm`, `post_mlp_layernorm`) as well as its input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedkv.model.attention import AttentionMetadata
+from pagedkv.model.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    GatedMLP,
+    KVCache,
+    add_and_norm,
+    split_gate_up,
+)
+from pagedkv.model.layers import RMSNorm
+from pagedkv.model.llama import LlamaDecoderLayer
+from pagedkv.model.rotary import RotaryEmbedding, StepPositions
+from pagedkv.model_config import ModelConfig
+
+
+def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The row order that turns one head's interleaved rotary dims into halves: int64 [head_dim].
+
+    Row j of the result is row order[j] of the checkpoint: 0, 2, ..., rotary_dim - 2, then 1, 3, ...,
+    rotary_dim - 1, then the dims that do not rotate, as they are.
+    """
+    rotary = torch.arange(rotary_dim)
+    return torch.cat([rotary[0::2], rotary[1::2], torch.arange(rotary_dim, head_dim)])
+
+
+def permute_heads(tensor: torch.Tensor, num_heads: int, order: torch.Tensor) -> torch.Tensor:
+    """Rows [num_heads * head_dim, ...] (a projection's weight or bias) -> each head's rows in `order`."""
+    head_dim = order.numel()
+    if tensor.shape[0] != num_heads * head_dim:
+        raise ValueError(f"a q/k projection of {tuple(tensor.shape)} does not hold {num_heads} heads of {head_dim}")
+    return tensor.reshape(num_heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
+
+
+class Glm4DecoderLayer(nn.Module):
+    """input norm -> attention -> post_self_attn norm -> + residual -> norm -> MLP -> post_mlp norm -> + residual."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer, rope)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm, self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, eps), RMSNorm(
+            cfg.hidden_size, eps)
+        self.post_attention_layernorm, self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, eps), RMSNorm(
+            cfg.hidden_size, eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, pos: StepPositions, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
+        hidden = self.post_self_attn_layernorm(self.self_attn(hidden, pos, kv_cache, meta))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.post_mlp_layernorm(self.mlp(hidden)), residual
+
+
+class GlmForCausalLM(DecoderForCausalLM):
+    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module] = LlamaDecoderLayer) -> None:
+        super().__init__(cfg, layer_cls)
+        self._rotary_order = interleaved_to_halves(cfg.head_dim, cfg.rotary_dim)
+
+    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
+        cfg = self.config
+        if ".gate_up_proj." in name:
+            return split_gate_up(name, tensor, cfg.intermediate_size)
+        for part, heads in ((".q_proj.", cfg.num_attention_heads), (".k_proj.", cfg.num_key_value_heads)):
+            if part in name:
+                full = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
+                return super().split_checkpoint_tensor(name, permute_heads(full, heads, self._rotary_order))
+        return super().split_checkpoint_tensor(name, tensor)
+
+
+class Glm4ForCausalLM(GlmForCausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, Glm4DecoderLayer)

@@ -1,0 +1,76 @@
+"""How ModelConfig reads config.json rules that differ by family (model-free: plain dicts)."""
+
+from __future__ import annotations
+
+import pytest
+from pagedkv.model_config import ModelConfig
+
+_SHAPE = dict(vocab_size=1000, hidden_size=256, intermediate_size=320, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64)
+
+
+def _config(model_type: str, **extra) -> ModelConfig:
+    return ModelConfig.from_hf({"model_type": model_type, **_SHAPE, **extra})
+
+
+def test_gemma_legacy_gelu_means_the_tanh_approximation():
+    """Gemma 1's published configs say hidden_act "gelu"; transformers and vLLM run gelu_pytorch_tanh."""
+    assert _config("gemma", hidden_act="gelu").hidden_act == "gelu_pytorch_tanh"
+    assert _config("gemma", hidden_act="gelu", hidden_activation="gelu").hidden_act == "gelu_pytorch_tanh"
+    assert _config("gemma2", hidden_activation="gelu").hidden_act == "gelu"  # only Gemma 1's legacy value
+    assert _config("gemma").tie_word_embeddings and not _config("olmoe").tie_word_embeddings
+
+
+def test_bidirectional_gemma_is_refused():
+    with pytest.raises(ValueError, match="use_bidirectional_attention is an encoder"):
+        _config("gemma", use_bidirectional_attention=True)
+
+
+def test_smollm3_no_rope_layers_from_flags_or_interval():
+    assert _config("smollm3", no_rope_layers=[1, 0, 1, 0]).no_rope_layers == (1, 3)
+    cfg = _config("smollm3", no_rope_layer_interval=4)
+    assert cfg.no_rope_layers == (3,) and [cfg.layer_rotates(i) for i in range(4)] == [True, True, True, False]
+    assert _config("llama").no_rope_layers == () and _config("llama").layer_rotates(3)
+    with pytest.raises(ValueError, match="no_rope_layers has 3 entries for 4 layers"):
+        _config("smollm3", no_rope_layers=[1, 1, 0])
+
+
+def test_smollm3_window_applies_only_with_use_sliding_window():
+    assert _config("smollm3", sliding_window=128).kv_sliding_window is None
+    assert _config("smollm3", sliding_window=128, use_sliding_window=True).kv_sliding_window == 128
+
+
+def test_qkv_bias_families_have_no_output_bias():
+    """Qwen2 and Qwen2-MoE (qkv_bias, on by default) and GLM (attention_bias) bias q/k/v only; Llama's
+    attention_bias covers the output projection too."""
+    assert _config("qwen2_moe").attention_bias and not _config("qwen2_moe").o_proj_bias
+    assert not _config("qwen2_moe", qkv_bias=False).attention_bias
+    glm = _config("glm", attention_bias=True)
+    assert glm.attention_bias and not glm.o_proj_bias
+    assert _config("llama", attention_bias=True).o_proj_bias
+
+
+def test_shared_expert_width_and_routing_defaults():
+    assert _config("qwen2_moe", shared_expert_intermediate_size=96).shared_expert_intermediate_size == 96
+    assert _config("granitemoeshared", shared_intermediate_size=64).shared_expert_intermediate_size == 64
+    assert not _config("qwen2_moe").norm_topk_prob and not _config("olmoe").norm_topk_prob
+    assert _config("granitemoe").norm_topk_prob and _config("mixtral").norm_topk_prob
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    assert _config("qwen2_moe", **moe, shared_expert_intermediate_size=96).tensor_parallel_size_fits(2)
+    assert not _config("qwen2_moe", **moe, shared_expert_intermediate_size=97).tensor_parallel_size_fits(2)
+
+
+def test_clip_qkv_must_be_positive():
+    assert _config("olmoe", clip_qkv=8.0).clip_qkv == 8.0 and _config("olmoe").clip_qkv is None
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="clip_qkv must be a positive number"):
+            _config("olmoe", clip_qkv=bad)
+
+
+def test_rope_scaling_on_sliding_layers_is_refused():
+    """OLMo 3 / Gemma 3 keep rope settings per layer kind; scaling is run on the full layers only, so a scaled
+    sliding kind is refused rather than run unscaled."""
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="rope scaling on the sliding-window layers \\('linear'\\)"):
+        _config("olmo3", rope_parameters=rope, sliding_window=64)
