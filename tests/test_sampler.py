@@ -24,6 +24,9 @@ import torch
 from pagedkv.model.sampler import (
     Sampler,
     SamplingBatch,
+    apply_allowed_tokens,
+    apply_logit_biases,
+    apply_output_penalties,
     apply_repetition_penalty,
     draw_from_cdf,
     filter_logits,
@@ -236,6 +239,68 @@ def test_repetition_penalty_matches_hf():
     other = logits.clone()
     apply_repetition_penalty(other, [None, (1.0, [1, 2, 3]), None, None])
     assert torch.equal(other, logits)
+
+
+def _output_penalties_reference(logits, penalties):
+    out = logits.clone()
+    for row, item in enumerate(penalties):
+        if item is None:
+            continue
+        presence, frequency, tokens = item
+        for t in set(tokens):
+            out[row, t] -= frequency * tokens.count(t) + presence
+    return out
+
+
+def test_output_penalties_match_the_per_token_rule():
+    """OpenAI's presence / frequency rule over each row's output tokens (repeats counted), rows without
+    penalties or without output untouched, an odd vocabulary."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 1003, generator=g)
+    penalties = [(0.5, 0.25, [3, 3, 3, 1002, 7]), None, (-1.0, 0.0, [0, 0]), (0.0, 2.0, []), (2.0, -2.0, [999, 4, 999])]
+    out = logits.clone()
+    apply_output_penalties(out, penalties)
+    torch.testing.assert_close(out, _output_penalties_reference(logits, penalties))
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[3], logits[3])
+    assert out[0, 3].item() == pytest.approx(logits[0, 3].item() - 0.5 - 3 * 0.25)
+
+
+def test_logit_biases_and_allowed_tokens_apply_to_their_rows():
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, 517, generator=g)
+    out = logits.clone()
+    apply_logit_biases(out, [None, (torch.tensor([0, 516, 7]), torch.tensor([100.0, -100.0, 0.5])), None])
+    expected = logits.clone()
+    expected[1, 0] += 100.0
+    expected[1, 516] -= 100.0
+    expected[1, 7] += 0.5
+    torch.testing.assert_close(out, expected)
+    out = logits.clone()
+    apply_allowed_tokens(out, [torch.tensor([5, 9, 516]), None, torch.tensor([0])])
+    assert torch.isinf(out[0]).sum() == 517 - 3 and torch.equal(out[0, [5, 9, 516]], logits[0, [5, 9, 516]])
+    assert torch.equal(out[1], logits[1])
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [0]
+
+
+def test_sampler_shapes_logits_before_the_pick_and_reports_raw_logprobs():
+    """Greedy and sampled rows: a +100 bias wins, an allow-list bounds every draw, a frequency penalty moves the
+    argmax off a repeated token; the logprobs are of the raw logits, as vLLM reports them."""
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randn(4, 300, generator=g)
+    favourite = int(logits[0].argmax())
+    batch = _batch(4, temperature=[0.0, 1.0, 0.0, 1.0], num_logprobs=[1, None, None, None])
+    batch.biases = [(torch.tensor([17]), torch.tensor([100.0])), None, None, None]
+    batch.allowed = [None, torch.tensor([4, 8, 15]), None, torch.tensor([16, 23, 42])]
+    top = int(logits[2].argmax())
+    batch.output_penalties = [None, None, (0.0, 2.0, [top] * 20), None]
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    for _ in range(20):
+        out = sampler(logits, batch)
+        assert out.token_ids[0] == 17 and out.token_ids[1] in (4, 8, 15) and out.token_ids[3] in (16, 23, 42)
+        assert out.token_ids[2] != top
+    raw = logits.log_softmax(-1)
+    assert out.logprobs[0][17].logprob == pytest.approx(raw[0, 17].item())
+    assert out.logprobs[0][favourite].rank == 1  # the unbiased favourite is still rank 1 among raw logprobs
 
 
 # --- greedy --------------------------------------------------------------------------------------------
@@ -465,6 +530,24 @@ def test_n2_gives_two_samples(sampler_llm):
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
+def test_logit_bias_allowed_ids_and_penalties_end_to_end(sampler_llm):
+    """On the default model: a +100 bias makes greedy pick that token every step; allowed_token_ids bounds a
+    sampled output; with a presence penalty every greedy token is the argmax of (raw logprob - penalty if
+    already in the output) among the top-20 raw candidates returned."""
+    biased = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={"42": 100.0})
+    assert sampler_llm.generate(PROMPT, biased, use_tqdm=False)[0].outputs[0].token_ids == [42] * 4
+    allowed = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=[11, 12, 13])
+    assert set(sampler_llm.generate(PROMPT, allowed, use_tqdm=False)[0].outputs[0].token_ids) <= {11, 12, 13}
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    penalized = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=2.0, logprobs=20)
+    base, out = (sampler_llm.generate(OTHERS[2], p, use_tqdm=False)[0].outputs[0] for p in (plain, penalized))
+    assert out.token_ids != base.token_ids
+    for i, (tok, lps) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        seen = set(out.token_ids[:i])
+        scores = {t: lp.logprob - (2.0 if t in seen else 0.0) for t, lp in lps.items()}
+        assert tok == max(scores, key=scores.get), i
+
+
 def test_logprobs_end_to_end(sampler_llm):
     out = sampler_llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2),
                                use_tqdm=False)[0].outputs[0]
@@ -479,8 +562,11 @@ def test_logprobs_end_to_end(sampler_llm):
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(top_k=-2), dict(min_p=1.5),
     dict(min_p=-0.1), dict(max_tokens=0), dict(logprobs=-1), dict(repetition_penalty=0.0), dict(seed=1.5),
-    dict(min_tokens=5, max_tokens=2), dict(stop=[""]),
-], ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+    dict(min_tokens=5, max_tokens=2), dict(stop=[""]), dict(presence_penalty=2.01), dict(frequency_penalty=-2.5),
+    dict(frequency_penalty=float("nan")), dict(logit_bias={5: 100.5}), dict(logit_bias={"-1": 1.0}),
+    dict(logit_bias={"x": 1.0}), dict(logit_bias={1.5: 1.0}), dict(logit_bias=[1, 2]),
+    dict(logit_bias={i: 1.0 for i in range(1025)}), dict(allowed_token_ids=[]), dict(allowed_token_ids=[-1]),
+], ids=lambda k: "-".join(f"{a}={str(b)[:20]}" for a, b in k.items()))
 def test_sampling_params_validation(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -488,6 +574,11 @@ def test_sampling_params_validation(kwargs):
 
 def test_sampling_params_valid_edges():
     assert SamplingParams(top_k=-1).top_k == 0
+    edges = SamplingParams(presence_penalty=-2, frequency_penalty=2.0, logit_bias={"7": -100, 8: 100.0},
+                           allowed_token_ids=[0])
+    assert edges.logit_bias == {7: -100.0, 8: 100.0} and edges.presence_penalty == -2.0 and edges.shapes_logits
+    assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams().shapes_logits
+    assert len(SamplingParams(logit_bias={i: 1.0 for i in range(1024)}).logit_bias) == 1024
     assert SamplingParams(temperature=0.0).greedy
     SamplingParams(top_p=1.0, min_p=1.0, top_k=5, n=3, max_tokens=None, logprobs=0, seed=0)  # all valid
 

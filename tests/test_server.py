@@ -183,6 +183,24 @@ def test_sampling_fields(client, llm):
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ref.token_ids.index(
         ref.token_ids[3]) + 1
 
+    # OpenAI's logit_bias and penalties, vLLM's allowed_token_ids: the same tokens as LLM.generate with them
+    # (through the engine-core process, streamed and not).
+    shaped = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={str(ref.token_ids[1]): -100})
+    want = llm.generate(PROMPT, greedy(12, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5,
+                                       logit_bias={ref.token_ids[1]: -100}), use_tqdm=False)[0].outputs[0]
+    assert ref.token_ids[1] not in want.token_ids and want.token_ids != ref.token_ids[:12]
+    assert text(max_tokens=12, temperature=0, extra_body={"ignore_eos": True}, **shaped) == (want.text, "length")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        **shaped) if c.choices)
+    assert streamed == want.text
+    allowed = sorted(set(ref.token_ids[:3]))
+    sampled = llm.generate(PROMPT, SamplingParams(temperature=0.9, seed=2, max_tokens=6, ignore_eos=True,
+                                                  allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    assert set(sampled.token_ids) <= set(allowed)
+    assert text(max_tokens=6, temperature=0.9, seed=2, extra_body={"allowed_token_ids": allowed, "ignore_eos": True}
+                ) == (sampled.text, "length")
+
     # logprobs: completions' legacy object, chat's per-token list with top_logprobs.
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs

@@ -150,8 +150,19 @@ HOSTILE = [
     ("tokenize without the key", "/tokenize", {"prompt": "hi"}, {}, 401, None),
     ("detokenize without the key", "/detokenize", {"tokens": [1]}, {}, 401, None),
     ("completion with a wrong key", "/v1/completions", completion(), {"Authorization": "Bearer nope"}, 401, None),
-    ("frequency_penalty (unsupported)", "/v1/completions", completion(frequency_penalty=1.0), None, 400,
+    ("frequency_penalty past 2", "/v1/completions", completion(frequency_penalty=2.5), None, 400,
      "frequency_penalty"),
+    ("presence_penalty below -2", "/v1/completions", completion(presence_penalty=-3), None, 400, "presence_penalty"),
+    ("logit_bias outside the vocabulary", "/v1/completions", completion(logit_bias={"999999999": 1}), None, 400,
+     "logit_bias"),
+    ("logit_bias key not a token id", "/v1/completions", completion(logit_bias={"hello": 1}), None, 400,
+     "logit_bias"),
+    ("logit_bias past 100", "/v1/completions", completion(logit_bias={"5": 101}), None, 400, "logit_bias"),
+    ("logit_bias with too many entries", "/v1/completions", completion(logit_bias={str(i): 1 for i in range(1025)}),
+     None, 400, "logit_bias"),
+    ("allowed_token_ids empty", "/v1/completions", completion(allowed_token_ids=[]), None, 400, "allowed_token_ids"),
+    ("allowed_token_ids outside the vocabulary", "/v1/completions", completion(allowed_token_ids=[1, 10 ** 9]),
+     None, 400, "allowed_token_ids"),
 ]
 
 

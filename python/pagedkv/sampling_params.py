@@ -24,6 +24,9 @@ MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias, added to its row every step
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
+PENALTY_LIMIT = 2.0  # presence / frequency penalties in [-2, 2], OpenAI's and vLLM's range
 MAX_CACHE_SALT_CHARS = 1024  # a request's cache_salt (checked by the engine and the server's protocol)
 
 
@@ -58,6 +61,46 @@ def _stop_strings(stop: list[str] | str | None) -> list[str]:
     return strings
 
 
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """{token id: bias}: ids ints >= 0 (ints or strings of ints, as JSON keys arrive), biases finite numbers in
+    [-100, 100]. The vocabulary bound is the engine's check."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {bias!r:.80}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise SamplingParamsError("logit_bias", f"logit_bias has at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        token = _token_id_key(key)
+        if token is None:
+            raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got {key!r:.80}")
+        value = _finite("logit_bias", value)
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for "
+                                                    f"token {token}")
+        out[token] = value
+    return out or None
+
+
+def _token_id_key(key: object) -> int | None:
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
+        key = int(key)
+    return key if _is_int(key) and 0 <= key <= INT64_MAX else None
+
+
+def _allowed_token_ids(ids: list[int] | None) -> list[int] | None:
+    if ids is None:
+        return None
+    ids = list(ids)
+    if not ids:
+        raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty (None: every token)")
+    bad = next((t for t in ids if not _is_int(t) or not 0 <= t <= INT64_MAX), None)
+    if bad is not None:
+        raise SamplingParamsError("allowed_token_ids", f"allowed token ids must be ints >= 0, got {bad!r}")
+    return ids
+
+
 def _stop_token_ids(ids: list[int] | None) -> list[int]:
     ids = list(ids or [])
     if len(ids) > MAX_STOP_TOKEN_IDS:
@@ -83,6 +126,11 @@ class SamplingParams:
     keep going past EOS. logprobs: also return the log-probabilities of the
     top-`logprobs` tokens and of the sampled one. repetition_penalty > 1
     discourages tokens already in the prompt or output (as in HF/vLLM).
+    presence_penalty / frequency_penalty in [-2, 2] (OpenAI's): subtracted
+    from the logit of every token already in the output, once / once per
+    occurrence (the prompt does not count, as in vLLM). logit_bias: {token
+    id: bias in [-100, 100]} added to those logits every step.
+    allowed_token_ids: only these may be sampled (vLLM's).
     """
 
     n: int = 1
@@ -98,6 +146,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -124,6 +176,8 @@ class SamplingParams:
                                                     f"{self.max_tokens}], got {self.min_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise SamplingParamsError("logprobs", f"logprobs must be an int >= 0 (or None), got {self.logprobs!r}")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
         self.stop_strings = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
@@ -146,10 +200,21 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise SamplingParamsError("repetition_penalty",
                                       f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _finite(name, getattr(self, name))
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything changes the logits before the pick (penalties, biases, an allow-list)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.logit_bias is not None or self.allowed_token_ids is not None)
 
     @property
     def stop_holdback(self) -> int:

@@ -104,6 +104,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None  # why the engine failed it (its finish reason is then "error")
     banned_before_min_tokens: list[int] | None = None  # the model runner's cache: EOS and stop ids, sorted
+    logit_bias_tensors: tuple | None = None  # the model runner's cache: logit_bias as (ids, values) tensors
+    allowed_ids_tensor: Any = None  # the model runner's cache: allowed_token_ids as an int64 tensor
     # A beam search's state (pagedkv.core.beam_search.BeamGroup), or None: then seqs are its live beams.
     beam: Any = None
 

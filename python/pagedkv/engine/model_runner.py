@@ -307,7 +307,7 @@ class ModelRunner:
     def sampling_batch(self, rows: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in rows]
         all_greedy = all(p.temperature == 0.0 for p in params)
-        simple = all_greedy and all(p.repetition_penalty == 1.0 and p.logprobs is None and p.min_tokens == 0
+        simple = all_greedy and all(not p.shapes_logits and p.logprobs is None and p.min_tokens == 0
                                     for p in params)
         n = len(rows)
         if simple:  # the common greedy case: no per-row tensors to build
@@ -325,7 +325,33 @@ class ModelRunner:
                        for p, s in zip(params, rows, strict=True)],
             num_logprobs=[p.logprobs for p in params],
             banned=[self._banned(p, s) for p, s in zip(params, rows, strict=True)],
+            allowed=[self._allowed(p, s) for p, s in zip(params, rows, strict=True)],
+            biases=[self._biases(p, s) for p, s in zip(params, rows, strict=True)],
+            output_penalties=[(p.presence_penalty, p.frequency_penalty, s.output_token_ids)
+                              if p.presence_penalty or p.frequency_penalty else None
+                              for p, s in zip(params, rows, strict=True)],
         )
+
+    def _allowed(self, p, seq: Sequence) -> torch.Tensor | None:
+        """allowed_token_ids as a tensor, built once per request."""
+        if p.allowed_token_ids is None:
+            return None
+        req = seq.request
+        if req.allowed_ids_tensor is None:
+            req.allowed_ids_tensor = torch.tensor(sorted(set(p.allowed_token_ids)), dtype=torch.long,
+                                                  device=self.device)
+        return req.allowed_ids_tensor
+
+    def _biases(self, p, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """logit_bias as (ids, values) tensors, built once per request."""
+        if p.logit_bias is None:
+            return None
+        req = seq.request
+        if req.logit_bias_tensors is None:
+            ids, values = zip(*sorted(p.logit_bias.items()), strict=True)
+            req.logit_bias_tensors = (torch.tensor(ids, dtype=torch.long, device=self.device),
+                                      torch.tensor(values, dtype=torch.float32, device=self.device))
+        return req.logit_bias_tensors
 
     def _banned(self, p, seq: Sequence) -> list[int] | None:
         """Before min_tokens, the tokens that would end the sequence may not be sampled (as in vLLM).

@@ -38,6 +38,11 @@ class RequestLimits:
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise SamplingParamsError("stop_token_ids", f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise SamplingParamsError(name, f"{name} token id {bad} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise SamplingParamsError("logprobs", f"requested {params.logprobs} logprobs, more than the "
                                                   f"{self.max_logprobs} allowed (max_logprobs)")

@@ -13,6 +13,11 @@ what else is in the batch. On the CPU one fused op (`ops.sample_from_logits`)
 does the draw in two passes over the (filtered) logits.
 Log-probabilities are of the model's raw distribution (before penalties,
 temperature and filters), as in vLLM.
+
+Before the pick, in vLLM's order: the allow-list (allowed_token_ids), the
+logit biases, the repetition penalty, the presence / frequency penalties
+over the output's token counts (one scatter for all penalized rows), and the
+min_tokens ban. Each is skipped unless some row of the step asks for it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ class SamplingBatch:
     generators[i]: a row's own generator or None (the engine's);
     penalties[i]: (repetition_penalty, token ids seen so far) or None;
     num_logprobs[i]: top logprobs wanted (None: none);
-    banned[i]: token ids row i may not sample now (EOS and stop tokens before min_tokens), or None.
+    banned[i]: token ids row i may not sample now (EOS and stop tokens before min_tokens), or None;
+    allowed[i]: int64 token ids row i may sample (the others are masked), or None;
+    biases[i]: (int64 ids, float32 values) added to row i's logits, or None;
+    output_penalties[i]: (presence, frequency, the row's output token ids) or None.
     """
 
     all_greedy: bool
@@ -45,6 +53,9 @@ class SamplingBatch:
     penalties: list[tuple[float, list[int]] | None]
     num_logprobs: list[int | None]
     banned: list[list[int] | None] | None = None
+    allowed: list[torch.Tensor | None] | None = None
+    biases: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    output_penalties: list[tuple[float, float, list[int]] | None] | None = None
 
     @property
     def needs_filters(self) -> tuple[bool, bool, bool]:
@@ -60,6 +71,42 @@ def apply_repetition_penalty(logits: torch.Tensor, penalties: list[tuple[float, 
         idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
         vals = logits[row, idx]
         logits[row, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> None:
+    """In place: every token outside a row's allow-list gets -inf."""
+    for row, ids in enumerate(allowed):
+        if ids is not None:
+            keep = logits[row, ids]
+            logits[row].fill_(float("-inf"))
+            logits[row, ids] = keep
+
+
+def apply_logit_biases(logits: torch.Tensor, biases: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    """In place: each row's (ids, values) added to those logits."""
+    for row, item in enumerate(biases):
+        if item is not None:
+            logits[row].index_add_(0, item[0], item[1])
+
+
+def apply_output_penalties(logits: torch.Tensor, penalties: list[tuple[float, float, list[int]] | None]) -> None:
+    """In place, OpenAI's rule: logit -= frequency x (times the token is in the output) + presence x (it is).
+
+    The counts of every penalized row come from one scatter-add of its output tokens into [rows, vocab].
+    """
+    rows = [i for i, item in enumerate(penalties) if item is not None and item[2]]
+    if not rows:
+        return
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    lengths = torch.tensor([len(penalties[i][2]) for i in rows], device=device)
+    tokens = torch.tensor([t for i in rows for t in penalties[i][2]], dtype=torch.long, device=device)
+    counts = torch.zeros(len(rows), logits.shape[1], dtype=logits.dtype, device=device)
+    counts.index_put_((torch.arange(len(rows), device=device).repeat_interleave(lengths), tokens),
+                      torch.ones_like(tokens, dtype=logits.dtype), accumulate=True)
+    presence = torch.tensor([penalties[i][0] for i in rows], dtype=logits.dtype, device=device).unsqueeze(1)
+    frequency = torch.tensor([penalties[i][1] for i in rows], dtype=logits.dtype, device=device).unsqueeze(1)
+    logits.index_copy_(0, index, logits.index_select(0, index) - frequency * counts - presence * (counts > 0))
 
 
 # Top-p looks for its nucleus among this many most likely tokens first (a partial top-k, not a sort of the
@@ -179,9 +226,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         want_logprobs = any(k is not None for k in batch.num_logprobs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        logits = self._shape(logits, batch)
         if any(p is not None for p in batch.penalties):
             logits = logits.clone()
             apply_repetition_penalty(logits, batch.penalties)
+        if batch.output_penalties and any(p is not None for p in batch.output_penalties):
+            logits = logits.clone()
+            apply_output_penalties(logits, batch.output_penalties)
         if batch.banned and any(b for b in batch.banned):
             logits = logits.clone()
             for row, ids in enumerate(batch.banned):
@@ -194,6 +245,20 @@ class Sampler:
         logprobs = (_logprob_dicts(raw_logprobs, tokens, batch.num_logprobs) if want_logprobs
                     else [None] * len(batch.num_logprobs))
         return SamplerOutput(tokens.tolist(), logprobs)
+
+    @staticmethod
+    def _shape(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The allow-lists and logit biases, on a copy (the caller's logits are left as they are)."""
+        allowed = batch.allowed if batch.allowed and any(a is not None for a in batch.allowed) else None
+        biases = batch.biases if batch.biases and any(b is not None for b in batch.biases) else None
+        if allowed is None and biases is None:
+            return logits
+        logits = logits.clone()
+        if allowed is not None:
+            apply_allowed_tokens(logits, allowed)
+        if biases is not None:
+            apply_logit_biases(logits, biases)
+        return logits
 
     def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
         """One uniform in [0, 1) per row: [n, 1]; a seeded request draws from its own generator."""

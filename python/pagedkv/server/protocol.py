@@ -61,9 +61,9 @@ class _SamplingFields(OpenAIBaseModel):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
+    presence_penalty: float = 0.0  # [-2, 2], checked by SamplingParams (a 400 naming the field)
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias in [-100, 100]
     user: Text | None = None
     # vLLM's extra sampling fields.
     top_k: int | None = Field(None, ge=-1)
@@ -71,6 +71,7 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

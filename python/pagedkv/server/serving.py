@@ -198,11 +198,6 @@ class OpenAIServing:
         """Fields pagedkv does not implement are refused rather than silently ignored. The ranges that depend on
         the model (n, top_k, stop ids, logprobs) are the engine's own check, in `sampling_params`."""
         self.check_model(req.model)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(f"{name} is not supported (use repetition_penalty).", param=name)
-        if req.logit_bias:
-            raise APIError("logit_bias is not supported.", param="logit_bias")
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
         self._log_ignored(req.ignored_fields)
@@ -231,6 +226,8 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs,
                 repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output)
             self.validate_params(params)
@@ -252,6 +249,7 @@ class OpenAIServing:
             ("presence_penalty", bool(req.presence_penalty)),
             ("frequency_penalty", bool(req.frequency_penalty)),
             ("logit_bias", bool(req.logit_bias)),
+            ("allowed_token_ids", req.allowed_token_ids is not None),
             ("stop", bool(req.stop)),
             ("stop_token_ids", bool(req.stop_token_ids)),
             ("seed", req.seed is not None),
