@@ -189,7 +189,9 @@ _FAMILY_SETTINGS = {
     "olmoe": [{"num_experts": 4, "num_experts_per_tok": 2}],
     "granitemoe": [{"num_local_experts": 4, "num_experts_per_tok": 2}],
     "granitemoeshared": [{"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 96}],
-    "glm": [{"pad_token_id": 0}], "glm4": [{"pad_token_id": 0}],
+    "glm": [{"pad_token_id": 0}], "glm4": [{"pad_token_id": 0}], "starcoder2": [{}, {"use_bias": False}],
+    "stablelm": [{"use_qkv_bias": True}, {"use_parallel_residual": True}], "phi": [{}],
+    "gpt_neox": [{}, {"use_parallel_residual": False, "attention_bias": False}],
 }
 
 

@@ -74,3 +74,28 @@ def test_rope_scaling_on_sliding_layers_is_refused():
             "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
     with pytest.raises(ValueError, match="rope scaling on the sliding-window layers \\('linear'\\)"):
         _config("olmo3", rope_parameters=rope, sliding_window=64)
+
+
+def test_layernorm_families_read_their_own_eps_rotary_and_bias_keys():
+    """GPT-NeoX / Phi / StableLM read layer_norm_eps, StarCoder2 norm_epsilon (a stray rms_norm_eps is not
+    theirs); GPT-NeoX's rotary_pct and rotary_emb_base; biases by each family's rule."""
+    neox = _config("gpt_neox", layer_norm_eps=1e-5, rms_norm_eps=0.1, rotary_pct=0.25, rotary_emb_base=5000.0)
+    assert neox.rms_norm_eps == 1e-5 and neox.rotary_dim == 16 and neox.rope_theta == 5000.0
+    assert neox.parallel_residual and neox.attention_bias and neox.o_proj_bias and neox.mlp_bias
+    assert not _config("gpt_neox", use_parallel_residual=False).parallel_residual
+    phi = _config("phi", partial_rotary_factor=0.5)
+    assert phi.parallel_residual and phi.attention_bias and phi.o_proj_bias and phi.mlp_bias and phi.rotary_dim == 32
+    assert _config("phi", use_parallel_residual=False).parallel_residual  # Phi has no sequential form
+    star = _config("starcoder2", norm_epsilon=3e-5, rms_norm_eps=0.1)
+    assert star.rms_norm_eps == 3e-5 and star.attention_bias and star.mlp_bias and star.tie_word_embeddings
+    assert not _config("starcoder2", use_bias=False).mlp_bias
+    stable = _config("stablelm", use_qkv_bias=True, rope_pct=0.25)
+    assert stable.attention_bias and not stable.o_proj_bias and not stable.mlp_bias and stable.rotary_dim == 16
+    assert not stable.parallel_residual and _config("stablelm", use_parallel_residual=True).parallel_residual
+    assert _config("llama", layer_norm_eps=0.5).rms_norm_eps == 1e-6
+
+
+def test_per_head_qk_layernorm_is_refused():
+    for model_type in ("stablelm", "phi"):
+        with pytest.raises(ValueError, match="qk_layernorm"):
+            _config(model_type, qk_layernorm=True)

@@ -27,7 +27,13 @@ away from their neutral values, so that a missing feature shows in the logits:
 * granitemoe, granitemoeshared: stacked expert tensors, Granite's multipliers,
   and an ungated shared expert;
 * glm, glm4: interleaved (GPT-J order) partial rotary, q/k/v bias, fused
-  gate_up; GLM-4-0414's post-sublayer norms.
+  gate_up; GLM-4-0414's post-sublayer norms;
+* starcoder2: LayerNorms with bias, an ungated MLP, biases everywhere, a window;
+* stablelm: LayerNorms, q/k/v bias only, a quarter of each head rotating; and
+  the parallel-residual variant with one shared norm;
+* phi: parallel attention and MLP on one norm, `dense`, an LM head with bias;
+* gpt_neox: per-head fused query_key_value, parallel residual with two norms,
+  and the sequential variant.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -66,6 +72,8 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hid
                num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
                initializer_range=0.1, rms_norm_eps=1e-6)
 _ALTERNATING = ["sliding_attention", "full_attention"]
+# For the families whose head size is hidden_size / num_attention_heads (they read no head_dim).
+_WIDE = _COMMON | {"hidden_size": 256}
 
 
 def _config(family: str):
@@ -132,14 +140,30 @@ def _config_2(family: str):
             **_COMMON | {"num_hidden_layers": 3}, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=96,
             shared_expert_intermediate_size=160, mlp_only_layers=[1])
     if family == "olmoe":
-        # OLMoE's head size is hidden_size / num_attention_heads (it reads no head_dim).
-        return T.OlmoeForCausalLM, T.OlmoeConfig(**_COMMON | {"hidden_size": 256}, num_experts=8,
+        return T.OlmoeForCausalLM, T.OlmoeConfig(**_WIDE, num_experts=8,
                                                  num_experts_per_tok=4, clip_qkv=1.5, pad_token_id=0, eos_token_id=2)
     if family == "granitemoe":
         return T.GraniteMoeForCausalLM, T.GraniteMoeConfig(**_COMMON, **granite)
     if family == "granitemoeshared":
         return T.GraniteMoeSharedForCausalLM, T.GraniteMoeSharedConfig(**_COMMON, **granite,
                                                                        shared_intermediate_size=80)
+    if family == "starcoder2":
+        return T.Starcoder2ForCausalLM, T.Starcoder2Config(**_COMMON, sliding_window=WINDOW, norm_epsilon=1e-5,
+                                                           hidden_act="gelu_pytorch_tanh")
+    if family == "stablelm":
+        return T.StableLmForCausalLM, T.StableLmConfig(**_WIDE, use_qkv_bias=True, partial_rotary_factor=0.25,
+                                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "stablelm_parallel":
+        return T.StableLmForCausalLM, T.StableLmConfig(**_WIDE, use_parallel_residual=True,
+                                                       partial_rotary_factor=0.5, pad_token_id=0)
+    if family == "phi":
+        return T.PhiForCausalLM, T.PhiConfig(**_WIDE | {"num_key_value_heads": 4}, partial_rotary_factor=0.5,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family in ("gpt_neox", "gpt_neox_sequential"):
+        shape = {k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads", "head_dim", "rms_norm_eps")}
+        return T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**shape | {"hidden_size": 256}, rotary_pct=0.25,
+                                                     use_parallel_residual=family == "gpt_neox", bos_token_id=1,
+                                                     eos_token_id=2)
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
@@ -148,7 +172,7 @@ def _config_2(family: str):
 
 FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
-            "glm4")
+            "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
@@ -206,6 +230,11 @@ def test_checkpoints_carry_their_features(checkpoints):
     assert more["granitemoeshared"].layers[0].mlp.shared_expert_gate is None
     assert more["granitemoeshared"].config.norm_topk_prob
     assert more["glm"].config.rotary_dim == 32 and more["glm"].layers[0].self_attn.o_proj.bias is None
+    neox, phi = _ours(checkpoints, "gpt_neox"), _ours(checkpoints, "phi")
+    assert neox.config.parallel_residual and neox.layers[0].post_attention_layernorm is not None
+    assert not _ours(checkpoints, "gpt_neox_sequential").config.parallel_residual
+    assert phi.lm_head.bias is not None and phi.layers[0].post_attention_layernorm is None
+    assert _ours(checkpoints, "starcoder2").config.kv_sliding_window == WINDOW
 
 
 def test_rotary_tables_hold_max_model_len_positions(checkpoints):
@@ -402,11 +431,12 @@ def test_hf_overrides_turn_yarn_on_without_editing_the_checkpoint(tmp_path):
             EngineArgs(hf_overrides=bad)
 
 
-@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm"))
+@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm", "phi"))
 def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
     """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2), sharded
-    experts (Mixtral), a sharded shared expert beside them (Qwen2-MoE) and q/k heads permuted for GLM's
-    interleaved rotary, split by head, at tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
+    experts (Mixtral), a sharded shared expert beside them (Qwen2-MoE), q/k heads permuted for GLM's
+    interleaved rotary, split by head, and Phi's parallel residual with an LM-head bias split by vocabulary
+    rows, at tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.model.default_model import ensure_default_model
 

@@ -14,6 +14,9 @@ families add, each with the value that means "not used" as its default:
 * mixture of experts: `num_experts`, `num_experts_per_tok`,
   `moe_intermediate_size`, `norm_topk_prob`, which layers are dense, and the
   width of an always-on shared expert (Qwen2-MoE, Granite-MoE-shared);
+* LayerNorm families (GPT-NeoX, Phi, StableLM, StarCoder2): the norms' eps
+  sits in `rms_norm_eps` whatever the config calls it; `parallel_residual`
+  (attention and MLP on the same input);
 * SmolLM3: `no_rope_layers`, the layers that attend without rotary positions
   (NoPE); OLMo / OLMoE: `clip_qkv`, a clamp on the projected q, k and v.
 """
@@ -36,10 +39,22 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # their published config.json files leave the key out (google/gemma-2-2b) and their checkpoints hold no
 # lm_head.weight. Every other family defaults to an LM head of its own.
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                    "SmolLM3ForCausalLM")
+                    "SmolLM3ForCausalLM", "Starcoder2ForCausalLM")
 # Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
 # `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
-_QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
+_QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+                  "StableLmForCausalLM")
+# Families whose projections have biases unless config.json says otherwise (Phi's always do; GPT-NeoX's
+# attention_bias and StarCoder2's use_bias default to true).
+_BIASED_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM")
+# The config key of the norms' eps where it is not rms_norm_eps (the one the family's transformers code reads).
+_EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_norm_eps",
+             "GPTNeoXForCausalLM": "layer_norm_eps", "StableLmForCausalLM": "layer_norm_eps"}
+# Families whose transformers code sizes heads as hidden_size / num_attention_heads whatever config.json says
+# (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
+_HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM")
+# Families whose attention and MLP read the same input (Phi always; GPT-NeoX unless use_parallel_residual is false).
+_PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM")
 # Families whose config.json honours `sliding_window` only with `use_sliding_window` set.
 _WINDOW_SWITCHED = ("qwen", "smollm3")
 
@@ -62,7 +77,7 @@ class ModelConfig:
     head_dim: int
     model_type: str = ""
     hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # every norm's eps, RMS or LayerNorm (layer_norm_eps, norm_epsilon in config.json)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     rope_local_theta: float | None = None
@@ -89,6 +104,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     no_rope_layers: tuple[int, ...] = ()
     clip_qkv: float | None = None
+    parallel_residual: bool = False
     max_model_len: int | None = None  # the engine's, set at load: LongRoPE picks its factors by it
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -194,6 +210,8 @@ class ModelConfig:
         if arch in TEXT_OF_MULTIMODAL and "text_config" in hf:
             hf = _text_config(hf)
             model_type = hf.get("model_type", "")
+        if hf.get("qk_layernorm"):
+            raise ValueError(f"{arch} with qk_layernorm (a LayerNorm over each q and k head) is not supported")
         if hf.get("use_bidirectional_attention"):
             raise ValueError(f"{arch} with use_bidirectional_attention is an encoder (embedding model); pagedkv "
                              "runs causal decoders")
@@ -209,19 +227,21 @@ class ModelConfig:
             intermediate_size=hf.get("intermediate_size") or 0,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            num_key_value_heads=heads if arch == "GPTNeoXForCausalLM" else hf.get("num_key_value_heads") or heads,
+            head_dim=(hf["hidden_size"] // heads if arch in _HEAD_DIM_FROM_HIDDEN
+                      else hf.get("head_dim") or hf["hidden_size"] // heads),
             model_type=model_type,
             hidden_act=_hidden_act(hf, model_type),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=_first(hf, (_EPS_KEYS.get(arch, "rms_norm_eps"),), 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             rope_local_theta=local_theta,
             partial_rotary_factor=partial,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
-            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in _QKV_BIAS_ONLY))),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            attention_bias=bool(_first(hf, ("attention_bias", "qkv_bias", "use_qkv_bias", "use_bias"),
+                                       arch in _QKV_BIAS_ONLY + _BIASED_BY_DEFAULT)),
+            mlp_bias=bool(_first(hf, ("mlp_bias", "use_bias"), arch in _BIASED_BY_DEFAULT)),
             sliding_window=_window(hf, model_type),
             layer_types=_layer_types(hf, model_type, layers),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
@@ -242,6 +262,8 @@ class ModelConfig:
                                              or hf.get("shared_intermediate_size") or 0),
             no_rope_layers=_no_rope_layers(hf, layers),
             clip_qkv=hf.get("clip_qkv"),
+            parallel_residual=arch == "PhiForCausalLM" or bool(hf.get("use_parallel_residual",
+                                                                      arch in _PARALLEL_BY_DEFAULT)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=[] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos],
             torch_dtype=_DTYPE_NAMES.get(str(dtype).replace("torch.", "")) if dtype else None,
@@ -313,10 +335,17 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
         # Older Phi-3 configs (and some YaRN ones) keep the pretraining length at the top level.
         scaling = dict(scaling)
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    # GPT-NeoX's and older StableLM configs name the base and the rotary share their own way.
+    theta = float(hf.get("rope_theta", params.get("rope_theta", hf.get("rotary_emb_base", 10000.0))))
     local_theta = (local or {}).get("rope_theta", hf.get("rope_local_base_freq"))
-    partial = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+    partial = float(_first(hf, ("partial_rotary_factor",), None) or params.get("partial_rotary_factor")
+                    or _first(hf, ("rotary_pct", "rope_pct"), 1.0))
     return theta, dict(scaling) if scaling else None, None if local_theta is None else float(local_theta), partial
+
+
+def _first(hf: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:
+    """The value of the first of `keys` that config.json sets (not null), else `default`."""
+    return next((hf[k] for k in keys if hf.get(k) is not None), default)
 
 
 def _hidden_act(hf: dict[str, Any], model_type: str) -> str:

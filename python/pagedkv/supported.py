@@ -37,6 +37,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GraniteMoeSharedForCausalLM": ("granite_moe", "GraniteMoeForCausalLM"),
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm", "Glm4ForCausalLM"),
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
@@ -51,7 +55,8 @@ MODEL_TYPES: dict[str, str] = {
     "granite": "GraniteForCausalLM", "mixtral": "MixtralForCausalLM", "smollm3": "SmolLM3ForCausalLM",
     "olmo3": "Olmo3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM",
-    "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
+    "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+    "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
 }
 
 

@@ -25,6 +25,7 @@ from pagedkv import ops
 from pagedkv.model.attention import AttentionMetadata, PagedAttention
 from pagedkv.model.kv_scales import checkpoint_scale_value, kv_scale_target
 from pagedkv.model.layers import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -45,6 +46,8 @@ STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qk
 # Gated activations by HF's `hidden_act` / `hidden_activation` names.
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
                 "gelu_tanh": partial(F.gelu, approximate="tanh")}
+# The plain (ungated) MLPs' too: transformers' gelu_new and gelu_fast are the tanh approximation (Phi, GPT-J).
+_PLAIN_ACTIVATIONS = _ACTIVATIONS | {"gelu_new": _ACTIVATIONS["gelu_tanh"], "gelu_fast": _ACTIVATIONS["gelu_tanh"]}
 
 
 def split_gate_up(name: str, tensor, intermediate_size: int) -> tuple[tuple[str, int, object], ...]:
@@ -54,9 +57,9 @@ def split_gate_up(name: str, tensor, intermediate_size: int) -> tuple[tuple[str,
     return (name, 0, tensor.narrow(0, 0, i)), (name, 1, tensor.narrow(0, i, i))
 
 
-def check_activation(act: str) -> None:
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"unsupported hidden activation {act!r}; pagedkv runs {', '.join(_ACTIVATIONS)}")
+def check_activation(act: str, table: dict = _ACTIVATIONS) -> None:
+    if act not in table:
+        raise ValueError(f"unsupported hidden activation {act!r}; pagedkv runs {', '.join(table)}")
 
 
 # The fused op of each activation (pagedkv.ops): one pass instead of act(gate) into a new tensor, then
@@ -100,6 +103,20 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+
+class PlainMLP(nn.Module):
+    """fc2(act(fc1(x))): the ungated MLP of GPT-NeoX, Phi and StarCoder2 (fc1 column-parallel, fc2 row-parallel)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = True) -> None:
+        super().__init__()
+        check_activation(act, _PLAIN_ACTIVATIONS)
+        self.act = _PLAIN_ACTIVATIONS[act]
+        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias)
+        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class DecoderAttention(nn.Module):
@@ -168,6 +185,30 @@ class DecoderAttention(nn.Module):
         return norm(all_gather_last_dim(x.contiguous())).narrow(1, get_tp_rank() * n, n).contiguous()
 
 
+class ParallelResidualLayer(nn.Module):
+    """Attention and MLP side by side on the same input: out = x + attn(norm(x)) + mlp(norm'(x)).
+
+    GPT-NeoX and StableLM-2-12B normalize the MLP's input apart (`post_attention_layernorm`); Phi and the other
+    StableLM variants share one norm (shared_norm). The (hidden, residual) pair it returns sums to `out`.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation, mlp: nn.Module,
+                 norm_cls: type[nn.Module], shared_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer, rope)
+        self.mlp = mlp
+        self.input_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = None if shared_norm else norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, pos: StepPositions, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else residual.add_(hidden)
+        normed = self.input_layernorm(stream)
+        out = self.self_attn(normed, pos, kv_cache, meta)
+        mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(stream)
+        return out.add_(self.mlp(mlp_in)), stream
+
+
 class DecoderForCausalLM(nn.Module):
     """The shell every family shares: embedding, layers, final norm, LM head, weight loading.
 
@@ -176,7 +217,8 @@ class DecoderForCausalLM(nn.Module):
     `embed` (scaled embeddings), `checkpoint_target` (checkpoint names), `norm_cls` (Gemma's 1 + w).
     """
 
-    norm_cls: type[RMSNorm] = RMSNorm
+    norm_cls: type[nn.Module] = RMSNorm  # RMSNorm, Gemma's (1 + w), or LayerNorm
+    LM_HEAD_BIAS = False  # Phi's LM head has a bias
 
     def __init__(self, cfg: ModelConfig, make_layer: Callable[[ModelConfig, int, RotaryEmbedding], nn.Module]) -> None:
         super().__init__()
@@ -192,7 +234,7 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(make_layer(cfg, i, self.rope_for_layer(i)) for i in range(cfg.num_hidden_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
-                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size))
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, bias=self.LM_HEAD_BIAS))
 
     def rope_for_layer(self, layer: int) -> RotaryEmbedding | NoRotation:
         if not self.config.layer_rotates(layer):

@@ -200,8 +200,9 @@ class VocabParallelEmbedding(nn.Module):
         on rank 0, the only one that samples (the others get None).
         """
         packed = getattr(self, "packed_head", None)
-        local = (cpu_linear.packed_linear(hidden, packed, None) if packed is not None
-                 else F.linear(hidden, self.weight))
+        bias = getattr(self, "bias", None)
+        local = (cpu_linear.packed_linear(hidden, packed, bias) if packed is not None
+                 else F.linear(hidden, self.weight, bias))
         full = gather_last_dim_to_driver(local)
         return None if full is None else full[:, :self.vocab_size].float()
 
@@ -211,7 +212,32 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The untied LM head: a vocabulary-parallel [vocab_size, hidden_size] weight used through `logits`."""
+    """The untied LM head: a vocabulary-parallel [vocab_size, hidden_size] weight used through `logits`, with a
+    bias where the checkpoint has one (Phi); the bias is split over ranks as the vocabulary is."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.bias = (_set_loader(nn.Parameter(torch.zeros(self.per_rank), requires_grad=False), self.weight_loader)
+                     if bias else None)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim (GPT-NeoX, Phi, StableLM, StarCoder2), with
+    RMSNorm's interface: given a residual it returns (norm(x + residual), x + residual), the sum kept in the
+    residual's storage as the decoder loop expects."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _set_loader(nn.Parameter(torch.ones(hidden_size), requires_grad=False), default_weight_loader)
+        self.bias = (_set_loader(nn.Parameter(torch.zeros(hidden_size), requires_grad=False), default_weight_loader)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = residual.add_(x)
+        out = F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return out if residual is None else (out, x)
 
 
 class RMSNorm(nn.Module):
