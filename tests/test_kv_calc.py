@@ -192,6 +192,7 @@ _FAMILY_SETTINGS = {
     "glm": [{"pad_token_id": 0}], "glm4": [{"pad_token_id": 0}], "starcoder2": [{}, {"use_bias": False}],
     "stablelm": [{"use_qkv_bias": True}, {"use_parallel_residual": True}], "phi": [{}],
     "gpt_neox": [{}, {"use_parallel_residual": False, "attention_bias": False}],
+    "cohere": [{"pad_token_id": 0}, {"pad_token_id": 0, "attention_bias": True}], "cohere2": [{"pad_token_id": 0}],
 }
 
 

@@ -99,3 +99,14 @@ def test_per_head_qk_layernorm_is_refused():
     for model_type in ("stablelm", "phi"):
         with pytest.raises(ValueError, match="qk_layernorm"):
             _config(model_type, qk_layernorm=True)
+    with pytest.raises(ValueError, match="use_qk_norm"):
+        _config("cohere", use_qk_norm=True)
+
+
+def test_cohere_reads_logit_scale_ties_and_cohere2_drops_rotary_on_full_layers():
+    cohere = _config("cohere", logit_scale=0.0625, layer_norm_eps=1e-5)
+    assert cohere.logit_scale == 0.0625 and cohere.tie_word_embeddings and cohere.parallel_residual
+    assert cohere.rms_norm_eps == 1e-5 and cohere.no_rope_layers == () and _config("llama").logit_scale == 1.0
+    kinds = ["sliding_attention"] * 3 + ["full_attention"]
+    cohere2 = _config("cohere2", sliding_window=64, layer_types=kinds)
+    assert cohere2.no_rope_layers == (3,) and cohere2.layer_window(0) == 64 and cohere2.layer_window(3) == 0

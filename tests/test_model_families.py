@@ -33,7 +33,9 @@ away from their neutral values, so that a missing feature shows in the logits:
   the parallel-residual variant with one shared norm;
 * phi: parallel attention and MLP on one norm, `dense`, an LM head with bias;
 * gpt_neox: per-head fused query_key_value, parallel residual with two norms,
-  and the sequential variant.
+  and the sequential variant;
+* cohere, cohere2: bias-free LayerNorm, parallel residual, interleaved rotary
+  over the whole head, logit_scale; Cohere 2's sliding layers and NoPE full layers.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -164,6 +166,12 @@ def _config_2(family: str):
         return T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**shape | {"hidden_size": 256}, rotary_pct=0.25,
                                                      use_parallel_residual=family == "gpt_neox", bos_token_id=1,
                                                      eos_token_id=2)
+    if family in ("cohere", "cohere2"):
+        extra = dict(sliding_window=WINDOW, layer_types=_ALTERNATING) if family == "cohere2" else {}
+        cls, config = (T.CohereForCausalLM, T.CohereConfig) if family == "cohere" else (T.Cohere2ForCausalLM,
+                                                                                       T.Cohere2Config)
+        return cls, config(**_COMMON, logit_scale=0.25, layer_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, **extra)
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
@@ -172,7 +180,8 @@ def _config_2(family: str):
 
 FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
-            "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential")
+            "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
+            "cohere2")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
@@ -279,7 +288,7 @@ def test_llm_greedy_matches_hf_generate(family, checkpoints):
 def test_glm_interleaved_rotary_equals_halves_rotary_on_permuted_heads():
     """GPT-J-order rotary on a head equals NeoX-order rotary on the head's rows permuted by
     interleaved_to_halves, so q . k is unchanged when both are permuted (what the GLM loader relies on)."""
-    from pagedkv.model.glm import interleaved_to_halves, permute_heads
+    from pagedkv.model.rotary import interleaved_to_halves, permute_heads
 
     head_dim, rotary_dim, heads, n = 64, 32, 3, 7
     order = interleaved_to_halves(head_dim, rotary_dim)

@@ -39,7 +39,7 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # their published config.json files leave the key out (google/gemma-2-2b) and their checkpoints hold no
 # lm_head.weight. Every other family defaults to an LM head of its own.
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                    "SmolLM3ForCausalLM", "Starcoder2ForCausalLM")
+                    "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 # Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
 # `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
@@ -49,12 +49,15 @@ _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "
 _BIASED_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM")
 # The config key of the norms' eps where it is not rms_norm_eps (the one the family's transformers code reads).
 _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_norm_eps",
-             "GPTNeoXForCausalLM": "layer_norm_eps", "StableLmForCausalLM": "layer_norm_eps"}
+             "GPTNeoXForCausalLM": "layer_norm_eps", "StableLmForCausalLM": "layer_norm_eps",
+             "CohereForCausalLM": "layer_norm_eps", "Cohere2ForCausalLM": "layer_norm_eps"}
 # Families whose transformers code sizes heads as hidden_size / num_attention_heads whatever config.json says
 # (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
 _HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM")
 # Families whose attention and MLP read the same input (Phi always; GPT-NeoX unless use_parallel_residual is false).
 _PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM")
+# Families whose attention and MLP always read the same input (no config key says so).
+_ALWAYS_PARALLEL = ("PhiForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 # Families whose config.json honours `sliding_window` only with `use_sliding_window` set.
 _WINDOW_SWITCHED = ("qwen", "smollm3")
 
@@ -94,7 +97,8 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
-    logits_scaling: float = 1.0
+    logits_scaling: float = 1.0  # Granite divides the logits by it
+    logit_scale: float = 1.0  # Cohere multiplies them by it
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -210,8 +214,9 @@ class ModelConfig:
         if arch in TEXT_OF_MULTIMODAL and "text_config" in hf:
             hf = _text_config(hf)
             model_type = hf.get("model_type", "")
-        if hf.get("qk_layernorm"):
-            raise ValueError(f"{arch} with qk_layernorm (a LayerNorm over each q and k head) is not supported")
+        for key in ("qk_layernorm", "use_qk_norm"):
+            if hf.get(key):  # StableLM-2-12B, Phi, Command R+: per-head LayerNorm weights
+                raise ValueError(f"{arch} with {key} (a LayerNorm over each q and k head) is not supported")
         if hf.get("use_bidirectional_attention"):
             raise ValueError(f"{arch} with use_bidirectional_attention is an encoder (embedding model); pagedkv "
                              "runs causal decoders")
@@ -260,10 +265,11 @@ class ModelConfig:
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
             shared_expert_intermediate_size=(hf.get("shared_expert_intermediate_size")
                                              or hf.get("shared_intermediate_size") or 0),
-            no_rope_layers=_no_rope_layers(hf, layers),
+            no_rope_layers=_no_rope_layers(hf, model_type, layers),
             clip_qkv=hf.get("clip_qkv"),
-            parallel_residual=arch == "PhiForCausalLM" or bool(hf.get("use_parallel_residual",
+            parallel_residual=arch in _ALWAYS_PARALLEL or bool(hf.get("use_parallel_residual",
                                                                       arch in _PARALLEL_BY_DEFAULT)),
+            logit_scale=float(hf.get("logit_scale", 1.0)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=[] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos],
             torch_dtype=_DTYPE_NAMES.get(str(dtype).replace("torch.", "")) if dtype else None,
@@ -354,9 +360,11 @@ def _hidden_act(hf: dict[str, Any], model_type: str) -> str:
     return "gelu_pytorch_tanh" if model_type == "gemma" and act == "gelu" else act
 
 
-def _no_rope_layers(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
-    """The NoPE layers of a SmolLM3 config: `no_rope_layers` flags each layer 1 (rotates) or 0, else every
-    `no_rope_layer_interval`-th layer skips rotary positions."""
+def _no_rope_layers(hf: dict[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
+    """The layers without rotary positions (NoPE). SmolLM3: `no_rope_layers` flags each layer 1 (rotates) or 0,
+    else every `no_rope_layer_interval`-th layer skips them. Cohere 2: its full-attention layers."""
+    if model_type == "cohere2":
+        return tuple(i for i, kind in enumerate(_layer_types(hf, model_type, layers)) if kind == FULL)
     flags = hf.get("no_rope_layers")
     if flags is None and hf.get("no_rope_layer_interval"):
         interval = hf["no_rope_layer_interval"]

@@ -41,6 +41,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("cohere", "CohereForCausalLM"),
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
@@ -57,6 +59,7 @@ MODEL_TYPES: dict[str, str] = {
     "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
     "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+    "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
 }
 
 

@@ -268,7 +268,7 @@ class DecoderForCausalLM(nn.Module):
         """Rows of `forward`'s output to sample from [n, hidden_size] -> float32 logits [n, vocab_size].
 
         Under tensor parallelism every rank calls it; only rank 0 gets the logits (None elsewhere).
-        Gemma 2's final soft-cap and Granite's logit scaling apply here, on the sampled rows only.
+        Gemma 2's final soft-cap and Granite's and Cohere's logit scaling apply here, on the sampled rows only.
         """
         logits = self.lm_head.logits(self.norm(hidden))
         if logits is None:
@@ -276,6 +276,8 @@ class DecoderForCausalLM(nn.Module):
         cfg = self.config
         if cfg.logits_scaling != 1.0:
             logits.div_(cfg.logits_scaling)
+        if cfg.logit_scale != 1.0:  # Cohere
+            logits.mul_(cfg.logit_scale)
         if cfg.final_logit_softcapping:
             cap = cfg.final_logit_softcapping
             logits = logits.div_(cap).tanh_().mul_(cap)

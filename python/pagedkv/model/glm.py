@@ -1,12 +1,8 @@
 """GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf) and GLM-4-0414 (Glm4ForCausalLM): interleaved partial rotary.
 
 * Rotary positions turn only the first `partial_rotary_factor` of each head,
-  and in GPT-J's interleaved order: dims (2i, 2i + 1) form pair i. pagedkv's
-  rotary kernels pair dim i with i + rotary_dim / 2 (GPT-NeoX's order), so
-  the loader permutes each q and k head's rotary rows (weights and bias) into
-  that order. q . k is a sum over dims and both sides move alike, so the
-  attention scores do not change; V and the output projection are untouched,
-  and the KV cache simply holds keys in the permuted order.
+  and in GPT-J's interleaved order, which the loader turns into the kernels'
+  order by permuting each q and k head's rows (`rotary.interleaved_to_halves`).
 * q/k/v have a bias, the output projection none; gate/up are fused in the
   checkpoint (loaded per part, as Phi-3's).
 * GLM-4-0414 normalizes each sublayer's output before the residual add
@@ -31,26 +27,8 @@ from pagedkv.model.decoder import (
 )
 from pagedkv.model.layers import RMSNorm
 from pagedkv.model.llama import LlamaDecoderLayer
-from pagedkv.model.rotary import RotaryEmbedding, StepPositions
+from pagedkv.model.rotary import RotaryEmbedding, StepPositions, interleaved_to_halves, qk_rows_in_halves_order
 from pagedkv.model_config import ModelConfig
-
-
-def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The row order that turns one head's interleaved rotary dims into halves: int64 [head_dim].
-
-    Row j of the result is row order[j] of the checkpoint: 0, 2, ..., rotary_dim - 2, then 1, 3, ...,
-    rotary_dim - 1, then the dims that do not rotate, as they are.
-    """
-    rotary = torch.arange(rotary_dim)
-    return torch.cat([rotary[0::2], rotary[1::2], torch.arange(rotary_dim, head_dim)])
-
-
-def permute_heads(tensor: torch.Tensor, num_heads: int, order: torch.Tensor) -> torch.Tensor:
-    """Rows [num_heads * head_dim, ...] (a projection's weight or bias) -> each head's rows in `order`."""
-    head_dim = order.numel()
-    if tensor.shape[0] != num_heads * head_dim:
-        raise ValueError(f"a q/k projection of {tuple(tensor.shape)} does not hold {num_heads} heads of {head_dim}")
-    return tensor.reshape(num_heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
 
 
 class Glm4DecoderLayer(nn.Module):
@@ -83,10 +61,8 @@ class GlmForCausalLM(DecoderForCausalLM):
         cfg = self.config
         if ".gate_up_proj." in name:
             return split_gate_up(name, tensor, cfg.intermediate_size)
-        for part, heads in ((".q_proj.", cfg.num_attention_heads), (".k_proj.", cfg.num_key_value_heads)):
-            if part in name:
-                full = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
-                return super().split_checkpoint_tensor(name, permute_heads(full, heads, self._rotary_order))
+        tensor = qk_rows_in_halves_order(name, tensor, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         self._rotary_order)
         return super().split_checkpoint_tensor(name, tensor)
 
 

@@ -201,6 +201,38 @@ class RotaryEmbedding(nn.Module):
         return self(q, cos, sin)
 
 
+def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The row order that turns one head's interleaved rotary dims into halves: int64 [head_dim].
+
+    GPT-J-style checkpoints (GLM, Cohere) rotate dims (2i, 2i + 1) as pair i; the kernels pair dim i with
+    i + rotary_dim / 2 (GPT-NeoX's order). Permuting each q and k head's projection rows (weights and bias)
+    by this order makes one the other: q . k is a sum over dims and both sides move alike, so attention
+    scores do not change; V and the output projection are untouched, and the cache holds keys permuted.
+
+    Row j of the result is row order[j] of the checkpoint: 0, 2, ..., rotary_dim - 2, then 1, 3, ...,
+    rotary_dim - 1, then the dims that do not rotate, as they are.
+    """
+    rotary = torch.arange(rotary_dim)
+    return torch.cat([rotary[0::2], rotary[1::2], torch.arange(rotary_dim, head_dim)])
+
+
+def permute_heads(tensor: torch.Tensor, num_heads: int, order: torch.Tensor) -> torch.Tensor:
+    """Rows [num_heads * head_dim, ...] (a projection's weight or bias) -> each head's rows in `order`."""
+    head_dim = order.numel()
+    if tensor.shape[0] != num_heads * head_dim:
+        raise ValueError(f"a q/k projection of {tuple(tensor.shape)} does not hold {num_heads} heads of {head_dim}")
+    return tensor.reshape(num_heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
+
+
+def qk_rows_in_halves_order(name: str, tensor, num_heads: int, num_kv_heads: int, order: torch.Tensor):
+    """A checkpoint's q_proj / k_proj weight or bias (a tensor or a lazy slice) with each head's rows permuted by
+    `order` (interleaved_to_halves); any other tensor as given."""
+    for part, heads in ((".q_proj.", num_heads), (".k_proj.", num_kv_heads)):
+        if part in name:
+            return permute_heads(tensor if isinstance(tensor, torch.Tensor) else tensor.read(), heads, order)
+    return tensor
+
+
 class NoRotation(nn.Module):
     """A NoPE layer's stand-in for RotaryEmbedding (SmolLM3: every fourth layer attends without positions):
     the same `apply`, which writes k and v to the cache and leaves q and k unrotated."""
