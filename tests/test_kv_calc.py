@@ -193,6 +193,7 @@ _FAMILY_SETTINGS = {
     "stablelm": [{"use_qkv_bias": True}, {"use_parallel_residual": True}], "phi": [{}],
     "gpt_neox": [{}, {"use_parallel_residual": False, "attention_bias": False}],
     "cohere": [{"pad_token_id": 0}, {"pad_token_id": 0, "attention_bias": True}], "cohere2": [{"pad_token_id": 0}],
+    "gpt2": [{}], "gpt_bigcode": [{"multi_query": True}, {"multi_query": False}],
 }
 
 

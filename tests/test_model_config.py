@@ -110,3 +110,24 @@ def test_cohere_reads_logit_scale_ties_and_cohere2_drops_rotary_on_full_layers()
     kinds = ["sliding_attention"] * 3 + ["full_attention"]
     cohere2 = _config("cohere2", sliding_window=64, layer_types=kinds)
     assert cohere2.no_rope_layers == (3,) and cohere2.layer_window(0) == 64 and cohere2.layer_window(3) == 0
+
+
+def test_gpt2_style_names_sizes_and_refusals():
+    """GPT-2's n_embd / n_head / n_layer / n_positions / n_inner / activation_function / layer_norm_epsilon are
+    the sizes the family's code reads (over any common-name keys); one KV head under multi_query; every layer
+    without rotary; softmax scale 1 when scale_attn_weights is off."""
+    gpt2 = ModelConfig.from_hf({"model_type": "gpt2", "vocab_size": 1000, "n_embd": 256, "n_head": 4, "n_layer": 3,
+                                "n_positions": 128, "n_inner": None, "activation_function": "gelu_new",
+                                "layer_norm_epsilon": 1e-5, "hidden_size": 999, "head_dim": 80})
+    assert (gpt2.hidden_size, gpt2.num_attention_heads, gpt2.num_hidden_layers, gpt2.max_position_embeddings) == (
+        256, 4, 3, 128)
+    assert gpt2.intermediate_size == 1024 and gpt2.head_dim == 64 and gpt2.num_key_value_heads == 4
+    assert gpt2.hidden_act == "gelu_new" and gpt2.rms_norm_eps == 1e-5 and gpt2.tie_word_embeddings
+    assert gpt2.no_rope_layers == (0, 1, 2) and gpt2.attention_bias and gpt2.mlp_bias and gpt2.attention_scale == 0.125
+    bigcode = ModelConfig.from_hf({"model_type": "gpt_bigcode", "vocab_size": 1000, "n_embd": 256, "n_head": 4,
+                                   "n_layer": 2, "n_inner": 512, "multi_query": True, "scale_attn_weights": False})
+    assert bigcode.num_key_value_heads == 1 and bigcode.intermediate_size == 512 and bigcode.attention_scale == 1.0
+    for key in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+        with pytest.raises(ValueError, match=key):
+            ModelConfig.from_hf({"model_type": "gpt2", "vocab_size": 10, "n_embd": 128, "n_head": 2, "n_layer": 1,
+                                 key: True})

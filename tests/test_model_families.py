@@ -35,7 +35,9 @@ away from their neutral values, so that a missing feature shows in the logits:
 * gpt_neox: per-head fused query_key_value, parallel residual with two norms,
   and the sequential variant;
 * cohere, cohere2: bias-free LayerNorm, parallel residual, interleaved rotary
-  over the whole head, logit_scale; Cohere 2's sliding layers and NoPE full layers.
+  over the whole head, logit_scale; Cohere 2's sliding layers and NoPE full layers;
+* gpt2, gpt_bigcode: learned absolute positions and no rotary; GPT-2's Conv1D
+  weights; GPTBigCode's multi-query attention (one KV head).
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -172,6 +174,12 @@ def _config_2(family: str):
                                                                                        T.Cohere2Config)
         return cls, config(**_COMMON, logit_scale=0.25, layer_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
                            eos_token_id=2, **extra)
+    if family in ("gpt2", "gpt_bigcode"):
+        gpt = dict(vocab_size=VOCAB, n_embd=256, n_head=4, n_layer=2, n_positions=512, n_inner=320,
+                   initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+        if family == "gpt2":
+            return T.GPT2LMHeadModel, T.GPT2Config(**gpt)
+        return T.GPTBigCodeForCausalLM, T.GPTBigCodeConfig(**gpt, multi_query=True)
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
@@ -181,7 +189,7 @@ def _config_2(family: str):
 FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
-            "cohere2")
+            "cohere2", "gpt2", "gpt_bigcode")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:

@@ -46,14 +46,15 @@ _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "
                   "StableLmForCausalLM")
 # Families whose projections have biases unless config.json says otherwise (Phi's always do; GPT-NeoX's
 # attention_bias and StarCoder2's use_bias default to true).
-_BIASED_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM")
+_BIASED_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel",
+                      "GPTBigCodeForCausalLM")
 # The config key of the norms' eps where it is not rms_norm_eps (the one the family's transformers code reads).
 _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_norm_eps",
              "GPTNeoXForCausalLM": "layer_norm_eps", "StableLmForCausalLM": "layer_norm_eps",
              "CohereForCausalLM": "layer_norm_eps", "Cohere2ForCausalLM": "layer_norm_eps"}
 # Families whose transformers code sizes heads as hidden_size / num_attention_heads whatever config.json says
 # (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
-_HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM")
+_HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
 # Families whose attention and MLP read the same input (Phi always; GPT-NeoX unless use_parallel_residual is false).
 _PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM")
 # Families whose attention and MLP always read the same input (no config key says so).
@@ -208,6 +209,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From the dict of an HF `config.json` (or `PretrainedConfig.to_dict()`)."""
+        hf = _with_gpt2_names(hf)
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
         arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type)
@@ -349,6 +351,32 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
     return theta, dict(scaling) if scaling else None, None if local_theta is None else float(local_theta), partial
 
 
+# GPT-2-style config keys (GPT-2, GPTBigCode) -> the names every other family uses.
+_GPT2_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
+               "max_position_embeddings": "n_positions", "intermediate_size": "n_inner",
+               "hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"}
+
+
+def _with_gpt2_names(hf: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-2-style config with the common names filled in: sizes, 4 x hidden for a null n_inner, one KV head
+    under multi_query, softmax scale 1 without scale_attn_weights; settings pagedkv does not run refused."""
+    if hf.get("model_type") not in ("gpt2", "gpt_bigcode"):
+        return hf
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("add_cross_attention"):
+        key = "scale_attn_by_inverse_layer_idx" if hf.get("scale_attn_by_inverse_layer_idx") else "add_cross_attention"
+        raise ValueError(f"{hf['model_type']} with {key} is not supported")
+    out = dict(hf)
+    for name, alias in _GPT2_NAMES.items():  # the GPT-2 name is the one the family's code reads
+        if out.get(alias) is not None:
+            out[name] = out[alias]
+    out["intermediate_size"] = hf.get("n_inner") or 4 * out["hidden_size"]
+    out["num_key_value_heads"] = 1 if out.get("multi_query") else out["num_attention_heads"]
+    if out.get("scale_attn_weights") is False:
+        out["attention_multiplier"] = 1.0
+    out.setdefault("tie_word_embeddings", True)
+    return out
+
+
 def _first(hf: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:
     """The value of the first of `keys` that config.json sets (not null), else `default`."""
     return next((hf[k] for k in keys if hf.get(k) is not None), default)
@@ -365,6 +393,8 @@ def _no_rope_layers(hf: dict[str, Any], model_type: str, layers: int) -> tuple[i
     else every `no_rope_layer_interval`-th layer skips them. Cohere 2: its full-attention layers."""
     if model_type == "cohere2":
         return tuple(i for i, kind in enumerate(_layer_types(hf, model_type, layers)) if kind == FULL)
+    if model_type in ("gpt2", "gpt_bigcode"):  # learned absolute positions instead
+        return tuple(range(layers))
     flags = hf.get("no_rope_layers")
     if flags is None and hf.get("no_rope_layer_interval"):
         interval = hf["no_rope_layer_interval"]

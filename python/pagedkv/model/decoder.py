@@ -214,7 +214,8 @@ class DecoderForCausalLM(nn.Module):
 
     A family passes its layer factory `make_layer(cfg, index, rope_for_layer) -> nn.Module` whose forward is
     `(hidden, residual, pos, kv_cache, meta) -> (hidden, residual)`, and overrides the hooks it needs:
-    `embed` (scaled embeddings), `checkpoint_target` (checkpoint names), `norm_cls` (Gemma's 1 + w).
+    `embed` (scaled embeddings, GPT-2's learned positions), `checkpoint_target` / `split_checkpoint_tensor`
+    (checkpoint names), `norm_cls` (Gemma's 1 + w, LayerNorm).
     """
 
     norm_cls: type[nn.Module] = RMSNorm  # RMSNorm, Gemma's (1 + w), or LayerNorm
@@ -248,7 +249,8 @@ class DecoderForCausalLM(nn.Module):
         """KV heads held by this rank (what its cache stores)."""
         return self.layers[0].self_attn.num_kv_heads
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: int64 [num_tokens] -> the first layer's input [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:  # Granite
             hidden = hidden.mul_(self.config.embedding_multiplier)
@@ -257,7 +259,7 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [num_tokens] -> hidden states [num_tokens, hidden_size] (pre-final-norm)."""
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids, positions)
         pos = StepPositions(positions, ops.fused_ops_supported(hidden), hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

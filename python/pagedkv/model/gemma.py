@@ -85,7 +85,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module] = Gemma2DecoderLayer) -> None:
         super().__init__(cfg, layer_cls)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # HF multiplies by sqrt(hidden_size) held in the model dtype: round it the same way.
         scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype).item()
