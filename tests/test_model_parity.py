@@ -183,8 +183,8 @@ def test_sharded_checkpoint_same_logits(checkpoints, ours_fp32, tmp_path):
 
 def test_unsupported_architecture_raises(checkpoints, tmp_path):
     path = copy_checkpoint(checkpoints["llama_tied"][0], tmp_path / "ckpt")
-    edit_config(path, architectures=["GemmaForCausalLM"], model_type="gemma")
-    with pytest.raises(ValueError, match="unsupported architecture 'GemmaForCausalLM'"):
+    edit_config(path, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    with pytest.raises(ValueError, match="unsupported architecture 'DeepseekV3ForCausalLM'"):
         load_model(ModelSource(path), torch.float32, CPU)
 
 
