@@ -131,3 +131,18 @@ def test_gpt2_style_names_sizes_and_refusals():
         with pytest.raises(ValueError, match=key):
             ModelConfig.from_hf({"model_type": "gpt2", "vocab_size": 10, "n_embd": 128, "n_head": 2, "n_layer": 1,
                                  key: True})
+
+
+def test_ministral3_query_scale_and_mistral3_text_model():
+    """Ministral 3's llama_4_scaling_beta over its pretraining length; a Mistral 3 wrapper's text model, with
+    the wrapper's tie_word_embeddings winning over the text config's (the LM head is the wrapper's)."""
+    rope = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384,
+            "llama_4_scaling_beta": 0.1, "rope_theta": 1e6}
+    assert _config("ministral3", rope_parameters=rope).query_position_scale == (0.1, 16384)
+    assert _config("ministral3").query_position_scale is None and _config("llama").query_position_scale is None
+    text = {"model_type": "mistral", **_SHAPE, "tie_word_embeddings": False}
+    wrapped = ModelConfig.from_hf({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": text,
+                                   "tie_word_embeddings": True, "dtype": "bfloat16"})
+    assert wrapped.tie_word_embeddings and wrapped.model_type == "mistral" and wrapped.hidden_size == 256
+    unstated = ModelConfig.from_hf({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": text})
+    assert not unstated.tie_word_embeddings

@@ -37,7 +37,9 @@ away from their neutral values, so that a missing feature shows in the logits:
 * cohere, cohere2: bias-free LayerNorm, parallel residual, interleaved rotary
   over the whole head, logit_scale; Cohere 2's sliding layers and NoPE full layers;
 * gpt2, gpt_bigcode: learned absolute positions and no rotary; GPT-2's Conv1D
-  weights; GPTBigCode's multi-query attention (one KV head).
+  weights; GPTBigCode's multi-query attention (one KV head);
+* ministral3, mistral3_mm: YaRN and queries scaled by position past the
+  pretraining length; the text model of a Mistral 3 multimodal checkpoint.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -180,6 +182,20 @@ def _config_2(family: str):
         if family == "gpt2":
             return T.GPT2LMHeadModel, T.GPT2Config(**gpt)
         return T.GPTBigCodeForCausalLM, T.GPTBigCodeConfig(**gpt, multi_query=True)
+    if family in ("ministral3", "mistral3_mm"):
+        # YaRN over a pretraining length of 32 and queries scaled by 1 + 0.5 * log(1 + floor(position / 32)):
+        # the 45-token prompts reach the second span.
+        rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5}
+        text = T.Ministral3Config(**_COMMON | {"max_position_embeddings": 512}, rope_parameters=rope,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if family == "ministral3":
+            return T.Ministral3ForCausalLM, text
+        vision = T.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=28, patch_size=14)
+        return T.Mistral3ForConditionalGeneration, T.Mistral3Config(text_config=text.to_dict(),
+                                                                    vision_config=vision.to_dict())
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
@@ -189,7 +205,7 @@ def _config_2(family: str):
 FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
-            "cohere2", "gpt2", "gpt_bigcode")
+            "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:

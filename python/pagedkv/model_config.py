@@ -168,6 +168,17 @@ class ModelConfig:
         is on q/k/v only (Qwen2, Qwen2-MoE, GLM)."""
         return self.attention_bias and self.architecture not in _QKV_BIAS_ONLY
 
+    @property
+    def query_position_scale(self) -> tuple[float, int] | None:
+        """(beta, length) where queries are scaled by 1 + beta * log(1 + floor(position / length)) after the
+        rotation (Ministral 3's `llama_4_scaling_beta` over its pretraining length), else None."""
+        scaling = self.rope_scaling or {}
+        beta = scaling.get("llama_4_scaling_beta")
+        if not beta:
+            return None
+        length = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        return float(beta), int(length)
+
     def layer_rotates(self, layer: int) -> bool:
         """Whether `layer` applies rotary positions (False for SmolLM3's NoPE layers)."""
         return layer not in self.no_rope_layers
@@ -317,11 +328,14 @@ class ModelConfig:
 
 
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal config.json's text model, with what the wrapper alone states (dtype, tokens, tying)."""
+    """A multimodal config.json's text model, with what the wrapper alone states (dtype, tokens), and the
+    wrapper's tie_word_embeddings where it states one: the LM head belongs to the wrapper's model."""
     text = dict(hf["text_config"])
-    for key in ("torch_dtype", "dtype", "bos_token_id", "eos_token_id", "tie_word_embeddings"):
+    for key in ("torch_dtype", "dtype", "bos_token_id", "eos_token_id"):
         if key in hf and text.get(key) is None:
             text[key] = hf[key]
+    if hf.get("tie_word_embeddings") is not None:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text
 
 

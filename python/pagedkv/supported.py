@@ -45,10 +45,12 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Cohere2ForCausalLM": ("cohere", "CohereForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("gpt2", "GPTBigCodeForCausalLM"),
+    "Ministral3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Mistral3ForConditionalGeneration": ("mistral3", "Mistral3ForConditionalGeneration"),  # its text model
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
-TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
 
 # config.json `model_type` -> architecture, for configs that do not name one.
 MODEL_TYPES: dict[str, str] = {
@@ -62,7 +64,7 @@ MODEL_TYPES: dict[str, str] = {
     "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
     "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM", "gpt2": "GPT2LMHeadModel",
-    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM", "ministral3": "Ministral3ForCausalLM",
 }
 
 

@@ -136,6 +136,7 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.clip_qkv = cfg.clip_qkv  # OLMoE: q, k and v clamped to [-clip, clip] after the q/k norms
+        self.query_scale = cfg.query_position_scale  # Ministral 3: (beta, length) of a per-position q scale
         self.rotary_emb = rope  # shared by the layers that use the same table (registered once per model)
         self.qk_norm = qk_norm
         if qk_norm == "head":
@@ -173,6 +174,8 @@ class DecoderAttention(nn.Module):
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = self.rotary_emb.apply(pos, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v, kv_cache,
                                   meta.slot_mapping, calibrate=meta.calibrate_kv_scales)
+        if self.query_scale is not None:
+            q = q * pos.query_scale(*self.query_scale)
         return self.o_proj(self.attn(q, kv_cache, meta))
 
     @staticmethod

@@ -252,6 +252,18 @@ class StepPositions:
     def __init__(self, positions: torch.Tensor, fused: bool, dtype: torch.dtype) -> None:
         self.positions, self.fused, self.dtype = positions, fused, dtype
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._query_scales: dict[tuple[float, int], torch.Tensor] = {}
+
+    def query_scale(self, beta: float, length: int) -> torch.Tensor:
+        """Llama 4 / Ministral 3's per-position query scale, 1 + beta * log(1 + floor(position / length)):
+        [num_tokens, 1, 1] in the step's dtype, computed once per step for every layer."""
+        key = (beta, length)
+        scale = self._query_scales.get(key)
+        if scale is None:
+            floor = torch.div(self.positions, length, rounding_mode="floor").to(torch.float32)
+            scale = (1.0 + beta * torch.log1p(floor)).to(self.dtype).view(-1, 1, 1)
+            self._query_scales[key] = scale
+        return scale
 
     def cos_sin(self, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._rows.get(id(rope))
