@@ -194,7 +194,8 @@ _FAMILY_SETTINGS = {
     "gpt_neox": [{}, {"use_parallel_residual": False, "attention_bias": False}],
     "cohere": [{"pad_token_id": 0}, {"pad_token_id": 0, "attention_bias": True}], "cohere2": [{"pad_token_id": 0}],
     "gpt2": [{}], "gpt_bigcode": [{"multi_query": True}, {"multi_query": False}],
-    "ministral3": [{"pad_token_id": 0}],
+    "ministral3": [{"pad_token_id": 0}], "ernie4_5": [{"pad_token_id": 0}, {"pad_token_id": 0, "use_bias": True}],
+    "helium": [{"pad_token_id": 0}], "seed_oss": [{"pad_token_id": 0}], "arcee": [{"pad_token_id": 0}],
 }
 
 

@@ -146,3 +146,14 @@ def test_ministral3_query_scale_and_mistral3_text_model():
     assert wrapped.tie_word_embeddings and wrapped.model_type == "mistral" and wrapped.hidden_size == 256
     unstated = ModelConfig.from_hf({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": text})
     assert not unstated.tie_word_embeddings
+
+
+def test_interleaved_rotary_families_and_seed_oss_output_bias():
+    for model_type in ("glm", "glm4", "cohere", "cohere2", "ernie4_5", "helium"):
+        assert _config(model_type).rotary_interleaved, model_type
+    assert not _config("llama").rotary_interleaved and not _config("phi").rotary_interleaved
+    seed = _config("seed_oss", attention_bias=True, attention_out_bias=False)
+    assert seed.attention_bias and not seed.o_proj_bias
+    assert _config("seed_oss", attention_bias=False, attention_out_bias=True).o_proj_bias
+    ernie = _config("ernie4_5", use_bias=True)
+    assert ernie.attention_bias and ernie.o_proj_bias and ernie.mlp_bias and ernie.tie_word_embeddings

@@ -39,7 +39,10 @@ away from their neutral values, so that a missing feature shows in the logits:
 * gpt2, gpt_bigcode: learned absolute positions and no rotary; GPT-2's Conv1D
   weights; GPTBigCode's multi-query attention (one KV head);
 * ministral3, mistral3_mm: YaRN and queries scaled by position past the
-  pretraining length; the text model of a Mistral 3 multimodal checkpoint.
+  pretraining length; the text model of a Mistral 3 multimodal checkpoint;
+* ernie4_5, helium: interleaved rotary over the whole head (ERNIE with biases
+  everywhere); seed_oss: q/k/v bias without an output bias; arcee: a squared-ReLU
+  ungated MLP.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -196,6 +199,16 @@ def _config_2(family: str):
                                        num_attention_heads=2, image_size=28, patch_size=14)
         return T.Mistral3ForConditionalGeneration, T.Mistral3Config(text_config=text.to_dict(),
                                                                     vision_config=vision.to_dict())
+    if family == "ernie4_5":
+        return T.Ernie4_5ForCausalLM, T.Ernie4_5Config(**_COMMON, use_bias=True, pad_token_id=0, bos_token_id=1,
+                                                       eos_token_id=2)
+    if family == "helium":
+        return T.HeliumForCausalLM, T.HeliumConfig(**_WIDE, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "seed_oss":
+        return T.SeedOssForCausalLM, T.SeedOssConfig(**_COMMON, attention_bias=True, attention_out_bias=False,
+                                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "arcee":
+        return T.ArceeForCausalLM, T.ArceeConfig(**_COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
@@ -205,7 +218,7 @@ def _config_2(family: str):
 FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
-            "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm")
+            "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:

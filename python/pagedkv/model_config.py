@@ -39,7 +39,8 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # their published config.json files leave the key out (google/gemma-2-2b) and their checkpoints hold no
 # lm_head.weight. Every other family defaults to an LM head of its own.
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                    "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+                    "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+                    "Ernie4_5ForCausalLM")
 # Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
 # `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
@@ -59,6 +60,10 @@ _HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHea
 _PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM")
 # Families whose attention and MLP always read the same input (no config key says so).
 _ALWAYS_PARALLEL = ("PhiForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+# Families that rotate in GPT-J's interleaved order (dims 2i and 2i + 1 form pair i), which the loader turns
+# into the kernels' halves order (`rotary.interleaved_to_halves`).
+_INTERLEAVED_ROTARY = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+                       "Ernie4_5ForCausalLM", "HeliumForCausalLM")
 # Families whose config.json honours `sliding_window` only with `use_sliding_window` set.
 _WINDOW_SWITCHED = ("qwen", "smollm3")
 
@@ -110,6 +115,7 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()
     clip_qkv: float | None = None
     parallel_residual: bool = False
+    attention_out_bias: bool | None = None  # Seed-OSS sets the output projection's bias apart from q/k/v's
     max_model_len: int | None = None  # the engine's, set at load: LongRoPE picks its factors by it
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -165,8 +171,16 @@ class ModelConfig:
     @property
     def o_proj_bias(self) -> bool:
         """Whether the attention output projection has a bias: attention_bias, except in the families whose bias
-        is on q/k/v only (Qwen2, Qwen2-MoE, GLM)."""
+        is on q/k/v only (Qwen2, Qwen2-MoE, GLM), and Seed-OSS's own `attention_out_bias`."""
+        if self.attention_out_bias is not None:
+            return self.attention_out_bias
         return self.attention_bias and self.architecture not in _QKV_BIAS_ONLY
+
+    @property
+    def rotary_interleaved(self) -> bool:
+        """Whether the checkpoint rotates in GPT-J's interleaved order (GLM, Cohere, ERNIE 4.5, Helium): the
+        loader permutes its q/k rows into the kernels' order."""
+        return self.architecture in _INTERLEAVED_ROTARY
 
     @property
     def query_position_scale(self) -> tuple[float, int] | None:
@@ -283,6 +297,7 @@ class ModelConfig:
             parallel_residual=arch in _ALWAYS_PARALLEL or bool(hf.get("use_parallel_residual",
                                                                       arch in _PARALLEL_BY_DEFAULT)),
             logit_scale=float(hf.get("logit_scale", 1.0)),
+            attention_out_bias=hf.get("attention_out_bias"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=[] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos],
             torch_dtype=_DTYPE_NAMES.get(str(dtype).replace("torch.", "")) if dtype else None,

@@ -47,6 +47,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GPTBigCodeForCausalLM": ("gpt2", "GPTBigCodeForCausalLM"),
     "Ministral3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Mistral3ForConditionalGeneration": ("mistral3", "Mistral3ForConditionalGeneration"),  # its text model
+    "Ernie4_5ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "HeliumForCausalLM": ("llama", "LlamaForCausalLM"),
+    "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),
+    "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
@@ -64,7 +68,8 @@ MODEL_TYPES: dict[str, str] = {
     "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
     "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM", "gpt2": "GPT2LMHeadModel",
-    "gpt_bigcode": "GPTBigCodeForCausalLM", "ministral3": "Ministral3ForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM", "ministral3": "Ministral3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
+    "helium": "HeliumForCausalLM", "seed_oss": "SeedOssForCausalLM", "arcee": "ArceeForCausalLM",
 }
 
 

@@ -3,8 +3,8 @@
 * Attention and the SwiGLU MLP run in parallel on one LayerNorm of the input
   (weight only, no bias), as Phi's layer does.
 * Rotary positions in GPT-J's interleaved order over the whole head: the
-  loader permutes each q and k head's rows into the kernels' order
-  (`rotary.interleaved_to_halves`; scores unchanged).
+  shell's loader permutes each q and k head's rows into the kernels' order
+  (`ModelConfig.rotary_interleaved`; scores unchanged).
 * Logits are multiplied by `logit_scale`; the embeddings are tied.
 * Cohere 2: three sliding-window layers, then one full-attention layer that
   uses no rotary positions at all (NoPE), from `layer_types`.
@@ -13,13 +13,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from torch import nn
 
 from pagedkv.model.decoder import DecoderForCausalLM, GatedMLP, ParallelResidualLayer
 from pagedkv.model.layers import LayerNorm
-from pagedkv.model.rotary import NoRotation, RotaryEmbedding, interleaved_to_halves, qk_rows_in_halves_order
+from pagedkv.model.rotary import NoRotation, RotaryEmbedding
 from pagedkv.model_config import ModelConfig
 
 
@@ -40,10 +38,3 @@ class CohereForCausalLM(DecoderForCausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, cohere_layer)
-        self._rotary_order = interleaved_to_halves(cfg.head_dim, cfg.rotary_dim)
-
-    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
-        cfg = self.config
-        tensor = qk_rows_in_halves_order(name, tensor, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         self._rotary_order)
-        return super().split_checkpoint_tensor(name, tensor)

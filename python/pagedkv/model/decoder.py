@@ -35,7 +35,13 @@ from pagedkv.model.layers import (
 )
 from pagedkv.model.parallel_state import all_gather_last_dim, get_tp_rank, get_tp_size
 from pagedkv.model.protocol import KVCache
-from pagedkv.model.rotary import NoRotation, RotaryEmbedding, StepPositions
+from pagedkv.model.rotary import (
+    NoRotation,
+    RotaryEmbedding,
+    StepPositions,
+    interleaved_to_halves,
+    qk_rows_in_halves_order,
+)
 from pagedkv.model_config import ModelConfig
 
 # (our fused parameter, checkpoint part, shard) for checkpoints that store q/k/v and gate/up apart.
@@ -47,7 +53,8 @@ STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qk
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
                 "gelu_tanh": partial(F.gelu, approximate="tanh")}
 # The plain (ungated) MLPs' too: transformers' gelu_new and gelu_fast are the tanh approximation (Phi, GPT-J).
-_PLAIN_ACTIVATIONS = _ACTIVATIONS | {"gelu_new": _ACTIVATIONS["gelu_tanh"], "gelu_fast": _ACTIVATIONS["gelu_tanh"]}
+_PLAIN_ACTIVATIONS = _ACTIVATIONS | {"gelu_new": _ACTIVATIONS["gelu_tanh"], "gelu_fast": _ACTIVATIONS["gelu_tanh"],
+                                     "relu2": lambda x: F.relu(x).square_()}  # Arcee's (Nemotron's) squared ReLU
 
 
 def split_gate_up(name: str, tensor, intermediate_size: int) -> tuple[tuple[str, int, object], ...]:
@@ -106,7 +113,8 @@ class GatedMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """fc2(act(fc1(x))): the ungated MLP of GPT-NeoX, Phi and StarCoder2 (fc1 column-parallel, fc2 row-parallel)."""
+    """fc2(act(fc1(x))): the ungated MLP of GPT-NeoX, Phi, StarCoder2, GPT-2 and Arcee (fc1 column-parallel, fc2
+    row-parallel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = True) -> None:
         super().__init__()
@@ -236,6 +244,8 @@ class DecoderForCausalLM(nn.Module):
                                                  None, cfg.rotary_dim, cfg.max_model_len)
                                  if cfg.rope_local_theta is not None else None)
         self.layers = nn.ModuleList(make_layer(cfg, i, self.rope_for_layer(i)) for i in range(cfg.num_hidden_layers))
+        # GPT-J-order checkpoints: the q/k rows' permutation into the kernels' order, applied at load.
+        self._rotary_order = interleaved_to_halves(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_interleaved else None
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, bias=self.LM_HEAD_BIAS))
@@ -336,8 +346,13 @@ class DecoderForCausalLM(nn.Module):
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
         """(our parameter, shard id, tensor) for one checkpoint tensor: usually one, none if skipped.
 
-        Families whose checkpoints fuse what pagedkv keeps apart (or the reverse) override it.
+        Families whose checkpoints fuse what pagedkv keeps apart (or the reverse) override it. A GPT-J-order
+        checkpoint's q/k rows are permuted here (`ModelConfig.rotary_interleaved`).
         """
+        if self._rotary_order is not None:
+            cfg = self.config
+            tensor = qk_rows_in_halves_order(name, tensor, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                             self._rotary_order)
         target = self.checkpoint_target(name)
         return () if target is None else ((target[0], target[1], tensor),)
 

@@ -1,8 +1,9 @@
 """GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf) and GLM-4-0414 (Glm4ForCausalLM): interleaved partial rotary.
 
 * Rotary positions turn only the first `partial_rotary_factor` of each head,
-  and in GPT-J's interleaved order, which the loader turns into the kernels'
-  order by permuting each q and k head's rows (`rotary.interleaved_to_halves`).
+  and in GPT-J's interleaved order, which the shell's loader turns into the
+  kernels' order by permuting each q and k head's rows
+  (`ModelConfig.rotary_interleaved`, `rotary.interleaved_to_halves`).
 * q/k/v have a bias, the output projection none; gate/up are fused in the
   checkpoint (loaded per part, as Phi-3's).
 * GLM-4-0414 normalizes each sublayer's output before the residual add
@@ -27,7 +28,7 @@ from pagedkv.model.decoder import (
 )
 from pagedkv.model.layers import RMSNorm
 from pagedkv.model.llama import LlamaDecoderLayer
-from pagedkv.model.rotary import RotaryEmbedding, StepPositions, interleaved_to_halves, qk_rows_in_halves_order
+from pagedkv.model.rotary import RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
 
 
@@ -55,14 +56,11 @@ class Glm4DecoderLayer(nn.Module):
 class GlmForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module] = LlamaDecoderLayer) -> None:
         super().__init__(cfg, layer_cls)
-        self._rotary_order = interleaved_to_halves(cfg.head_dim, cfg.rotary_dim)
 
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
         cfg = self.config
         if ".gate_up_proj." in name:
             return split_gate_up(name, tensor, cfg.intermediate_size)
-        tensor = qk_rows_in_halves_order(name, tensor, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         self._rotary_order)
         return super().split_checkpoint_tensor(name, tensor)
 
 

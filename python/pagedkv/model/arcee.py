@@ -1,0 +1,29 @@
+"""Arcee (AFM-4.5B): the Llama layer with an ungated squared-ReLU MLP, down(relu(up(x))^2).
+
+The checkpoint names the MLP's two projections `up_proj` / `down_proj`
+(pagedkv's `PlainMLP` fc1 / fc2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from pagedkv.model.decoder import DecoderForCausalLM, PlainMLP
+from pagedkv.model.llama import LlamaDecoderLayer
+from pagedkv.model_config import ModelConfig
+
+
+class ArceeDecoderLayer(LlamaDecoderLayer):
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+
+
+class ArceeForCausalLM(DecoderForCausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, ArceeDecoderLayer)
+
+    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
+        name = name.replace(".mlp.up_proj.", ".mlp.fc1.").replace(".mlp.down_proj.", ".mlp.fc2.")
+        return super().split_checkpoint_tensor(name, tensor)
