@@ -157,3 +157,14 @@ def test_interleaved_rotary_families_and_seed_oss_output_bias():
     assert _config("seed_oss", attention_bias=False, attention_out_bias=True).o_proj_bias
     ernie = _config("ernie4_5", use_bias=True)
     assert ernie.attention_bias and ernie.o_proj_bias and ernie.mlp_bias and ernie.tie_word_embeddings
+
+
+def test_exaone4_pattern_and_nope_full_layers():
+    """EXAONE 4: sliding_window_pattern as a period or as letters (L sliding, G full); with a window its full
+    layers use no rotary positions, without one every layer rotates and attends fully."""
+    period = _config("exaone4", sliding_window=64, sliding_window_pattern=4)
+    assert [period.layer_window(i) for i in range(4)] == [64, 64, 64, 0] and period.no_rope_layers == (3,)
+    letters = _config("exaone4", sliding_window=64, sliding_window_pattern="LLGL")
+    assert [letters.layer_window(i) for i in range(4)] == [64, 64, 0, 64] and letters.no_rope_layers == (2,)
+    plain = _config("exaone4")
+    assert plain.no_rope_layers == () and plain.kv_sliding_window is None and plain.layer_window(0) == 0

@@ -42,7 +42,8 @@ away from their neutral values, so that a missing feature shows in the logits:
   pretraining length; the text model of a Mistral 3 multimodal checkpoint;
 * ernie4_5, helium: interleaved rotary over the whole head (ERNIE with biases
   everywhere); seed_oss: q/k/v bias without an output bias; arcee: a squared-ReLU
-  ungated MLP.
+  ungated MLP; exaone4: OLMo 2's post-norms with per-head q/k norms, three sliding
+  layers and a NoPE full layer.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -209,6 +210,10 @@ def _config_2(family: str):
                                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family == "arcee":
         return T.ArceeForCausalLM, T.ArceeConfig(**_COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "exaone4":  # layers 0-2 slide, layer 3 attends to everything without rotary positions
+        return T.Exaone4ForCausalLM, T.Exaone4Config(**_COMMON | {"num_hidden_layers": 4}, sliding_window=WINDOW,
+                                                     sliding_window_pattern=4, pad_token_id=0, bos_token_id=1,
+                                                     eos_token_id=2)
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
@@ -218,7 +223,8 @@ def _config_2(family: str):
 FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite", "mistral_window", "mixtral",
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
-            "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee")
+            "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee",
+            "exaone4")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:

@@ -420,7 +420,7 @@ def _hidden_act(hf: dict[str, Any], model_type: str) -> str:
 def _no_rope_layers(hf: dict[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
     """The layers without rotary positions (NoPE). SmolLM3: `no_rope_layers` flags each layer 1 (rotates) or 0,
     else every `no_rope_layer_interval`-th layer skips them. Cohere 2: its full-attention layers."""
-    if model_type == "cohere2":
+    if model_type == "cohere2" or (model_type == "exaone4" and _window(hf, model_type)):
         return tuple(i for i, kind in enumerate(_layer_types(hf, model_type, layers)) if kind == FULL)
     if model_type in ("gpt2", "gpt_bigcode"):  # learned absolute positions instead
         return tuple(range(layers))
@@ -453,6 +453,11 @@ def _layer_types(hf: dict[str, Any], model_type: str, layers: int) -> tuple[str,
         return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(layers))
     if model_type == "gemma3_text":  # five sliding layers, then one full
         pattern = hf.get("sliding_window_pattern", 6)
+        return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
+    if model_type == "exaone4":  # a period (4: three sliding, one full) or letters, L sliding and G full
+        pattern = hf.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str):
+            return tuple(SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(layers))
         return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
     if model_type.startswith("qwen"):  # layers from max_window_layers on slide
         first = hf.get("max_window_layers", layers)

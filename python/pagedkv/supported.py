@@ -51,6 +51,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "HeliumForCausalLM": ("llama", "LlamaForCausalLM"),
     "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
+    "Exaone4ForCausalLM": ("olmo2", "Exaone4ForCausalLM"),
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
@@ -70,6 +71,7 @@ MODEL_TYPES: dict[str, str] = {
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM", "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM", "ministral3": "Ministral3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
     "helium": "HeliumForCausalLM", "seed_oss": "SeedOssForCausalLM", "arcee": "ArceeForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 
 
