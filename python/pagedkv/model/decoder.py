@@ -238,7 +238,8 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, cfg.rotary_dim, cfg.max_model_len)
-        self.no_rotation = NoRotation() if cfg.no_rope_layers else None  # SmolLM3's NoPE layers
+        # NoPE layers (SmolLM3, Cohere 2, EXAONE 4; every layer of GPT-2, whose positions are learned embeddings).
+        self.no_rotation = NoRotation() if cfg.no_rope_layers else None
         # Gemma 3's sliding layers rotate with their own base.
         self.rotary_emb_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
                                                  None, cfg.rotary_dim, cfg.max_model_len)
