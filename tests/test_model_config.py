@@ -168,3 +168,20 @@ def test_exaone4_pattern_and_nope_full_layers():
     assert [letters.layer_window(i) for i in range(4)] == [64, 64, 0, 64] and letters.no_rope_layers == (2,)
     plain = _config("exaone4")
     assert plain.no_rope_layers == () and plain.kv_sliding_window is None and plain.layer_window(0) == 0
+
+
+def test_qwen_vl_text_model_from_a_published_style_config():
+    """Qwen2.5-VL's config.json as published: the text model's fields at the top level beside vision_config,
+    M-RoPE in rope_scaling (plain rotation for text positions), head size from hidden, q/k/v bias only."""
+    published = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+                 "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 320, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 80, "rope_theta": 1e6,
+                 "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vision_config": {"depth": 32},
+                 "sliding_window": 32768, "use_sliding_window": False}
+    cfg = ModelConfig.from_hf(published)
+    assert cfg.rope_scaling is None and cfg.rope_theta == 1e6 and cfg.head_dim == 64
+    assert cfg.attention_bias and not cfg.o_proj_bias and cfg.kv_sliding_window is None
+    nested = ModelConfig.from_hf({"architectures": ["Qwen3VLForConditionalGeneration"], "text_config": {
+        "model_type": "qwen3_vl_text", **_SHAPE, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                                                      "mrope_section": [24, 20, 20]}}})
+    assert nested.rope_scaling is None and nested.head_dim == 64 and not nested.attention_bias

@@ -43,7 +43,9 @@ away from their neutral values, so that a missing feature shows in the logits:
 * ernie4_5, helium: interleaved rotary over the whole head (ERNIE with biases
   everywhere); seed_oss: q/k/v bias without an output bias; arcee: a squared-ReLU
   ungated MLP; exaone4: OLMo 2's post-norms with per-head q/k norms, three sliding
-  layers and a NoPE full layer.
+  layers and a NoPE full layer;
+* qwen2_5_vl, qwen3_vl: the text model of a vision-language checkpoint (M-RoPE on
+  text positions is the plain rotation), vision tower skipped.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -214,6 +216,18 @@ def _config_2(family: str):
         return T.Exaone4ForCausalLM, T.Exaone4Config(**_COMMON | {"num_hidden_layers": 4}, sliding_window=WINDOW,
                                                      sliding_window_pattern=4, pad_token_id=0, bos_token_id=1,
                                                      eos_token_id=2)
+    if family in ("qwen2_5_vl", "qwen3_vl"):  # text prompts on a vision-language checkpoint
+        # The M-RoPE sections split the 32 rotary frequencies of a 64-wide head.
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}
+        if family == "qwen3_vl":
+            rope["mrope_interleaved"] = True
+        text = (_WIDE if family == "qwen2_5_vl" else _COMMON) | {"pad_token_id": 0, "tie_word_embeddings": False,
+                                                                 "rope_parameters": rope}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                      patch_size=14)
+        if family == "qwen2_5_vl":
+            return T.Qwen2_5_VLForConditionalGeneration, T.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+        return T.Qwen3VLForConditionalGeneration, T.Qwen3VLConfig(text_config=text, vision_config=vision)
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
@@ -224,7 +238,7 @@ FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite"
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
             "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee",
-            "exaone4")
+            "exaone4", "qwen2_5_vl", "qwen3_vl")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:

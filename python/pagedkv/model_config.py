@@ -44,7 +44,7 @@ _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 # Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
 # `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-                  "StableLmForCausalLM")
+                  "StableLmForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Families whose projections have biases unless config.json says otherwise (Phi's always do; GPT-NeoX's
 # attention_bias and StarCoder2's use_bias default to true).
 _BIASED_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel",
@@ -55,7 +55,8 @@ _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_n
              "CohereForCausalLM": "layer_norm_eps", "Cohere2ForCausalLM": "layer_norm_eps"}
 # Families whose transformers code sizes heads as hidden_size / num_attention_heads whatever config.json says
 # (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
-_HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
+_HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
+                         "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Families whose attention and MLP read the same input (Phi always; GPT-NeoX unless use_parallel_residual is false).
 _PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM")
 # Families whose attention and MLP always read the same input (no config key says so).
@@ -368,6 +369,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
         raise ValueError(f"rope scaling on the sliding-window layers ({local.get('rope_type')!r}) is not supported; "
                          "pagedkv scales the full-attention layers' rotary positions only")
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "mrope":
+        # Qwen2-VL's multimodal rotary: a text token's three position components (time, height, width) are all
+        # its position, so every section turns by it and the rotation is the plain one.
+        scaling = None
     if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su", "yarn"):
         # Older Phi-3 configs (and some YaRN ones) keep the pretraining length at the top level.
         scaling = dict(scaling)

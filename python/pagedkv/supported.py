@@ -52,10 +52,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "Exaone4ForCausalLM": ("olmo2", "Exaone4ForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),  # its text model
+    "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),  # its text model
+    "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),  # its text model
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
-TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                      "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                      "Qwen3VLForConditionalGeneration")
 
 # config.json `model_type` -> architecture, for configs that do not name one.
 MODEL_TYPES: dict[str, str] = {
