@@ -29,7 +29,7 @@ from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, KVCache, add_and_norm
-from pagedkv.model.layers import RMSNorm, default_weight_loader
+from pagedkv.model.layers import RMSNorm, default_weight_loader, read_whole
 from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model.rotary import RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
@@ -44,8 +44,7 @@ class GemmaRMSNorm(RMSNorm):
 
     @staticmethod
     def _load(param: nn.Parameter, loaded) -> None:
-        tensor = loaded if isinstance(loaded, torch.Tensor) else loaded.read()
-        default_weight_loader(param, tensor.float() + 1.0)
+        default_weight_loader(param, read_whole(loaded).float() + 1.0)
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 
 from pagedkv.model.decoder import DecoderForCausalLM
-from pagedkv.model.layers import LayerNorm, VocabParallelEmbedding
+from pagedkv.model.layers import LayerNorm, VocabParallelEmbedding, read_whole
 from pagedkv.model.starcoder2 import LayerNormDecoderLayer
 from pagedkv.model_config import ModelConfig
 
@@ -28,10 +28,6 @@ _RENAMES = ((".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layerno
             (".attn.c_proj.", ".self_attn.o_proj."), (".mlp.c_fc.", ".mlp.fc1."), (".mlp.c_proj.", ".mlp.fc2."))
 # The causal-mask buffers older GPT-2 checkpoints carry (pagedkv's kernels mask by themselves).
 _BUFFERS = (".attn.bias", ".attn.masked_bias")
-
-
-def _read(tensor) -> torch.Tensor:
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()
 
 
 class GPT2LMHeadModel(DecoderForCausalLM):
@@ -57,7 +53,7 @@ class GPT2LMHeadModel(DecoderForCausalLM):
             name = name.replace(old, new)
         projection = any(part in name for part in (".attn.c_attn.", ".self_attn.o_proj.", ".mlp."))
         if self.CONV1D and projection and name.endswith(".weight"):
-            tensor = _read(tensor).t()
+            tensor = read_whole(tensor).t()
         if ".attn.c_attn." in name:
             return self._split_qkv(name.replace(".attn.c_attn.", ".self_attn.qkv_proj."), tensor)
         return super().split_checkpoint_tensor(name, tensor)
@@ -66,7 +62,7 @@ class GPT2LMHeadModel(DecoderForCausalLM):
         """c_attn rows [q | k | v] (after the Conv1D transpose) -> pagedkv's q, k, v shards."""
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        full = _read(tensor)
+        full = read_whole(tensor)
         if full.shape[0] != q + 2 * kv:
             raise ValueError(f"c_attn of shape {tuple(full.shape)} does not hold q ({q}) + k and v ({kv} each)")
         return (target, "q", full[:q]), (target, "k", full[q:q + kv]), (target, "v", full[q + kv:])

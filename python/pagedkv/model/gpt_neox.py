@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer, PlainMLP
-from pagedkv.model.layers import LayerNorm
+from pagedkv.model.layers import LayerNorm, read_whole
 from pagedkv.model.rotary import NoRotation, RotaryEmbedding
 from pagedkv.model.starcoder2 import LayerNormDecoderLayer
 from pagedkv.model_config import ModelConfig
@@ -61,7 +61,6 @@ class GPTNeoXForCausalLM(DecoderForCausalLM):
             name = name.replace(old, new)
         if ".attention.query_key_value." in name:
             target = name.replace(".attention.query_key_value.", ".self_attn.qkv_proj.")
-            full = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
-            q, k, v = split_heads_qkv(full, self.config.num_attention_heads, self.config.head_dim)
+            q, k, v = split_heads_qkv(read_whole(tensor), self.config.num_attention_heads, self.config.head_dim)
             return (target, "q", q), (target, "k", k), (target, "v", v)
         return super().split_checkpoint_tensor(name, tensor)

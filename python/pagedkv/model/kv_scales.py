@@ -21,6 +21,8 @@ import re
 
 import torch
 
+from pagedkv.model.layers import read_whole
+
 # vLLM's divisors for the dynamic scales (its K_SCALE_CONSTANT / V_SCALE_CONSTANT defaults).
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
@@ -55,8 +57,7 @@ def checkpoint_scale_value(tensor) -> float:
 
     `tensor`: a torch.Tensor or a lazily read checkpoint slice (pagedkv.model.loader.CheckpointSlice).
     """
-    t = tensor.read() if hasattr(tensor, "read") else tensor
-    value = float(t.float().abs().max())
+    value = float(read_whole(tensor).float().abs().max())
     if not value > 0.0 or value == float("inf"):
         raise ValueError(f"a KV-cache scale must be a positive finite number, got {value}")
     return value

@@ -38,12 +38,17 @@ def _check_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None
                          f"{expected} along dim {dim} (does config.json match the weights?)")
 
 
+def read_whole(loaded) -> torch.Tensor:
+    """A checkpoint tensor, or a lazy CheckpointSlice read whole now (for loaders that reorder or transpose it)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+
+
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
     """Copies a whole checkpoint tensor (or a CheckpointSlice, read now) into `param`, converting the dtype."""
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
                          f"{tuple(param.shape)}")
-    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.read())
+    param.data.copy_(read_whole(loaded))
 
 
 class ColumnParallelLinear(nn.Module):

@@ -26,6 +26,7 @@ from torch import nn
 from pagedkv import ops
 from pagedkv.kv_cache import KVCache
 from pagedkv.model.kv_scales import calibrate_fp8_scales
+from pagedkv.model.layers import read_whole
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def qk_rows_in_halves_order(name: str, tensor, num_heads: int, num_kv_heads: int
     `order` (interleaved_to_halves); any other tensor as given."""
     for part, heads in ((".q_proj.", num_heads), (".k_proj.", num_kv_heads)):
         if part in name:
-            return permute_heads(tensor if isinstance(tensor, torch.Tensor) else tensor.read(), heads, order)
+            return permute_heads(read_whole(tensor), heads, order)
     return tensor
 
 
