@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torch import nn
-
-from pagedkv.model.decoder import DecoderForCausalLM, PlainMLP
+from pagedkv.model.decoder import DecoderForCausalLM
 from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model_config import ModelConfig
 
 
 class ArceeDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+    GATED_MLP = False
 
 
 class ArceeForCausalLM(DecoderForCausalLM):

@@ -13,11 +13,10 @@
 
 from __future__ import annotations
 
-from torch import nn
+from functools import partial
 
-from pagedkv.model.decoder import DecoderForCausalLM, GatedMLP, ParallelResidualLayer
+from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer
 from pagedkv.model.layers import LayerNorm
-from pagedkv.model.rotary import NoRotation, RotaryEmbedding
 from pagedkv.model_config import ModelConfig
 
 
@@ -28,13 +27,8 @@ class CohereLayerNorm(LayerNorm):
         super().__init__(hidden_size, eps, bias=False)
 
 
-def cohere_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation) -> nn.Module:
-    mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-    return ParallelResidualLayer(cfg, layer, rope, mlp, CohereLayerNorm, shared_norm=True)
-
-
 class CohereForCausalLM(DecoderForCausalLM):
     norm_cls = CohereLayerNorm
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, cohere_layer)
+        super().__init__(cfg, partial(ParallelResidualLayer, norm_cls=CohereLayerNorm, shared_norm=True, gated=True))

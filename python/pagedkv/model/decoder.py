@@ -58,8 +58,9 @@ _PLAIN_ACTIVATIONS = _ACTIVATIONS | {"gelu_new": _ACTIVATIONS["gelu_tanh"], "gel
 
 
 def split_gate_up(name: str, tensor, intermediate_size: int) -> tuple[tuple[str, int, object], ...]:
-    """A checkpoint's fused gate_up_proj [2 I, hidden] (Phi-3, GLM) -> its gate and up rows as the two parts of
-    pagedkv's merged projection (loaded per part, so each tensor-parallel rank takes its own columns)."""
+    """A checkpoint's fused gate_up_proj [2 I, hidden] (Phi-3, GLM, Granite-MoE's shared expert) -> its gate
+    and up rows as the two parts of pagedkv's merged projection (loaded per part, so each tensor-parallel rank
+    takes its own columns)."""
     i = intermediate_size
     return (name, 0, tensor.narrow(0, 0, i)), (name, 1, tensor.narrow(0, i, i))
 
@@ -125,6 +126,12 @@ class PlainMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+def decoder_mlp(cfg: ModelConfig, gated: bool) -> nn.Module:
+    """A layer's dense feed-forward block from the config: gated (SwiGLU / GeGLU) or plain, biased per mlp_bias."""
+    cls = GatedMLP if gated else PlainMLP
+    return cls(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
 
 class DecoderAttention(nn.Module):
@@ -199,15 +206,16 @@ class DecoderAttention(nn.Module):
 class ParallelResidualLayer(nn.Module):
     """Attention and MLP side by side on the same input: out = x + attn(norm(x)) + mlp(norm'(x)).
 
-    GPT-NeoX and StableLM-2-12B normalize the MLP's input apart (`post_attention_layernorm`); Phi and the other
-    StableLM variants share one norm (shared_norm). The (hidden, residual) pair it returns sums to `out`.
+    GPT-NeoX normalizes the MLP's input apart (`post_attention_layernorm`); Phi, StableLM and Cohere share one
+    norm (shared_norm). The MLP is gated (StableLM, Cohere) or plain (GPT-NeoX, Phi). The (hidden, residual)
+    pair it returns sums to `out`.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation, mlp: nn.Module,
-                 norm_cls: type[nn.Module], shared_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation, *,
+                 norm_cls: type[nn.Module], shared_norm: bool, gated: bool) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer, rope)
-        self.mlp = mlp
+        self.mlp = decoder_mlp(cfg, gated)
         self.input_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = None if shared_norm else norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -218,6 +226,32 @@ class ParallelResidualLayer(nn.Module):
         out = self.self_attn(normed, pos, kv_cache, meta)
         mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(stream)
         return out.add_(self.mlp(mlp_in)), stream
+
+
+class SandwichNormLayer(nn.Module):
+    """Each sublayer's input and output normalized (Gemma 2/3, GLM-4-0414):
+        h = x + post_attention_layernorm(attn(input_layernorm(x)))
+        out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+    NORM_CLS is the norm (Gemma's (1 + w) one in Gemma), QK_NORM the attention's q/k norm (Gemma 3's per head).
+    """
+
+    NORM_CLS: type[nn.Module] = RMSNorm
+    QK_NORM: str | None = None
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer, rope, qk_norm=self.QK_NORM, norm_cls=self.NORM_CLS)
+        self.mlp = decoder_mlp(cfg, gated=True)
+        norm, size, eps = self.NORM_CLS, cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm, self.post_attention_layernorm = norm(size, eps), norm(size, eps)
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(size, eps), norm(size, eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, pos: StepPositions, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, pos, kv_cache, meta))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class DecoderForCausalLM(nn.Module):

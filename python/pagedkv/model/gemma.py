@@ -27,11 +27,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedkv.model.attention import AttentionMetadata
-from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, KVCache, add_and_norm
+from pagedkv.model.decoder import DecoderForCausalLM, SandwichNormLayer
 from pagedkv.model.layers import RMSNorm, default_weight_loader, read_whole
 from pagedkv.model.llama import LlamaDecoderLayer
-from pagedkv.model.rotary import RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
 
 
@@ -53,25 +51,8 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
     NORM_CLS = GemmaRMSNorm
 
 
-class Gemma2DecoderLayer(nn.Module):
-    QK_NORM: str | None = None
-
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
-        super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer, rope, qk_norm=self.QK_NORM, norm_cls=GemmaRMSNorm)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        eps = cfg.rms_norm_eps
-        self.input_layernorm, self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps), GemmaRMSNorm(
-            cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = GemmaRMSNorm(
-            cfg.hidden_size, eps), GemmaRMSNorm(cfg.hidden_size, eps)
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, pos: StepPositions, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, pos, kv_cache, meta))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+class Gemma2DecoderLayer(SandwichNormLayer):
+    NORM_CLS = GemmaRMSNorm
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer, PlainMLP
+from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer
 from pagedkv.model.layers import LayerNorm, read_whole
 from pagedkv.model.rotary import NoRotation, RotaryEmbedding
 from pagedkv.model.starcoder2 import LayerNormDecoderLayer
@@ -33,8 +33,7 @@ _BUFFERS = (".attention.bias", ".attention.masked_bias", ".attention.rotary_emb.
 def gpt_neox_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation) -> nn.Module:
     if not cfg.parallel_residual:
         return LayerNormDecoderLayer(cfg, layer, rope)
-    mlp = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-    return ParallelResidualLayer(cfg, layer, rope, mlp, LayerNorm, shared_norm=False)
+    return ParallelResidualLayer(cfg, layer, rope, norm_cls=LayerNorm, shared_norm=False, gated=False)
 
 
 def split_heads_qkv(tensor: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:

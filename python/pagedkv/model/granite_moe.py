@@ -14,11 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torch import nn
-
-from pagedkv.model.mixtral import MoEDecoderLayer, MoEForCausalLM
-from pagedkv.model.moe import SharedExpertMoE
-from pagedkv.model_config import ModelConfig
+from pagedkv.model.decoder import split_gate_up
+from pagedkv.model.mixtral import MoEForCausalLM
 
 # Checkpoint name parts -> pagedkv's (the MoE shell then routes `mlp.experts.*` to the fused experts).
 _RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
@@ -27,22 +24,11 @@ _RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj
             (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
 
 
-class GraniteMoeDecoderLayer(MoEDecoderLayer):
-    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:
-            return SharedExpertMoE(cfg, gated=False)
-        return super().make_mlp(cfg, layer)
-
-
 class GraniteMoeForCausalLM(MoEForCausalLM):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, GraniteMoeDecoderLayer)
-
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
         for old, new in _RENAMES:
             name = name.replace(old, new)
         if ".shared_mlp.input_linear." in name:  # [2S, H]: the shared expert's gate rows, then its up rows
             target = name.replace(".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj.")
-            s = self.config.shared_expert_intermediate_size
-            return (target, 0, tensor.narrow(0, 0, s)), (target, 1, tensor.narrow(0, s, s))
+            return split_gate_up(target, tensor, self.config.shared_expert_intermediate_size)
         return super().split_checkpoint_tensor(name, tensor)

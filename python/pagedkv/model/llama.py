@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
-from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP, KVCache, add_and_norm
+from pagedkv.model.decoder import DecoderAttention, DecoderForCausalLM, KVCache, add_and_norm, decoder_mlp
 from pagedkv.model.layers import RMSNorm
 from pagedkv.model.rotary import RotaryEmbedding, StepPositions
 from pagedkv.model_config import ModelConfig
@@ -21,7 +21,8 @@ from pagedkv.model_config import ModelConfig
 
 class LlamaDecoderLayer(nn.Module):
     QK_NORM: str | None = None  # Qwen3 normalizes each q and k head; OLMoE all heads at once
-    NORM_CLS: type[RMSNorm] = RMSNorm  # Gemma's (1 + w)
+    NORM_CLS: type[nn.Module] = RMSNorm  # Gemma's (1 + w), LayerNorm
+    GATED_MLP = True  # False: an ungated MLP (StarCoder2, GPT-NeoX's sequential layer, GPT-2, Arcee)
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
         super().__init__()
@@ -39,8 +40,8 @@ class LlamaDecoderLayer(nn.Module):
         return self._scaled(self.mlp(hidden)), residual
 
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        """The layer's feed-forward block: a gated MLP here, a mixture of experts in the MoE families."""
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        """The layer's feed-forward block: a dense MLP here, a mixture of experts in the MoE families."""
+        return decoder_mlp(cfg, self.GATED_MLP)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x.mul_(self.residual_multiplier)

@@ -15,16 +15,21 @@ from torch import nn
 
 from pagedkv.model.decoder import DecoderForCausalLM
 from pagedkv.model.llama import LlamaDecoderLayer
-from pagedkv.model.moe import FusedMoE, expert_params_mapping
+from pagedkv.model.moe import FusedMoE, SharedExpertMoE, expert_params_mapping
 from pagedkv.model_config import ModelConfig
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
-    """A Llama layer whose feed-forward block is a mixture of experts where the config says so."""
+    """A Llama layer whose feed-forward block is a mixture of experts where the config says so, with an
+    always-on shared expert beside them where it sets `shared_expert_intermediate_size`."""
+
+    SHARED_EXPERT_GATED = False  # Qwen2-MoE scales its shared expert by a sigmoid gate; Granite-MoE does not
 
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         if not cfg.is_moe_layer(layer):
             return super().make_mlp(cfg, layer)
+        if cfg.shared_expert_intermediate_size:
+            return SharedExpertMoE(cfg, gated=self.SHARED_EXPERT_GATED)
         return FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                         cfg.moe_intermediate_size or cfg.intermediate_size, renormalize=cfg.norm_topk_prob)
 

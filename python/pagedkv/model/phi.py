@@ -9,18 +9,11 @@ the final norm `final_layernorm`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
-from torch import nn
-
-from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer, PlainMLP
+from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer
 from pagedkv.model.layers import LayerNorm
-from pagedkv.model.rotary import NoRotation, RotaryEmbedding
 from pagedkv.model_config import ModelConfig
-
-
-def phi_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation) -> nn.Module:
-    mlp = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-    return ParallelResidualLayer(cfg, layer, rope, mlp, LayerNorm, shared_norm=True)
 
 
 class PhiForCausalLM(DecoderForCausalLM):
@@ -28,7 +21,7 @@ class PhiForCausalLM(DecoderForCausalLM):
     LM_HEAD_BIAS = True
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, phi_layer)
+        super().__init__(cfg, partial(ParallelResidualLayer, norm_cls=LayerNorm, shared_norm=True, gated=False))
 
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
         name = name.replace(".self_attn.dense.", ".self_attn.o_proj.")

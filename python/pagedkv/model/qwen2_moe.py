@@ -9,18 +9,12 @@ Routing weights are not renormalized unless `norm_topk_prob` says so.
 
 from __future__ import annotations
 
-from torch import nn
-
 from pagedkv.model.mixtral import MoEDecoderLayer, MoEForCausalLM
-from pagedkv.model.moe import SharedExpertMoE
 from pagedkv.model_config import ModelConfig
 
 
 class Qwen2MoeDecoderLayer(MoEDecoderLayer):
-    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:
-            return SharedExpertMoE(cfg, gated=True)
-        return super().make_mlp(cfg, layer)
+    SHARED_EXPERT_GATED = True
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):

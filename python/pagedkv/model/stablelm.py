@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedkv.model.decoder import DecoderForCausalLM, GatedMLP, ParallelResidualLayer
+from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer
 from pagedkv.model.layers import LayerNorm
 from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model.rotary import NoRotation, RotaryEmbedding
@@ -24,8 +24,7 @@ class StableLmDecoderLayer(LlamaDecoderLayer):
 def stablelm_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation) -> nn.Module:
     if not cfg.parallel_residual:
         return StableLmDecoderLayer(cfg, layer, rope)
-    mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-    return ParallelResidualLayer(cfg, layer, rope, mlp, LayerNorm, shared_norm=True)
+    return ParallelResidualLayer(cfg, layer, rope, norm_cls=LayerNorm, shared_norm=True, gated=True)
 
 
 class StableLmForCausalLM(DecoderForCausalLM):

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torch import nn
-
-from pagedkv.model.decoder import DecoderForCausalLM, PlainMLP
+from pagedkv.model.decoder import DecoderForCausalLM
 from pagedkv.model.layers import LayerNorm
 from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model_config import ModelConfig
@@ -22,9 +20,7 @@ class LayerNormDecoderLayer(LlamaDecoderLayer):
     """Pre-norm attention then pre-norm MLP, LayerNorms and an ungated MLP."""
 
     NORM_CLS = LayerNorm
-
-    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+    GATED_MLP = False
 
 
 class Starcoder2ForCausalLM(DecoderForCausalLM):
