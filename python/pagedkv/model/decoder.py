@@ -203,6 +203,21 @@ class DecoderAttention(nn.Module):
         return norm(all_gather_last_dim(x.contiguous())).narrow(1, get_tp_rank() * n, n).contiguous()
 
 
+class TextOfMultimodal:
+    """Mixin for a multimodal checkpoint's causal LM run on text prompts (Gemma 3, Mistral 3, Qwen2/2.5/3-VL):
+    the vision tower's and projector's tensors are skipped, and the text model's are read under their own names
+    whether the checkpoint keeps them at `language_model.model.` (transformers 4), `model.language_model.`
+    (transformers 5) or `model.` (Qwen2.5-VL as published)."""
+
+    VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
+
+    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
+        if name.startswith(self.VISION_PREFIXES):
+            return ()
+        return super().split_checkpoint_tensor(  # type: ignore[misc]
+            name.removeprefix("language_model.").removeprefix("model."), tensor)
+
+
 class ParallelResidualLayer(nn.Module):
     """Attention and MLP side by side on the same input: out = x + attn(norm(x)) + mlp(norm'(x)).
 

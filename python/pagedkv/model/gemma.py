@@ -22,12 +22,10 @@ per-layer sliding windows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
-from pagedkv.model.decoder import DecoderForCausalLM, SandwichNormLayer
+from pagedkv.model.decoder import DecoderForCausalLM, SandwichNormLayer, TextOfMultimodal
 from pagedkv.model.layers import RMSNorm, default_weight_loader, read_whole
 from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model_config import ModelConfig
@@ -82,14 +80,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         super().__init__(cfg, Gemma3DecoderLayer)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The text model of a multimodal Gemma 3 checkpoint (4B and up), for text prompts.
-
-    Its tensors sit under `language_model.` (`model.language_model.` in transformers 5's own names); the
-    vision tower and the projector are not loaded (pagedkv takes no image inputs).
-    """
-
-    def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
-        if name.startswith(("vision_tower.", "multi_modal_projector.")):
-            return ()
-        return super().split_checkpoint_tensor(name.removeprefix("language_model.").removeprefix("model."), tensor)
+class Gemma3ForConditionalGeneration(TextOfMultimodal, Gemma3ForCausalLM):
+    """The text model of a multimodal Gemma 3 checkpoint (4B and up), for text prompts; the vision tower and the
+    projector are not loaded (pagedkv takes no image inputs)."""
