@@ -109,6 +109,18 @@ def apply_output_penalties(logits: torch.Tensor, penalties: list[tuple[float, fl
     logits.index_copy_(0, index, logits.index_select(0, index) - frequency * counts - presence * (counts > 0))
 
 
+def apply_bans(logits: torch.Tensor, banned: list[list[int] | None]) -> None:
+    """In place: each row's banned token ids get -inf."""
+    for row, ids in enumerate(banned):
+        if ids:
+            logits[row, ids] = float("-inf")
+
+
+def _any_row(rows: list | None) -> bool:
+    """Whether some row has an entry (a per-row list counts only when not empty)."""
+    return bool(rows) and any(r is not None and (not isinstance(r, list) or r) for r in rows)
+
+
 # Top-p looks for its nucleus among this many most likely tokens first (a partial top-k, not a sort of the
 # vocabulary: a full sort of 48 rows x 49k took ~100 ms on the CPU); a row whose nucleus is wider falls back
 # to the full sort, so the result is exact either way.
@@ -227,17 +239,6 @@ class Sampler:
         want_logprobs = any(k is not None for k in batch.num_logprobs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         logits = self._shape(logits, batch)
-        if any(p is not None for p in batch.penalties):
-            logits = logits.clone()
-            apply_repetition_penalty(logits, batch.penalties)
-        if batch.output_penalties and any(p is not None for p in batch.output_penalties):
-            logits = logits.clone()
-            apply_output_penalties(logits, batch.output_penalties)
-        if batch.banned and any(b for b in batch.banned):
-            logits = logits.clone()
-            for row, ids in enumerate(batch.banned):
-                if ids:
-                    logits[row, ids] = float("-inf")
         if batch.all_greedy:
             tokens = greedy_tokens(logits)
         else:
@@ -248,16 +249,18 @@ class Sampler:
 
     @staticmethod
     def _shape(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The allow-lists and logit biases, on a copy (the caller's logits are left as they are)."""
-        allowed = batch.allowed if batch.allowed and any(a is not None for a in batch.allowed) else None
-        biases = batch.biases if batch.biases and any(b is not None for b in batch.biases) else None
-        if allowed is None and biases is None:
+        """The allow-lists, logit biases, repetition and presence / frequency penalties and min_tokens bans of the
+        rows that ask, in that order, on one copy of the logits (the caller's are left as they are); the logits
+        themselves when no row asks."""
+        steps = [(apply, rows) for apply, rows in (
+            (apply_allowed_tokens, batch.allowed), (apply_logit_biases, batch.biases),
+            (apply_repetition_penalty, batch.penalties), (apply_output_penalties, batch.output_penalties),
+            (apply_bans, batch.banned)) if _any_row(rows)]
+        if not steps:
             return logits
         logits = logits.clone()
-        if allowed is not None:
-            apply_allowed_tokens(logits, allowed)
-        if biases is not None:
-            apply_logit_biases(logits, biases)
+        for apply, rows in steps:
+            apply(logits, rows)
         return logits
 
     def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
