@@ -40,7 +40,7 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # lm_head.weight. Every other family defaults to an LM head of its own.
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                     "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                    "Ernie4_5ForCausalLM")
+                    "Ernie4_5ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
 # Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
 # `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
@@ -57,8 +57,8 @@ _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_n
 # (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
 _HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
                          "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-# Families whose attention and MLP read the same input (Phi always; GPT-NeoX unless use_parallel_residual is false).
-_PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM")
+# Families whose attention and MLP read the same input unless use_parallel_residual is false (GPT-NeoX).
+_PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM",)
 # Families whose attention and MLP always read the same input (no config key says so).
 _ALWAYS_PARALLEL = ("PhiForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 # Families that rotate in GPT-J's interleaved order (dims 2i and 2i + 1 form pair i), which the loader turns
@@ -407,7 +407,6 @@ def _with_gpt2_names(hf: dict[str, Any]) -> dict[str, Any]:
     out["num_key_value_heads"] = 1 if out.get("multi_query") else out["num_attention_heads"]
     if out.get("scale_attn_weights") is False:
         out["attention_multiplier"] = 1.0
-    out.setdefault("tie_word_embeddings", True)
     return out
 
 

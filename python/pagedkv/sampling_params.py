@@ -83,10 +83,19 @@ def _logit_bias(bias: dict | None) -> dict[int, float] | None:
     return out or None
 
 
+def _is_token_id(t: object) -> bool:
+    """An int in [0, int64 max] (the vocabulary bound is the engine's check)."""
+    return _is_int(t) and 0 <= t <= INT64_MAX
+
+
+def _first_bad_token_id(ids: list) -> object | None:
+    return next((t for t in ids if not _is_token_id(t)), None)
+
+
 def _token_id_key(key: object) -> int | None:
     if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
         key = int(key)
-    return key if _is_int(key) and 0 <= key <= INT64_MAX else None
+    return key if _is_token_id(key) else None
 
 
 def _allowed_token_ids(ids: list[int] | None) -> list[int] | None:
@@ -95,7 +104,7 @@ def _allowed_token_ids(ids: list[int] | None) -> list[int] | None:
     ids = list(ids)
     if not ids:
         raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty (None: every token)")
-    bad = next((t for t in ids if not _is_int(t) or not 0 <= t <= INT64_MAX), None)
+    bad = _first_bad_token_id(ids)
     if bad is not None:
         raise SamplingParamsError("allowed_token_ids", f"allowed token ids must be ints >= 0, got {bad!r}")
     return ids
@@ -105,7 +114,7 @@ def _stop_token_ids(ids: list[int] | None) -> list[int]:
     ids = list(ids or [])
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(ids)}")
-    bad = next((t for t in ids if not _is_int(t) or not 0 <= t <= INT64_MAX), None)
+    bad = _first_bad_token_id(ids)
     if bad is not None:
         raise SamplingParamsError("stop_token_ids", f"stop token ids must be ints >= 0, got {bad!r}")
     return ids

@@ -35,14 +35,12 @@ class RequestLimits:
         if params.top_k > vocab:
             raise SamplingParamsError("top_k", f"top_k must be -1, 0 or in [1, {vocab}] (the vocabulary), "
                                                f"got {params.top_k}")
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise SamplingParamsError("stop_token_ids", f"stop token id {bad} is outside the vocabulary [0, {vocab})")
-        for name, ids in (("logit_bias", params.logit_bias or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, what, ids in (("stop_token_ids", "stop token id", params.stop_token_ids),
+                                ("logit_bias", "logit_bias token id", params.logit_bias or ()),
+                                ("allowed_token_ids", "allowed_token_ids token id", params.allowed_token_ids or ())):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise SamplingParamsError(name, f"{name} token id {bad} is outside the vocabulary [0, {vocab})")
+                raise SamplingParamsError(name, f"{what} {bad} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise SamplingParamsError("logprobs", f"requested {params.logprobs} logprobs, more than the "
                                                   f"{self.max_logprobs} allowed (max_logprobs)")
