@@ -253,6 +253,7 @@ class ModelConfig:
         dtype = hf.get("torch_dtype") or hf.get("dtype")
         theta, scaling, local_theta, partial = _rope(hf)
         layers = hf["num_hidden_layers"]
+        kinds = _layer_types(hf, model_type, layers)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -276,7 +277,7 @@ class ModelConfig:
                                        arch in _QKV_BIAS_ONLY + _BIASED_BY_DEFAULT)),
             mlp_bias=bool(_first(hf, ("mlp_bias", "use_bias"), arch in _BIASED_BY_DEFAULT)),
             sliding_window=_window(hf, model_type),
-            layer_types=_layer_types(hf, model_type, layers),
+            layer_types=kinds,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
@@ -293,7 +294,7 @@ class ModelConfig:
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
             shared_expert_intermediate_size=(hf.get("shared_expert_intermediate_size")
                                              or hf.get("shared_intermediate_size") or 0),
-            no_rope_layers=_no_rope_layers(hf, model_type, layers),
+            no_rope_layers=_no_rope_layers(hf, model_type, kinds),
             clip_qkv=hf.get("clip_qkv"),
             parallel_residual=arch in _ALWAYS_PARALLEL or bool(hf.get("use_parallel_residual",
                                                                       arch in _PARALLEL_BY_DEFAULT)),
@@ -421,11 +422,13 @@ def _hidden_act(hf: dict[str, Any], model_type: str) -> str:
     return "gelu_pytorch_tanh" if model_type == "gemma" and act == "gelu" else act
 
 
-def _no_rope_layers(hf: dict[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
-    """The layers without rotary positions (NoPE). SmolLM3: `no_rope_layers` flags each layer 1 (rotates) or 0,
-    else every `no_rope_layer_interval`-th layer skips them. Cohere 2: its full-attention layers."""
+def _no_rope_layers(hf: dict[str, Any], model_type: str, kinds: tuple[str, ...]) -> tuple[int, ...]:
+    """The layers without rotary positions (NoPE), given each layer's attention kind. SmolLM3: `no_rope_layers`
+    flags each layer 1 (rotates) or 0, else every `no_rope_layer_interval`-th layer skips them. Cohere 2 and
+    EXAONE 4 with a window: their full-attention layers. GPT-2: every layer (its positions are learned)."""
+    layers = len(kinds)
     if model_type == "cohere2" or (model_type == "exaone4" and _window(hf, model_type)):
-        return tuple(i for i, kind in enumerate(_layer_types(hf, model_type, layers)) if kind == FULL)
+        return tuple(i for i, kind in enumerate(kinds) if kind == FULL)
     if model_type in ("gpt2", "gpt_bigcode"):  # learned absolute positions instead
         return tuple(range(layers))
     flags = hf.get("no_rope_layers")
