@@ -62,7 +62,7 @@ def timed_step(engine: LLMEngine, processor: OutputProcessor, t: dict[str, list[
     engine.block_manager.begin_step()
     out = sched.schedule()
     c1 = time.perf_counter()
-    batch, rows = runner.build_batch(out)
+    batch, rows, _ = runner.build_batch(out)
     runner.check_batch(batch)
     c2 = time.perf_counter()
     logits = runner.run_batch(BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy), batch,

@@ -215,6 +215,72 @@ def test_sampling_fields(client, llm):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the top token
 
 
+def _prompt_scores(ref, ids: list[int]) -> list[float]:
+    """The engine's logprob of each prompt token after the first (the reference the server must return)."""
+    return [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+
+
+def test_echo_scores_the_prompt_as_the_engine_does(client, llm, loaded_model):
+    """lm-eval's loglikelihood request (echo, max_tokens=0, logprobs) and echo before a completion, streamed and
+    not: the prompt's text and its tokens' logprobs (the first null) as LLM.generate's prompt_logprobs give."""
+    tok = loaded_model.tokenizer
+    ids = tok.encode(PROMPT)
+    ref = llm.generate(PROMPT, greedy(4, logprobs=2, prompt_logprobs=2), use_tqdm=False)[0]
+    out = ref.outputs[0]
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = r.choices[0]
+    assert c.text == PROMPT and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    lp = c.logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(_prompt_scores(ref, ids), abs=1e-4)
+    assert all(len(top) >= 2 and tok_text in top for tok_text, top in zip(lp.tokens[1:], lp.top_logprobs[1:],
+                                                                          strict=True))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+    # A token-id prompt is echoed decoded; the completion and its logprobs follow the prompt's.
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, echo=True, logprobs=2,
+                                      temperature=0).choices[0]
+    assert whole.text == tok.decode(ids) + out.text
+    assert len(whole.logprobs.tokens) == len(ids) + len(out.token_ids)
+    assert whole.logprobs.token_logprobs[len(ids):] == pytest.approx(
+        [e[t].logprob for e, t in zip(out.logprobs, out.token_ids, strict=True)], abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=4, echo=True, logprobs=2,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.text
+    assert [t for ch in chunks for t in ch.choices[0].logprobs.tokens] == whole.logprobs.tokens
+    assert [o for ch in chunks for o in ch.choices[0].logprobs.text_offset] == whole.logprobs.text_offset
+    # Without logprobs echo is text only; with n > 1 every choice starts with the prompt.
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, n=2, temperature=0)
+    assert [ch.text for ch in plain.choices] == [PROMPT + tok.decode(out.token_ids[:3])] * 2
+    assert plain.choices[0].logprobs is None
+
+
+def test_prompt_logprobs_field_as_vllm_returns_it(client, llm, loaded_model):
+    """vLLM's `prompt_logprobs` extra: per prompt token {token id: {logprob, rank, decoded_token}}, first null;
+    chat completions carry it beside the choices."""
+    tok = loaded_model.tokenizer
+    ids = tok.encode(PROMPT)
+    ref = llm.generate(PROMPT, greedy(1, prompt_logprobs=3), use_tqdm=False)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})
+    got = r.choices[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(ids)
+    for i, t in enumerate(ids[1:], 1):
+        want = ref.prompt_logprobs[i]
+        assert [int(k) for k in got[i]] == list(want)  # the prompt token first, then the top 3
+        entry = got[i][str(t)]
+        assert entry["logprob"] == pytest.approx(want[t].logprob, abs=1e-4) and entry["rank"] == want[t].rank
+        assert entry["decoded_token"] == tok.decode([t])
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices[0].prompt_logprobs is None
+
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    assert len(c.prompt_logprobs) == c.usage.prompt_tokens and c.prompt_logprobs[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in c.prompt_logprobs[1:])
+
+
 def test_concurrent_streams_get_their_own_tokens(server, llm):
     """32 streams at once (one batch in the engine); each must get exactly its own prompt's tokens."""
     prompts = [f"{a}, {a + 1}, {a + 2}," for a in range(1, 32 * 7, 7)]
@@ -293,6 +359,12 @@ def _post(server, body, path: str = "/v1/completions", headers: dict | None = No
     ({"model": MODEL, "prompt": [1, 10 ** 9]}, "prompt"),  # token id outside the vocabulary
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": "hi " * 600, "stream": True}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 10 ** 6}, "prompt_logprobs"),  # past --max-logprobs
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 10 ** 6}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1, "use_beam_search": True, "n": 2}, "echo"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "use_beam_search": True, "n": 2}, "prompt_logprobs"),
 ])
 def test_bad_completion_requests_get_400(server, body, param):
     r = _post(server, body)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import threading
 
 import httpx
 import openai
@@ -163,6 +164,15 @@ HOSTILE = [
     ("allowed_token_ids empty", "/v1/completions", completion(allowed_token_ids=[]), None, 400, "allowed_token_ids"),
     ("allowed_token_ids outside the vocabulary", "/v1/completions", completion(allowed_token_ids=[1, 10 ** 9]),
      None, 400, "allowed_token_ids"),
+    ("prompt_logprobs past max_logprobs", "/v1/completions", completion(prompt_logprobs=10 ** 6), None, 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs streamed", "/v1/completions", completion(prompt_logprobs=2, stream=True), None, 400,
+     "prompt_logprobs"),
+    ("chat prompt_logprobs past max_logprobs", "/v1/chat/completions", chat(prompt_logprobs=10 ** 6), None, 400,
+     "prompt_logprobs"),
+    ("max_tokens 0 without echo", "/v1/completions", completion(max_tokens=0), None, 400, "max_tokens"),
+    ("echo with logprobs past max_logprobs", "/v1/completions", completion(echo=True, logprobs=10 ** 6), None, 400,
+     "logprobs"),
 ]
 
 
@@ -176,6 +186,28 @@ def test_hostile_request_is_refused_and_hurts_no_one(guarded, canary, name, path
         assert error["param"] is not None and error["param"].startswith(param.split(".")[0]), error
     canary()
     assert httpx.get(guarded.url + "/health").status_code == 200
+
+
+def test_scoring_a_whole_context_beside_others_hurts_no_one(guarded, canary, llm):
+    """A prompt of max_model_len - 1 tokens scored at every position with the most logprobs allowed (echo,
+    max_tokens=0, logprobs=20: the engine bounds the scored tokens a step) while the canary runs: both answered,
+    the scores those of LLM.generate."""
+    ids = [1000 + (7 * i) % 3000 for i in range(MAX_MODEL_LEN - 1)]
+    result = {}
+    scorer = threading.Thread(target=lambda: result.update(r=post(
+        guarded.url, completion(prompt=ids, echo=True, max_tokens=0, logprobs=20, temperature=0), headers=AUTH)))
+    scorer.start()
+    canary()
+    scorer.join(timeout=300)
+    r = result["r"]
+    assert r.status_code == 200, r.text[:300]
+    lp = r.json()["choices"][0]["logprobs"]
+    ref = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=20),
+                       use_tqdm=False)[0].prompt_logprobs
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][1:] == pytest.approx([ref[i][t].logprob for i, t in enumerate(ids) if i], abs=1e-4)
+    assert all(len(top) >= 20 for top in lp["top_logprobs"][1:])
+    canary()
 
 
 def test_tiny_temperature_is_raised_not_overflowed(guarded, canary):

@@ -69,10 +69,23 @@ def _prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
 
 
 def _params(n: int = len(QUESTIONS), max_tokens: int = 32) -> list[SamplingParams]:
-    """Greedy, ignore_eos so every sequence runs its full length; one request forks (n=2, copy-on-write)."""
+    """Greedy, ignore_eos so every sequence runs its full length; one request forks (n=2, copy-on-write), one
+    scores its prompt (prompt_logprobs: every rank computes those rows' logits too)."""
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2) for _ in range(n)]
     params[1] = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2, n=2)
+    if n > 2:
+        params[2] = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2,
+                                   prompt_logprobs=2)
     return params
+
+
+def assert_same_prompt_logprobs(ref_outputs, outputs) -> None:
+    """The scored prompt's logprobs equal size 1's (float sum order aside), and it read no cached block."""
+    ref, got = ref_outputs[2], outputs[2]
+    assert got.num_cached_tokens == 0 and len(got.prompt_logprobs) == len(got.prompt_token_ids)
+    assert [e and list(e) for e in got.prompt_logprobs] == [e and list(e) for e in ref.prompt_logprobs]
+    flat = [[v.logprob for e in o.prompt_logprobs if e for v in e.values()] for o in (got, ref)]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
 
 
 def _engine_kwargs(path: Path, tp: int, num_blocks: int, preemption_mode: str, **cache) -> dict:
@@ -104,6 +117,7 @@ def test_tiny_llama_sharded_under_the_engine_core_process(tiny_checkpoint, tiny_
     kwargs = _engine_kwargs(tiny_checkpoint, 2, NUM_BLOCKS, "recompute") | {"engine_core": "process"}
     outputs, stats = _run(kwargs, prompts, _params())
     assert_same_greedy(ref_outputs, outputs, "tiny Llama at tensor_parallel_size=2 in the core process")
+    assert_same_prompt_logprobs(ref_outputs, outputs)
     assert stats.prefix_cache_hits > 0 and all(o.finished for o in outputs)
 
 
@@ -112,6 +126,7 @@ def test_tiny_llama_sharded_matches_one_device(tiny_checkpoint, tiny_reference, 
     prompts, ref_outputs, ref_stats = tiny_reference
     outputs, stats = _run(_engine_kwargs(tiny_checkpoint, tp, NUM_BLOCKS, preemption_mode), prompts, _params())
     assert_same_greedy(ref_outputs, outputs, f"tiny Llama at tensor_parallel_size={tp}")
+    assert_same_prompt_logprobs(ref_outputs, outputs)
     # The features the issue asks to have in play did happen, on the driver's block manager.
     assert stats.num_preemptions > 0 and ref_stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0

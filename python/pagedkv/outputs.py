@@ -3,7 +3,7 @@ scheduler each step (SamplerOutput)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -60,6 +60,9 @@ class RequestOutput:
     """A request's state after a step: its prompt, its samples so far, whether it is done.
 
     error: why the engine refused or aborted it (None otherwise).
+    prompt_logprobs: with SamplingParams.prompt_logprobs, per prompt token {token: Logprob} (the prompt token
+    with its rank, and the top ones), None for the first token; set once the whole prompt is computed (a DELTA
+    output carries it once). None when not asked.
     """
 
     request_id: str
@@ -70,4 +73,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
-    prompt_logprobs: None = field(default=None)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

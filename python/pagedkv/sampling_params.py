@@ -140,6 +140,11 @@ class SamplingParams:
     occurrence (the prompt does not count, as in vLLM). logit_bias: {token
     id: bias in [-100, 100]} added to those logits every step.
     allowed_token_ids: only these may be sampled (vLLM's).
+    prompt_logprobs: also return, for every prompt token after the first,
+    its log-probability given the tokens before it and the top-
+    `prompt_logprobs` tokens there (vLLM's; the raw distribution, as for
+    `logprobs`). Such a prompt is computed whole: it reads nothing from the
+    prefix cache (its blocks are still offered to it), as in vLLM.
     """
 
     n: int = 1
@@ -161,6 +166,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
     # Set lookups for the per-token stop check (stop_token_ids stays the list the user gave).
     all_stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
@@ -183,8 +189,10 @@ class SamplingParams:
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise SamplingParamsError("min_tokens", f"min_tokens must be an int in [0, max_tokens="
                                                     f"{self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise SamplingParamsError("logprobs", f"logprobs must be an int >= 0 (or None), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise SamplingParamsError(name, f"{name} must be an int >= 0 (or None), got {value!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
         self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
         self.stop_strings = _stop_strings(self.stop)

@@ -89,6 +89,7 @@ class PrefixMatch:
     hashes: list[bytes] = field(default_factory=list)
     hits: list[int] = field(default_factory=list)
     tier: TierMatch = field(default_factory=TierMatch)
+    read: bool = True  # False: the prompt was hashed (its blocks are offered to the cache) but not looked up
 
     @property
     def num_cached_tokens(self) -> int:
@@ -191,21 +192,25 @@ class BlockManager:
         return log
 
     # --- admission ----------------------------------------------------------
-    def match_prefix(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = ()) -> PrefixMatch:
+    def match_prefix(self, prompt: Sequence[int] | int, extra_keys: Sequence[ExtraKey] = (),
+                     read: bool = True) -> PrefixMatch:
         """The prompt's hashes and cached blocks: device hits, then the tiers' (nothing is loaded or counted).
 
         The last prompt token is always left to compute. An int prompt (a token count) is for managers
-        without caching.
+        without caching. read=False: no hits (a prompt that must be computed whole, e.g. for its prompt
+        logprobs); its hashes still offer its blocks to the cache, and the lookup counts in no hit-rate stats.
         """
         if isinstance(prompt, int):
             if self.prefix_cache is not None:
                 raise ValueError("BlockManager: with enable_caching=True pass the prompt's token ids, not a count")
             return PrefixMatch(prompt, self.block_size)
         n = len(prompt)
-        m = PrefixMatch(n, self.block_size)
+        m = PrefixMatch(n, self.block_size, read=read)
         if self.prefix_cache is None or n == 0:
             return m
         m.hashes = self.prefix_cache.prompt_hashes(prompt, extra_keys)
+        if not read:
+            return m
         m.hits = self.prefix_cache.match(self.core, n, m.hashes)
         if self.tiers is not None:
             m.tier = self.tiers.match(m.hashes[len(m.hits):(n - 1) // self.block_size])
@@ -262,7 +267,7 @@ class BlockManager:
                 self.tiers.restore_into(tier, table[len(hits):len(hits) + restored], payload)
         if self.prefix_cache is not None:
             self.prefix_cache.on_allocate(self.core, seq_id, prompt[:n], m.hashes[:n // self.block_size], len(hits),
-                                          extra_keys, num_queried=total)
+                                          extra_keys, num_queried=total if m.read else 0)
         return (len(hits) + restored) * self.block_size
 
     # --- growth -------------------------------------------------------------

@@ -125,9 +125,15 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill, preemption and prefix caching."""
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager,
-                 eos_token_ids: Set[int] = frozenset()) -> None:
-        """eos_token_ids: the tokens that end a sequence (unless its request sets ignore_eos)."""
+                 eos_token_ids: Set[int] = frozenset(), max_scored_prompt_tokens: int | None = None) -> None:
+        """eos_token_ids: the tokens that end a sequence (unless its request sets ignore_eos).
+
+        max_scored_prompt_tokens: prompt tokens of requests that ask for prompt logprobs computed per step at
+        most (each needs a row of logits: the engine bounds their memory by the vocabulary); None: no bound.
+        """
         self.config = config
+        self.max_scored_prompt_tokens = max_scored_prompt_tokens
+        self._scoring_left = 0  # of max_scored_prompt_tokens, in the step being scheduled
         self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
         self.bm = block_manager
@@ -182,6 +188,7 @@ class Scheduler:
         else:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         budget = self.config.max_num_batched_tokens
+        self._scoring_left = self.max_scored_prompt_tokens or budget
         budget, decodes, pending = self._schedule_running(out, budget)
         if not out.preempted:
             reserved = self._reserved_seats() if self.beam_requests else 0
@@ -203,7 +210,10 @@ class Scheduler:
                     break
                 i, budget, pending = step
                 continue
-            n = self._chunk(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq.num_uncomputed_tokens, budget, seq)
+            if n == 0:  # its prompt-scoring share of the step is spent
+                i += 1
+                continue
             need = self._make_room(out, seq, [(seq, n)], pending)
             if need is None:  # preempted itself: nothing after it is left
                 break
@@ -291,10 +301,15 @@ class Scheduler:
                 reserved += req.beam.params.beam_width - len(req.seqs)
         return reserved
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """Prompt tokens a sequence computes this step: what is left, within the budget and the per-sequence cap."""
+    def _chunk(self, remaining: int, budget: int, seq: Sequence | None = None) -> int:
+        """Prompt tokens a sequence computes this step: what is left, within the budget and the per-sequence cap;
+        for `seq` still scoring its prompt (prompt logprobs), also within the step's scoring share (0 when spent)."""
         cap = self.config.long_prefill_token_threshold
-        return min(remaining, budget, cap) if cap else min(remaining, budget)
+        n = min(remaining, budget, cap) if cap else min(remaining, budget)
+        if seq is not None and seq.request.next_prompt_logprob is not None:
+            n = min(n, self._scoring_left)
+            self._scoring_left -= n
+        return n
 
     def _append_chunk(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
@@ -357,9 +372,11 @@ class Scheduler:
             # A recomputed beam stops one short: its group decodes the last token together.
             tokens = seq.token_ids[:-1] if seq.in_beam_group else seq.token_ids
             prompt = tokens if self.caching else len(tokens)
-            match = self.bm.match_prefix(prompt, extra)
+            match = self.bm.match_prefix(prompt, extra, read=req.reads_prefix_cache)
             cached = match.num_cached_tokens
-            n = self._chunk(len(tokens) - cached, budget)
+            n = self._chunk(len(tokens) - cached, budget, seq)
+            if n == 0:  # the step's prompt-scoring share is spent: it waits for the next step, in order
+                break
             # Every block past the device hits is new, restored ones from the tiers included.
             need = -(-(cached + n) // bs) - len(match.hits)
             if self.bm.num_free_gpu_blocks - pending - need < self.bm.core.watermark_blocks:

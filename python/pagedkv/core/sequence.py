@@ -108,10 +108,33 @@ class Request:
     allowed_ids_tensor: Any = None  # the model runner's cache: allowed_token_ids as an int64 tensor
     # A beam search's state (pagedkv.core.beam_search.BeamGroup), or None: then seqs are its live beams.
     beam: Any = None
+    # With params.prompt_logprobs: None for the first prompt token, then one {token: Logprob} per prompt token
+    # whose position has been computed (pagedkv.engine.prompt_logprobs); None when not asked.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # a DELTA output carried them already
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def next_prompt_logprob(self) -> int | None:
+        """The prompt position whose next token is scored next, or None when nothing is left to score (all done,
+        or not asked). Position p's logits score prompt token p + 1."""
+        if self.prompt_logprobs is None:
+            return None
+        p = len(self.prompt_logprobs) - 1
+        return p if p < self.num_prompt_tokens - 1 else None
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prompt may start from cached blocks: not while prompt positions are left to score (a cached
+        position has no logits), as in vLLM."""
+        return self.next_prompt_logprob is None
 
     @property
     def finished(self) -> bool:

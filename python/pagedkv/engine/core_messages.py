@@ -111,6 +111,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished: bool
     metrics: tuple  # RequestMetrics fields, in order
     error: str | None = None  # the core refused or failed it
+    # With prompt_logprobs: the whole list (None for the first token), once, in the step that completes it.
+    prompt_logprobs: list[list[WireLogprob] | None] | None = None
 
 
 class WireStats(msgspec.Struct, array_like=True):
@@ -152,6 +154,14 @@ def logprobs_to_wire(entry: dict[int, Logprob]) -> list[WireLogprob]:
 
 def logprobs_from_wire(entry: list[WireLogprob]) -> dict[int, Logprob]:
     return {w.token_id: Logprob(w.logprob, w.rank) for w in entry}
+
+
+def prompt_logprobs_to_wire(entries: list[dict[int, Logprob] | None] | None) -> list[list[WireLogprob] | None] | None:
+    return None if entries is None else [None if e is None else logprobs_to_wire(e) for e in entries]
+
+
+def prompt_logprobs_from_wire(entries: list[list[WireLogprob] | None]) -> list[dict[int, Logprob] | None]:
+    return [None if e is None else logprobs_from_wire(e) for e in entries]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

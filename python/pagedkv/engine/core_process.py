@@ -51,6 +51,7 @@ from pagedkv.engine.core_messages import (
     metrics_to_wire,
     pack_ids,
     params_from_wire,
+    prompt_logprobs_to_wire,
     to_core_decoder,
     unpack_ids,
 )
@@ -161,7 +162,8 @@ def to_delta(output: RequestOutput) -> RequestDelta:
         logprobs = [logprobs_to_wire(e) for e in c.logprobs] if c.logprobs else None
         stop = c.stop_reason if isinstance(c.stop_reason, int) else None
         samples.append(SampleDelta(c.index, pack_ids(c.token_ids), logprobs, c.finish_reason, stop))
-    return RequestDelta(output.request_id, samples, output.finished, metrics_to_wire(output.metrics), output.error)
+    return RequestDelta(output.request_id, samples, output.finished, metrics_to_wire(output.metrics), output.error,
+                        prompt_logprobs_to_wire(output.prompt_logprobs))
 
 
 def stats_to_wire(stats: EngineStats) -> tuple:

@@ -40,6 +40,8 @@ from pagedkv.engine.kv_events import MEDIUM_CPU, KVEventEmitter
 from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.kv_snapshot import build_snapshot
 from pagedkv.engine.memory_pool import KVCachePlan
+from pagedkv.engine.prompt_logprobs import PromptLogits, max_scored_tokens
+from pagedkv.engine.prompt_logprobs import take_for_output as take_prompt_logprobs
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
@@ -109,7 +111,8 @@ class LLMEngine:
         self.limits = RequestLimits(self.model_config.vocab_size, self.scheduler_config.max_model_len,
                                     self.scheduler_config.max_num_seqs, args.max_logprobs)
         self.block_manager, self.runner = device_side.block_manager, device_side.runner
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids,
+                                   max_scored_tokens(self.model_config.vocab_size, self.cache_config.block_size))
         self._log_cache(device_side.plan)
         self._request_ids = itertools.count()
         # The EOS a beam search's candidates finish on: the tokenizer's, as in vLLM (a core process without a
@@ -280,7 +283,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         try:
-            rows, logits = self.runner.execute_model(out)
+            rows, logits, prompt = self.runner.execute_model(out)
         except Exception as e:
             died = self.tp.diagnose(e) if self.tp is not None else None
             if died is not None:
@@ -292,11 +295,13 @@ class LLMEngine:
         if self.kv_offload is not None:  # the step wrote its blocks' KV: the disk tier may take them now
             self.kv_offload.after_step(self.block_manager.step_cached_entries())
         sampled, errors = self._sample(rows, logits)
+        scoring_failed = self._score_prompts(prompt) if prompt is not None else {}
         self._count(out, rows, t0)
         if self.kv_trace is not None:
             self.kv_trace.maybe_record(self)
         now = time.time()
         update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
+        update.failed.update(scoring_failed)
         outputs = self._process_outputs(update, now)
         self._observe_advice(now)
         return outputs
@@ -324,6 +329,17 @@ class LLMEngine:
             logger.exception("sampling a batch of %d rows failed; sampling row by row to find the rows at fault",
                              len(rows))
             return self.runner.sample_each(rows, logits)
+
+    @staticmethod
+    def _score_prompts(prompt: PromptLogits) -> dict[str, tuple[Request, Exception]]:
+        """Appends the step's prompt logprobs to their requests; returns the requests whose scoring failed."""
+        failed = {}
+        for req, result in prompt.score():
+            if isinstance(result, Exception):
+                failed[req.request_id] = (req, result)
+            else:
+                req.prompt_logprobs.extend(result)
+        return failed
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The forward failed: its requests fail, the rest go on (the cause is unknown, so all of this step's)."""
@@ -430,7 +446,8 @@ class LLMEngine:
             completions = [completion_output(seq, kind, holdback) for seq in req.seqs
                            if seq.status is not SequenceStatus.FORK_PENDING]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
-                             req.metrics, req.metrics.num_cached_tokens, req.error)
+                             req.metrics, req.metrics.num_cached_tokens, req.error,
+                             take_prompt_logprobs(req, req.num_prompt_tokens, kind))
 
     def _beam_completions(self, req: Request) -> list[CompletionOutput]:
         """A finished beam search's hypotheses, best first (text without the EOS, when there is a tokenizer)."""

@@ -35,6 +35,8 @@ from pagedkv.core.sequence import Sequence
 from pagedkv.core.step_batch import BlockOps, StepBatch
 from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.engine.cuda_graphs import DecodeGraphs
+from pagedkv.engine.prompt_logprobs import PromptLogits, PromptRows
+from pagedkv.engine.prompt_logprobs import plan_rows as plan_prompt_rows
 from pagedkv.kv_cache import KVCache, allocate_layer_cache, gather_block_bytes, kv_cache_format, scatter_block_bytes
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.kv_scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT
@@ -246,23 +248,35 @@ class ModelRunner:
         return gather_block_bytes(self.kv_caches, blocks)
 
     # --- inputs --------------------------------------------------------------
-    def build_batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[Sequence]]:
-        """The step's flat batch on the host, and the sequences of its sampled rows (driver only)."""
+    def build_batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[Sequence], list[PromptRows]]:
+        """The step's flat batch on the host, the sequences of its sampled rows, and the chunks' rows that score
+        prompt tokens (driver only).
+
+        logits_indices holds the sampled rows, then the prompt-scoring rows (pagedkv.engine.prompt_logprobs).
+        """
         decodes, prefills, lens = out.decode_seqs, out.prefill_seqs, out.prefill_lens
         nd, npf = len(decodes), len(prefills)
         ids: list[int] = [s.token_ids[-1] for s in decodes]
         pos: list[int] = [s.num_computed_tokens for s in decodes]
         sampled_seqs: list[Sequence] = list(decodes)
         logits_rows: list[int] = list(range(nd))
+        prompt_rows: list[PromptRows] = []
+        scored_rows: list[int] = []
         row = nd
         for s, n in zip(prefills, lens, strict=True):
             start = s.num_computed_tokens
             ids.extend(s.token_ids[start:start + n])
             pos.extend(range(start, start + n))
+            scoring = plan_prompt_rows(s, start, n)
+            if scoring is not None:
+                prompt_rows.append(scoring)
+                first = row + scoring.offset
+                scored_rows.extend(range(first, first + len(scoring.targets)))
             row += n
             if start + n == len(s.token_ids):
                 sampled_seqs.append(s)
                 logits_rows.append(row - 1)
+        logits_rows.extend(scored_rows)
         seq_lens_py = [s.num_computed_tokens + 1 for s in decodes] + [
             s.num_computed_tokens + n for s, n in zip(prefills, lens, strict=True)]
         num_seqs = nd + npf
@@ -282,7 +296,7 @@ class ModelRunner:
             logits_indices=np.asarray(logits_rows, dtype=np.int64), num_decode_tokens=nd,
             decode_max_seq_len=max(seq_lens_py[:nd], default=0), prefill_max_query_len=max(lens, default=0),
             prefill_max_seq_len=max(seq_lens_py[nd:], default=0))
-        return batch, sampled_seqs
+        return batch, sampled_seqs, prompt_rows
 
     def device_inputs(self, batch: StepBatch) -> StepInputs:
         """The batch's arrays on the model's device (zero-copy on the CPU, one copy each on CUDA)."""
@@ -416,20 +430,24 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
-        """Runs the step's forward; returns the sequences whose next token is due and their float32 logits
-        [len(rows), vocab] (a prompt forking n > 1 samples has one row per sample)."""
+    def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor, PromptLogits | None]:
+        """Runs the step's forward; returns the sequences whose next token is due, their float32 logits
+        [len(rows), vocab] (a prompt forking n > 1 samples has one row per sample), and the logits of the rows
+        that score prompt tokens (None when no request in the step asks for prompt logprobs)."""
         block_ops = BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy,
                              out.tier_moves or None)
-        batch, rows = self.build_batch(out)
+        batch, rows, prompt_rows = self.build_batch(out)
         self.check_batch(batch)  # before the workers see it: a bad batch stops here, on every rank
         if self.channel is not None:  # the workers start on the step while the driver does too
             self.channel.send_step(block_ops, batch)
         logits = self.run_batch(block_ops, batch, checked=True)
+        prompt = None
+        if prompt_rows:
+            logits, prompt = logits[:len(rows)], PromptLogits(prompt_rows, logits[len(rows):])
         if any(s.is_fork_point for s in rows):
             rows, repeats = self._expand_forks(rows)
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
-        return rows, logits
+        return rows, logits, prompt
 
     @torch.inference_mode()
     def sample(self, rows: list[Sequence], logits: torch.Tensor) -> SamplerOutput:

@@ -17,8 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.sequence import OutputKind
-from pagedkv.engine.core_messages import RequestDelta, logprobs_from_wire, metrics_from_wire, unpack_ids
+from pagedkv.engine.core_messages import (
+    RequestDelta,
+    logprobs_from_wire,
+    metrics_from_wire,
+    prompt_logprobs_from_wire,
+    unpack_ids,
+)
 from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
+from pagedkv.engine.prompt_logprobs import take_for_output as take_prompt_logprobs
 from pagedkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -55,6 +62,8 @@ class RequestState:
     samples: dict[int, SampleState] = field(default_factory=dict)  # only those the core has started
     error: str | None = None
     core_finished: bool = False  # the core said so (a beam search returns fewer hypotheses than beam_width)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # whole, from the core's delta that had them
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -88,6 +97,8 @@ class OutputProcessor:
             if req is None:
                 continue  # finished or aborted here already: the core's late news
             req.metrics = metrics_from_wire(delta.metrics)
+            if delta.prompt_logprobs is not None:
+                req.prompt_logprobs = prompt_logprobs_from_wire(delta.prompt_logprobs)
             if delta.error is not None:
                 req.error = delta.error
             else:
@@ -165,5 +176,6 @@ class OutputProcessor:
             completions = completions or [CompletionOutput(i, "", [], finish_reason="error")
                                           for i in range(req.params.n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
-                             req.metrics, req.metrics.num_cached_tokens, req.error)
+                             req.metrics, req.metrics.num_cached_tokens, req.error,
+                             take_prompt_logprobs(req, len(req.prompt_token_ids), kind))
 

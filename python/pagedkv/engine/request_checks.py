@@ -41,9 +41,11 @@ class RequestLimits:
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise SamplingParamsError(name, f"{what} {bad} is outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise SamplingParamsError("logprobs", f"requested {params.logprobs} logprobs, more than the "
-                                                  f"{self.max_logprobs} allowed (max_logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise SamplingParamsError(name, f"requested {value} {name}, more than the {self.max_logprobs} "
+                                                f"allowed (max_logprobs)")
         if params.n > self.max_num_seqs:
             raise SamplingParamsError("n", f"n={params.n} is more than max_num_seqs={self.max_num_seqs}")
 

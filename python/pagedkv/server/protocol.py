@@ -3,7 +3,7 @@
 The field names, defaults and shapes are OpenAI's, plus vLLM's extra sampling
 fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `skip_special_tokens`,
-`include_stop_str_in_output`, `cache_salt`, and beam search's
+`include_stop_str_in_output`, `cache_salt`, `prompt_logprobs`, and beam search's
 `use_beam_search` and `length_penalty`), so that the official `openai`
 client and vLLM's benchmark client work unchanged. Range checks live on the
 fields, so a bad value comes back as a 400 naming its field: floats must be
@@ -76,6 +76,8 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: each prompt token's logprob and the top ones there (not with stream; at most --max-logprobs).
+    prompt_logprobs: int | None = Field(None, ge=0)
     # vLLM's beam search fields: n is the beam width (and the number of choices returned, best first).
     use_beam_search: bool = False
     length_penalty: float = 1.0  # a beam's score: cumulative logprob / (its length in tokens) ** length_penalty
@@ -85,8 +87,11 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. prompt: a string, a list of strings, token ids, or a list of token-id lists."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; None: up to max_model_len
+    # OpenAI's default; None: up to max_model_len; 0 only with echo (the prompt alone, e.g. to score it).
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked by the server)
+    # The prompt comes back before the completion; with logprobs, its tokens' logprobs too (the first token's
+    # are null), as prompt_logprobs=logprobs would give.
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
@@ -166,12 +171,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry for one candidate token: its logprob, rank, and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token {token id: PromptLogprob} (the prompt token and the top ones), None for the first token.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extra: the stop string or token that ended the choice
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, with prompt_logprobs (or echo and logprobs)
 
 
 def _now() -> int:
@@ -238,6 +256,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, with prompt_logprobs
 
 
 class ChatCompletionChunk(BaseModel):

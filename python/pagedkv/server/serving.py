@@ -38,7 +38,14 @@ from pagedkv.server.async_engine import (
     EngineStepError,
     RequestRefused,
 )
-from pagedkv.server.protocol import APIError, PromptTokensDetails, UsageInfo, _SamplingFields
+from pagedkv.server.protocol import (
+    APIError,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    UsageInfo,
+    _SamplingFields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +207,8 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
+        if req.stream and req.prompt_logprobs is not None:  # as vLLM: they come whole, with the first token
+            raise APIError("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")
         self._log_ignored(req.ignored_fields)
 
     def _log_ignored(self, names: list[str]) -> None:
@@ -211,9 +220,9 @@ class OpenAIServing:
         logger.debug("ignoring unsupported request fields: %s", ", ".join(ascii(n[:64]) for n in new[:16]))
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                        logprobs_param: str = "logprobs") -> SamplingParams:
+                        logprobs_param: str = "logprobs", prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams: what it leaves out (None) comes from the generation config, else vLLM's
-        defaults. A refusal names its field."""
+        defaults. A refusal names its field. prompt_logprobs: the request's, or what echo implies."""
         d = self.defaults
 
         def pick(value: Any, name: str, fallback: Any) -> Any:
@@ -229,7 +238,7 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=prompt_logprobs)
             self.validate_params(params)
         except SamplingParamsError as e:
             raise APIError(str(e), param=logprobs_param if e.param == "logprobs" else e.param) from e
@@ -254,6 +263,7 @@ class OpenAIServing:
             ("stop_token_ids", bool(req.stop_token_ids)),
             ("seed", req.seed is not None),
             ("min_tokens", req.min_tokens > 0),
+            ("prompt_logprobs", req.prompt_logprobs is not None),
         )
         for name, is_set in unsupported:
             if is_set:
@@ -295,6 +305,15 @@ class OpenAIServing:
 
     def logprob_value(self, lp: float) -> float:
         return max(lp, MIN_LOGPROB) if lp == lp else MIN_LOGPROB  # NaN (lp != lp) too
+
+    def prompt_logprobs_body(self, entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs field: per prompt token {token id: {logprob, rank, decoded_token}}, the prompt
+        token first, then the top ones."""
+        if entries is None:
+            return None
+        return [None if e is None else {t: PromptLogprob(logprob=self.logprob_value(v.logprob), rank=v.rank,
+                                                         decoded_token=self.token_text(t)) for t, v in e.items()}
+                for e in entries]
 
     async def start(self, raw: Request, requests: list[EngineRequest],
                     stream: bool) -> AsyncIterator[tuple[int, Any]]:

@@ -92,7 +92,8 @@ class OpenAIServingChat(OpenAIServing):
         if beam:
             params = self.beam_search_params(req, max_tokens)
         else:
-            params = self.sampling_params(req, max_tokens, num_logprobs, logprobs_param="top_logprobs")
+            params = self.sampling_params(req, max_tokens, num_logprobs, logprobs_param="top_logprobs",
+                                          prompt_logprobs=req.prompt_logprobs)
         request_id = random_id("chatcmpl")
         requests = self.engine_requests(request_id, [(None, ids)], [params], req.cache_salt, arrival)
         states = [ChoiceState(keep=not req.stream) for _ in range(req.n)]
@@ -102,10 +103,12 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
 
         async def run() -> ChatCompletionResponse:
-            cached = 0
+            cached, prompt_logprobs = 0, None
             try:
                 async with contextlib.aclosing(outputs):
                     async for _, out in outputs:
+                        if out.prompt_logprobs is not None:
+                            prompt_logprobs = out.prompt_logprobs
                         for c in out.outputs:
                             states[c.index].update(c)
                         cached += out.num_cached_tokens if out.finished else 0
@@ -122,7 +125,8 @@ class OpenAIServingChat(OpenAIServing):
                                   finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                        for i, s in enumerate(answered)]
             return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                          usage=self.usage([len(ids)], states, cached))
+                                          usage=self.usage([len(ids)], states, cached),
+                                          prompt_logprobs=self.prompt_logprobs_body(prompt_logprobs))
 
         response = await unless_disconnected(raw, run)
         return JSONResponse(response.model_dump())
