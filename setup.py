@@ -134,7 +134,7 @@ setup(
     # The exact pin (torch==2.14.1) lives in requirements.txt; the sources also build
     # against torch 2.11, which GPU machines may carry.
     install_requires=["torch>=2.11", "numpy", "pyzmq", "msgspec"],
-    extras_require={"test": ["pytest", "hypothesis", "xxhash"]},
+    extras_require={"test": ["pytest", "hypothesis", "xxhash"], "structured": ["xgrammar"]},
     entry_points={"console_scripts": ["pagedkv = pagedkv.cli:main"]},
     zip_safe=False,
 )

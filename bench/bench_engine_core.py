@@ -15,6 +15,10 @@ step is taken apart into the phases `LLMEngine.step` runs, each timed:
 
 Host work = schedule + metadata + sampling parameters + update + ipc core
 (the core's critical path); the issue's target is under 5% of the step.
+`--structured REGEX` adds, per dtype, a column where every sequence is
+constrained to that regex (structured outputs), measured in the same run:
+the sampler then also fills and applies each row's grammar mask (in
+"sampling") and the update feeds each matcher its token.
 The front end's share is reported beside it: on a machine with a spare core
 it overlaps the next step, on 2 cores it competes with it.
 
@@ -45,6 +49,7 @@ from pagedkv.model.default_model import ensure_default_model
 from pagedkv.model.loader import LoadedModel, load_tokenizer, resolve_model
 from pagedkv.outputs import RequestMetrics
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.structured_outputs import GrammarCompiler, StructuredOutputsParams
 
 PHASES = ("schedule", "metadata", "forward", "sampling", "sampling params", "update", "ipc core", "ipc front")
 HOST = ("schedule", "metadata", "sampling params", "update", "ipc core")
@@ -85,7 +90,7 @@ def timed_step(engine: LLMEngine, processor: OutputProcessor, t: dict[str, list[
         t[name].append(dt)
 
 
-def run(dtype: str, args: argparse.Namespace, model_dir: Path) -> dict:
+def run(dtype: str, args: argparse.Namespace, model_dir: Path, regex: str | None = None) -> dict:
     engine_args = EngineArgs(model=str(model_dir), device="cpu", dtype=dtype, kv_cache_memory=512 << 20,
                              max_num_seqs=args.num_seqs, max_model_len=1024, skip_tokenizer_init=True)
     engine = LLMEngine(engine_args, LoadedModel.load(engine_args, with_tokenizer=False))
@@ -93,10 +98,15 @@ def run(dtype: str, args: argparse.Namespace, model_dir: Path) -> dict:
     processor = OutputProcessor(tokenizer)
     gen = torch.Generator().manual_seed(0)
     steps = args.warmup_steps + args.steps
+    constraint = {"regex": regex} if regex else None
+    # The engine has no tokenizer here (as an engine core): its grammars come compiled, as from a front end.
+    grammar = (GrammarCompiler(tokenizer, engine.model_config.vocab_size).compile(StructuredOutputsParams(**constraint))
+               if constraint else None)
     for i in range(args.num_seqs):
         ids = torch.randint(100, 40000, (args.prompt_len,), generator=gen).tolist()
-        p = SamplingParams(temperature=args.temperature, max_tokens=steps + 4, ignore_eos=True, seed=i)
-        engine.add_request(f"r{i}", ids, p, output_kind=OutputKind.DELTA)
+        p = SamplingParams(temperature=args.temperature, max_tokens=steps + 4, ignore_eos=True, seed=i,
+                           structured_outputs=constraint)
+        engine.add_request(f"r{i}", ids, p, output_kind=OutputKind.DELTA, grammar=grammar)
         processor.add(RequestState(f"r{i}", None, ids, p, OutputKind.DELTA, RequestMetrics(time.time())))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
             engine.scheduler.waiting:
@@ -110,14 +120,17 @@ def run(dtype: str, args: argparse.Namespace, model_dir: Path) -> dict:
     med = {name: 1e3 * statistics.median(v) for name, v in t.items()}
     step = sum(med[n] for n in PHASES if n != "ipc front")
     host = sum(med[n] for n in HOST)
-    log(f"{dtype}: step {step:.1f} ms, host {host:.2f} ms ({100 * host / step:.2f}%)")
-    return {"dtype": dtype, "phases_ms": med, "step_ms": step, "host_ms": host, "host_pct": 100 * host / step,
+    name = f"{dtype} + regex" if regex else dtype
+    log(f"{name}: step {step:.1f} ms, host {host:.2f} ms ({100 * host / step:.2f}%)")
+    return {"dtype": name, "phases_ms": med, "step_ms": step, "host_ms": host, "host_pct": 100 * host / step,
             "front_pct": 100 * med["ipc front"] / step, "threads": torch.get_num_threads()}
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     head = (f"Engine step breakdown: {args.num_seqs} sequences decoding (prompts {args.prompt_len} tokens, "
-            f"temperature {args.temperature}, DELTA outputs), median of {args.steps} steps after "
+            f"temperature {args.temperature}, DELTA outputs"
+            f"{f'; + regex: every sequence constrained to {args.structured!r}' if args.structured else ''}), "
+            f"median of {args.steps} steps after "
             f"{args.warmup_steps}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
             f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
             f"{os.getloadavg()[0]:.2f}, torch threads {rows[0]['threads']}.")
@@ -140,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--structured", help="constrain every sequence to this regex (structured outputs)")
     p.add_argument("--out")
     p.add_argument("--json")
     args = p.parse_args(argv)
     model_dir = ensure_default_model()
-    rows = [run(d, args, model_dir) for d in args.dtypes.split(",")]
+    regexes = [None, args.structured] if args.structured else [None]
+    rows = [run(d, args, model_dir, regex) for d in args.dtypes.split(",") for regex in regexes]
     report = markdown(rows, args)
     print(report)
     if args.out:

@@ -90,13 +90,16 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
 // The CPU linear layer (csrc/cpu/gemm.cpp): weight [N, K] float32 / bfloat16 -> its packed
 // form; out [M, N] <- input [M, K] @ weight^T (+ bias [N]), all one dtype, rows dense.
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight);
-// The shape pack_linear_weight gives a [N, K] weight of dtype t (float32 / bfloat16).
 // One token per row of float32 logits [n, vocab] (pagedkv.model.sampler's draw without
 // filters): temperature 0 takes the row's first maximum, else the first token whose running
 // sum of exp((logit - max) / T) reaches uniforms[r] times the row's total. out: int64 [n].
 void sample_from_logits_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperatures,
                             const at::Tensor& uniforms);
+// Structured outputs: in logits row rows[i], every token whose bit in bitmask[i] is 0 gets -inf
+// (bit t % 32 of int32 word t / 32, as xgrammar fills them).
+void apply_token_bitmask_cpu(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 
+// The shape pack_linear_weight gives a [N, K] weight of dtype t (float32 / bfloat16).
 std::vector<int64_t> packed_linear_weight_shape(int64_t N, int64_t K, c10::ScalarType t);
 void packed_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                        const std::optional<at::Tensor>& bias);

@@ -54,6 +54,8 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("packed_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias=None) -> ()");
   // The next token of each row: greedy or an inverse-CDF draw at a given uniform (pagedkv.model.sampler).
   m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor temperatures, Tensor uniforms) -> ()");
+  // Structured outputs: each masked row's forbidden tokens (0 bits of its int32 words) get -inf.
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
   // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
@@ -90,6 +92,7 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("pack_linear_weight", &pagedkv::pack_linear_weight_cpu);
   m.impl("packed_linear", &pagedkv::packed_linear_cpu);
   m.impl("sample_from_logits", &pagedkv::sample_from_logits_cpu);
+  m.impl("apply_token_bitmask", &pagedkv::apply_token_bitmask_cpu);
 }
 
 // paged_attention only allocates and calls v1/v2 through the dispatcher, so one

@@ -289,3 +289,11 @@ def test_opcheck_sample_from_logits():
     uniforms = torch.rand(5, generator=gen)
     torch.library.opcheck(torch.ops.pagedkv.sample_from_logits.default,
                           (torch.empty(5, dtype=torch.int64), logits, temps, uniforms))
+
+
+def test_opcheck_apply_token_bitmask():
+    gen = torch.Generator().manual_seed(14)
+    logits = torch.randn(4, 100, generator=gen)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 4), dtype=torch.int32, generator=gen)
+    torch.library.opcheck(torch.ops.pagedkv.apply_token_bitmask.default,
+                          (logits, bitmask, torch.tensor([3, 1])))

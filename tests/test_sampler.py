@@ -689,3 +689,54 @@ def test_sampler_draws_with_the_fused_op_after_the_filters(monkeypatch):
     assert len(calls) == 1 and calls[0] == pytest.approx([0.7] * 4) and not filtered
     Sampler(torch.Generator().manual_seed(0))(logits, _batch(4, temperature=0.7, top_p=0.9))
     assert len(calls) == 2 and calls[1] == [1.0] * 4 and filtered == [1]
+
+
+# --- ops.apply_token_bitmask: structured outputs' token masks on the CPU ---------------------------------------
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1003, 49152])
+def test_apply_token_bitmask_matches_the_reference(vocab):
+    """Random words, and the special ones (all allowed, all forbidden, only bit 31), on a subset of the rows in
+    any order; the last word's padding bits never reach past the vocabulary."""
+    from pagedkv import ops, reference
+
+    gen = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (5, words), dtype=torch.int32, generator=gen)
+    bitmask[0], bitmask[1] = -1, 0
+    bitmask[2, 0] = -2 ** 31  # only token 31 allowed in the first word
+    logits = torch.randn(7, vocab, generator=gen)
+    rows = torch.tensor([6, 0, 3, 2, 5])
+    got = ops.apply_token_bitmask(logits.clone(), bitmask, rows)
+    want = reference.apply_token_bitmask(logits.clone(), bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 4]], logits[[1, 4]])  # rows without a mask untouched
+    assert torch.equal(got[6], logits[6]) and bool(torch.isneginf(got[0]).all())
+    # A strided batch of logits (rows of a wider buffer) is masked where it lies.
+    wide = torch.randn(7, vocab + 5, generator=gen)
+    view = wide[:, :vocab]
+    expect = reference.apply_token_bitmask(view.clone(), bitmask, rows)
+    ops.apply_token_bitmask(view, bitmask, rows)
+    assert torch.equal(view, expect)
+
+
+@pytest.mark.parametrize("case,match", [
+    (lambda x, b, r: (x.bfloat16(), b, r), "logits must be float32"),
+    (lambda x, b, r: (x[0], b, r), "logits must be 2-D"),
+    (lambda x, b, r: (x.t().contiguous().t(), b, r), "logits rows must be dense"),
+    (lambda x, b, r: (x, b[:, :1], r), r"bitmask must be 2-D \[num_masks, ceil\(vocab / 32\) = 2\]"),
+    (lambda x, b, r: (x, b.long(), r), "bitmask must be int32"),
+    (lambda x, b, r: (x, b.t().contiguous().t(), r), "bitmask must be a contiguous CPU tensor"),
+    (lambda x, b, r: (x, b, r[:1]), r"rows must be 1-D \[2\]"),
+    (lambda x, b, r: (x, b, r.int()), "rows must be Long"),
+    (lambda x, b, r: (x, b, torch.tensor([0, 3])), r"rows\[1\] = 3 is outside the 3 logits rows"),
+    (lambda x, b, r: (x, b, torch.tensor([-1, 0])), r"rows\[0\] = -1 is outside"),
+], ids=["dtype", "dim", "strided", "words", "mask-dtype", "mask-strided", "rows-shape", "rows-dtype", "rows-high",
+        "rows-negative"])
+def test_apply_token_bitmask_rejects_bad_input(case, match):
+    from pagedkv import ops
+
+    logits, bitmask, rows = case(torch.randn(3, 40), torch.zeros(2, 2, dtype=torch.int32), torch.tensor([0, 2]))
+    before = logits.clone()
+    with pytest.raises(RuntimeError, match=match):
+        ops.apply_token_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, before)  # refused before anything was written

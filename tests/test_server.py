@@ -281,6 +281,42 @@ def test_prompt_logprobs_field_as_vllm_returns_it(client, llm, loaded_model):
     assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in c.prompt_logprobs[1:])
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+
+
+def test_structured_outputs_follow_their_constraint(client, llm):
+    """OpenAI's response_format (json_schema, json_object; streamed too) and vLLM's structured_outputs (choice,
+    regex): the text follows the constraint and equals LLM.chat / LLM.generate's with the same one."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "person", "schema": PERSON}})
+    text = c.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    ref = llm.chat(messages, greedy(60, structured_outputs={"json": PERSON}), use_tqdm=False)[0].outputs[0]
+    assert (text, c.choices[0].finish_reason) == (ref.text, "stop")
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "person", "schema": PERSON}},
+                                            stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    r = client.completions.create(model=MODEL, prompt="Say something: ", max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    ref = llm.generate("Say something: ", greedy(60, structured_outputs={"json_object": True}), use_tqdm=False)
+    assert r.choices[0].text == ref[0].outputs[0].text and isinstance(json.loads(r.choices[0].text), dict)
+
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
+                                  n=2, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert all(ch.text in ("yes", "no") for ch in r.choices)
+    r = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=12, temperature=0.9, seed=1,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
+
+
 def test_concurrent_streams_get_their_own_tokens(server, llm):
     """32 streams at once (one batch in the engine); each must get exactly its own prompt's tokens."""
     prompts = [f"{a}, {a + 1}, {a + 2}," for a in range(1, 32 * 7, 7)]
@@ -365,6 +401,16 @@ def _post(server, body, path: str = "/v1/completions", headers: dict | None = No
     ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 10 ** 6}, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1, "use_beam_search": True, "n": 2}, "echo"),
     ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "use_beam_search": True, "n": 2}, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"json": {"type": "no-such-type"}}},
+     "structured_outputs"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"choice": "a"}}, "structured_outputs"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"json_object": True}, "min_tokens": 2}, "min_tokens"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}, "use_beam_search": True,
+      "n": 2}, "response_format"),
 ])
 def test_bad_completion_requests_get_400(server, body, param):
     r = _post(server, body)

@@ -173,6 +173,17 @@ HOSTILE = [
     ("max_tokens 0 without echo", "/v1/completions", completion(max_tokens=0), None, 400, "max_tokens"),
     ("echo with logprobs past max_logprobs", "/v1/completions", completion(echo=True, logprobs=10 ** 6), None, 400,
      "logprobs"),
+    ("structured_outputs regex past 64k characters", "/v1/completions",
+     completion(structured_outputs={"regex": "a" * 70000}), None, 400, "structured_outputs"),
+    ("structured_outputs with 1025 choices", "/v1/completions",
+     completion(structured_outputs={"choice": [str(i) for i in range(1025)]}), None, 400, "structured_outputs"),
+    ("structured_outputs schema xgrammar refuses", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "array", "minItems": 10 ** 9}}}),
+     None, 400, "structured_outputs"),
+    ("structured_outputs of a wrong type", "/v1/completions", completion(structured_outputs={"json": 5}), None, 400,
+     "structured_outputs"),
+    ("response_format not a known type", "/v1/chat/completions", chat(response_format={"type": ["json"]}), None, 400,
+     "response_format"),
 ]
 
 

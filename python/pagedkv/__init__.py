@@ -23,7 +23,8 @@ from pagedkv.engine import LLMEngine  # noqa: E402
 from pagedkv.llm import LLM  # noqa: E402
 from pagedkv.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedkv.sampling_params import SamplingParams  # noqa: E402
+from pagedkv.structured_outputs import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ops",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ops",
            "reference", "built_with_cuda", "__version__"]

@@ -457,6 +457,19 @@ def sample_from_logits(logits: torch.Tensor, temperatures: torch.Tensor, uniform
     return out
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """In place (CPU): in logits row rows[i] every token whose bit in bitmask[i] is 0 gets -inf; returns logits.
+
+    float32 logits [n, vocab] (dense rows); int32 bitmask [m, ceil(vocab / 32)], token t's bit being bit
+    t % 32 of word t / 32 (as xgrammar's matchers fill it; the last word's bits past the vocabulary are
+    ignored); int64 rows [m] in [0, n). Structured outputs' token masks (pagedkv.structured_outputs): a
+    word with every bit set is skipped, a word of zeros filled at once, any other visits only its zero
+    bits; rows split over the threads. `reference.apply_token_bitmask` is the same in PyTorch.
+    """
+    _ops.apply_token_bitmask(logits, bitmask, rows)
+    return logits
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A CPU linear weight [out_features, in_features] (float32 or bfloat16) packed for `packed_linear`.
 
@@ -604,6 +617,11 @@ def _fused_moe_fake(hidden, w13, w2, topk_weights, topk_ids, w13_packed=None, w2
 def _sample_from_logits_fake(out, logits, temperatures, uniforms):
     _check_meta_consistent("sample_from_logits", {"out": out, "logits": logits, "temperatures": temperatures,
                                                   "uniforms": uniforms})
+
+
+@torch.library.register_fake("pagedkv::apply_token_bitmask")
+def _apply_token_bitmask_fake(logits, bitmask, rows):
+    _check_meta_consistent("apply_token_bitmask", {"logits": logits, "bitmask": bitmask, "rows": rows})
 
 
 @torch.library.register_fake("pagedkv::pack_linear_weight")

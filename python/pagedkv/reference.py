@@ -458,3 +458,14 @@ def sample_from_logits(logits: torch.Tensor, temperatures: torch.Tensor, uniform
     x = (uniforms.unsqueeze(1) * cdf[:, -1:]).clamp(min=torch.finfo(torch.float32).tiny)
     drawn = torch.searchsorted(cdf, x).squeeze(1).clamp(max=logits.shape[1] - 1)
     return torch.where(greedy, logits.max(-1).indices, drawn)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`ops.apply_token_bitmask`, in place on any device: in logits row rows[i] every token t whose bit t % 32 of
+    int32 word bitmask[i, t // 32] is 0 gets -inf; returns logits."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab].to(logits.device)
+    index = rows.to(logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    return logits

@@ -14,6 +14,11 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from pagedkv.errors import SamplingParamsError
+from pagedkv.structured_outputs import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
+
 logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -28,14 +33,6 @@ MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias, added to its row eve
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 PENALTY_LIMIT = 2.0  # presence / frequency penalties in [-2, 2], OpenAI's and vLLM's range
 MAX_CACHE_SALT_CHARS = 1024  # a request's cache_salt (checked by the engine and the server's protocol)
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter out of range; `param` names the field (the server's 400 reports it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _is_int(x: object) -> bool:
@@ -145,6 +142,8 @@ class SamplingParams:
     `prompt_logprobs` tokens there (vLLM's; the raw distribution, as for
     `logprobs`). Such a prompt is computed whole: it reads nothing from the
     prefix cache (its blocks are still offered to it), as in vLLM.
+    structured_outputs: a JSON schema, regex, choice or grammar the output
+    must follow (pagedkv.structured_outputs; a dict of its fields is taken).
     """
 
     n: int = 1
@@ -167,6 +166,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
     # Set lookups for the per-token stop check (stop_token_ids stays the list the user gave).
     all_stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
@@ -198,6 +198,10 @@ class SamplingParams:
         self.stop_strings = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        if self.structured_outputs is not None and self.min_tokens:
+            # A complete grammar allows only the end of the sequence, which min_tokens would ban: nothing is left.
+            raise SamplingParamsError("min_tokens", "min_tokens cannot be combined with structured_outputs")
 
     def _check_floats(self) -> None:
         self.temperature = _finite("temperature", self.temperature)

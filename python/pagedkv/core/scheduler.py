@@ -511,6 +511,9 @@ class Scheduler:
 
     @staticmethod
     def _append_token(seq: Sequence, token: int, logprobs, now: float) -> None:
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # The sampler masked every token the grammar forbids: this is a bug, failing this request alone.
+            raise RuntimeError(f"token {token} does not follow the request's structured_outputs grammar")
         seq.token_ids.append(token)
         if logprobs is not None:
             if seq.logprobs is None:
@@ -521,8 +524,8 @@ class Scheduler:
             seq.request.metrics.first_token_time = now
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
-        """Stops by id (EOS unless ignore_eos, a stop token id; neither before min_tokens), then by length
-        (max_tokens, max_model_len). Returns whether the sequence finished."""
+        """Stops by id (EOS unless ignore_eos, a stop token id; neither before min_tokens), by a complete grammar
+        (structured outputs), then by length (max_tokens, max_model_len). Returns whether the sequence finished."""
         p = seq.request.params
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -531,6 +534,9 @@ class Scheduler:
             if token in p.all_stop_token_ids:
                 self.finish(seq, "stop", token)
                 return True
+        if seq.grammar is not None and seq.grammar.is_terminated():  # it took an EOS that ignore_eos let pass
+            self.finish(seq, "stop", token)
+            return True
         if seq.num_output_tokens >= (p.max_tokens or 1 << 62) or len(seq.token_ids) >= self.config.max_model_len:
             self.finish(seq, "length")
             return True

@@ -58,6 +58,8 @@ class Sequence:
     read_offset: int = 0
     num_emitted_tokens: int = 0  # DELTA outputs: tokens already reported
     num_emitted_chars: int = 0
+    # structured_outputs: this sample's grammar matcher (pagedkv.structured_outputs), fed every token it takes.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """What the front end and the engine-core process say to each other, as msgspec structs over ZeroMQ.
 
-    front end --(PUSH: TokenizerEos | AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown)--> core
+    front end --(PUSH: TokenizerEos | GrammarVocab | AddRequest | AbortRequests | FinishSamples | Inspect |
+                 Shutdown)--> core
     front end <--(PULL: StepOutputs | Inspection | CoreDied)---------------------------------- core
 
 Everything is msgpack (`msgspec.msgpack`), decoded into typed structs on the
@@ -58,6 +59,14 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     arrival_time: float
     cache_salt: str | None = None
     beam: tuple | None = None  # beam_params_to_wire(BeamSearchParams): a beam search (params is then unused)
+    grammar: str | None = None  # params.structured_outputs compiled by the front end (serialized; GrammarVocab first)
+
+
+class GrammarVocab(msgspec.Struct, tag="grammar_vocab", array_like=True):
+    """The tokenizer's vocabulary as structured outputs' grammars see it (pagedkv.structured_outputs), sent once,
+    before the first request with a compiled grammar: the core, which has no tokenizer, loads grammars with it."""
+
+    vocab: str
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -134,7 +143,7 @@ class CoreDied(msgspec.Struct, tag="died", array_like=True):
     reason: str
 
 
-ToCore = TokenizerEos | AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown
+ToCore = TokenizerEos | GrammarVocab | AddRequest | AbortRequests | FinishSamples | Inspect | Shutdown
 FromCore = StepOutputs | Inspection | CoreDied
 
 _METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(RequestMetrics))

@@ -38,6 +38,7 @@ from pagedkv.engine.core_messages import (
     AddRequest,
     CoreDied,
     FinishSamples,
+    GrammarVocab,
     Inspect,
     Inspection,
     RequestDelta,
@@ -59,6 +60,7 @@ from pagedkv.engine.cpu_binding import apply_core_binding
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine
 from pagedkv.errors import EngineDeadError
 from pagedkv.outputs import RequestMetrics, RequestOutput
+from pagedkv.structured_outputs import load_grammar, load_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class EngineCore:
         self.encoder = encoder()
         self._refused: list[RequestDelta] = []
         self._inspections: list[str] = []  # what each Inspect asked for, in order
+        self._grammar_vocab: Any = None  # structured outputs' vocabulary, from GrammarVocab
 
     def apply(self, message: Any) -> bool:
         """Applies one front-end message; False for Shutdown."""
@@ -114,6 +117,8 @@ class EngineCore:
             self.engine.eos_token_ids.update(message.token_ids)  # the scheduler and the runner hold this set
             if message.token_ids:
                 self.engine.beam_eos_token_id = min(message.token_ids)
+        elif isinstance(message, GrammarVocab):
+            self._grammar_vocab = load_vocab(message.vocab)
         elif isinstance(message, AbortRequests):
             self.engine.abort_request(message.request_ids)
         elif isinstance(message, FinishSamples):
@@ -134,12 +139,22 @@ class EngineCore:
         return [Inspection(self.engine.kv_snapshot() if what == "kv_snapshot" else self.engine.inspect())
                 for what in asked]
 
+    def _load_grammar(self, grammar: str | None) -> Any:
+        if grammar is None:
+            return None
+        if self._grammar_vocab is None:
+            raise ValueError("a compiled grammar came before the grammar vocabulary (GrammarVocab)")
+        try:
+            return load_grammar(grammar, self._grammar_vocab)
+        except Exception as e:  # xgrammar's own deserialization errors: this request fails alone
+            raise ValueError(f"the compiled grammar could not be loaded: {e}") from e
+
     def _add(self, m: AddRequest) -> None:
         try:
             params = params_from_wire(m.params) if m.beam is None else beam_params_from_wire(m.beam)
             self.engine.add_request(m.request_id, unpack_ids(m.prompt_token_ids), params,
                                     arrival_time=m.arrival_time, cache_salt=m.cache_salt,
-                                    output_kind=OutputKind.DELTA)
+                                    output_kind=OutputKind.DELTA, grammar=self._load_grammar(m.grammar))
         except ValueError as e:  # the front end checks first: this is a second opinion, answered as a failure
             metrics = metrics_to_wire(RequestMetrics(m.arrival_time))
             self._refused.append(RequestDelta(m.request_id, [], True, metrics, f"refused by the engine core: {e}"))

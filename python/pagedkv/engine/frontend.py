@@ -31,6 +31,7 @@ from pagedkv.engine.core_messages import (
     AbortRequests,
     AddRequest,
     FinishSamples,
+    GrammarVocab,
     Inspect,
     Inspection,
     StepOutputs,
@@ -45,7 +46,8 @@ from pagedkv.engine.output_processor import OutputProcessor, RequestState
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.model.loader import load_tokenizer, resolve_model
 from pagedkv.outputs import RequestMetrics, RequestOutput
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, SamplingParamsError
+from pagedkv.structured_outputs import GrammarCompiler, StructuredOutputsParams, dump_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class FrontendEngine:
         self._request_ids = itertools.count()
         self._stats = EngineStats(0, 0, 0, facts.num_gpu_blocks, 0, 0.0, 0, 0, 0, 0, 0)
         self._inspections: deque[Future] = deque()  # asked, not answered yet (the core answers in order)
+        self._grammars: GrammarCompiler | None = None  # structured outputs: built at the first request needing it
 
     @staticmethod
     def _plan_binding(args: EngineArgs) -> CpuBinding:
@@ -121,12 +124,25 @@ class FrontendEngine:
         beam = None
         if isinstance(params, BeamSearchParams):
             beam, params = beam_params_to_wire(params), params.to_sampling_params()
+        grammar = self._compile(params.structured_outputs) if params.structured_outputs is not None else None
         arrival = arrival_time or time.time()
         state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
         self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt,
-                                    beam))
+                                    beam, grammar))
         self.processor.add(state)
         return state
+
+    def _compile(self, constraint: StructuredOutputsParams) -> str:
+        """structured_outputs compiled here, where the tokenizer is (serialized for the core); the core gets the
+        grammar vocabulary once, before the first grammar."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise SamplingParamsError("structured_outputs", "structured outputs need a tokenizer "
+                                                                "(skip_tokenizer_init=True)")
+            compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            self.client.send(GrammarVocab(compiler.vocab_json()))
+            self._grammars = compiler
+        return dump_grammar(self._grammars.compile(constraint))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

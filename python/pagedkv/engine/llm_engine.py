@@ -47,7 +47,8 @@ from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import LoadedModel, generation_defaults, read_hf_config, resolve_model
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, SamplingParamsError
+from pagedkv.structured_outputs import GrammarCompiler, new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class LLMEngine:
             self.block_manager.enable_kv_events()
             self.kv_events = KVEventEmitter(events, self.cache_config.block_size)
         self.kv_advisor = KVAdvisor(self.cache_config, self.scheduler_config)
+        self._grammar_compiler: GrammarCompiler | None = None  # structured outputs: built when first needed
         self.kv_trace = None  # a KVTraceRecorder (pagedkv.engine.kv_trace): snapshots after steps, e.g. --kv-trace
 
     @staticmethod
@@ -194,17 +196,20 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
-                    beam_eos_token_id: int | None = None) -> Request:
+                    beam_eos_token_id: int | None = None, grammar: Any = None) -> Request:
         """Queues a prompt. Raises ValueError (and queues nothing) for a request that can never run.
 
         params: a BeamSearchParams runs a beam search (pagedkv.core.beam_search), whose one output comes when
         it finishes: its best hypotheses, best first. beam_eos_token_id: the EOS its candidates finish on
-        (default: the tokenizer's).
+        (default: the tokenizer's). grammar: params.structured_outputs already compiled (an engine core gets it
+        from its front end); else it is compiled here.
         """
         params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, token_ids = self.tokenize(prompt)
         self._validate(request_id, token_ids, params, cache_salt)
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
+            grammar = self._grammars().compile(params.structured_outputs)
         beam = None
         if isinstance(params, BeamSearchParams):
             eos = self.beam_eos_token_id if beam_eos_token_id is None else beam_eos_token_id
@@ -220,12 +225,23 @@ class LLMEngine:
             if params.seed is not None:  # seed + i may pass INT64_MAX: the generator takes any uint64
                 gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % (1 << 64))
             seq = Sequence(self.scheduler.next_seq_id(), req, i, list(token_ids), gen)
+            if grammar is not None:  # each sample follows the grammar on its own
+                seq.grammar = new_matcher(grammar, sorted(self.eos_token_ids))
             if i:
                 seq.status = SequenceStatus.FORK_PENDING
             req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return req
+
+    def _grammars(self) -> GrammarCompiler:
+        """The structured-outputs compiler, built at the first request that needs it (~0.2 s)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise SamplingParamsError("structured_outputs", "structured outputs need a tokenizer "
+                                                                "(skip_tokenizer_init=True)")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stops requests now (finish reason "abort") and frees their blocks; unknown ids are ignored."""

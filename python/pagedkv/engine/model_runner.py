@@ -322,7 +322,7 @@ class ModelRunner:
         params = [s.request.params for s in rows]
         all_greedy = all(p.temperature == 0.0 for p in params)
         simple = all_greedy and all(not p.shapes_logits and p.logprobs is None and p.min_tokens == 0
-                                    for p in params)
+                                    and s.grammar is None for p, s in zip(params, rows, strict=True))
         n = len(rows)
         if simple:  # the common greedy case: no per-row tensors to build
             empty = torch.empty(0)
@@ -344,6 +344,7 @@ class ModelRunner:
             output_penalties=[(p.presence_penalty, p.frequency_penalty, s.output_token_ids)
                               if p.presence_penalty or p.frequency_penalty else None
                               for p, s in zip(params, rows, strict=True)],
+            grammars=[s.grammar for s in rows],
         )
 
     def _allowed(self, p, seq: Sequence) -> torch.Tensor | None:

@@ -14,7 +14,8 @@ does the draw in two passes over the (filtered) logits.
 Log-probabilities are of the model's raw distribution (before penalties,
 temperature and filters), as in vLLM.
 
-Before the pick, in vLLM's order: the allow-list (allowed_token_ids), the
+Before the pick, in vLLM's order: the structured-outputs grammar's token
+mask (pagedkv.structured_outputs), the allow-list (allowed_token_ids), the
 logit biases, the repetition penalty, the presence / frequency penalties
 over the output's token counts (one scatter for all penalized rows), and the
 min_tokens ban. Each is skipped unless some row of the step asks for it.
@@ -23,11 +24,13 @@ min_tokens ban. Each is skipped unless some row of the step asks for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedkv import ops
 from pagedkv.outputs import Logprob, SamplerOutput
+from pagedkv.structured_outputs import apply_token_masks
 
 
 @dataclass(slots=True)
@@ -41,7 +44,8 @@ class SamplingBatch:
     banned[i]: token ids row i may not sample now (EOS and stop tokens before min_tokens), or None;
     allowed[i]: int64 token ids row i may sample (the others are masked), or None;
     biases[i]: (int64 ids, float32 values) added to row i's logits, or None;
-    output_penalties[i]: (presence, frequency, the row's output token ids) or None.
+    output_penalties[i]: (presence, frequency, the row's output token ids) or None;
+    grammars[i]: row i's structured-outputs grammar matcher (only the tokens it allows may be sampled), or None.
     """
 
     all_greedy: bool
@@ -56,6 +60,7 @@ class SamplingBatch:
     allowed: list[torch.Tensor | None] | None = None
     biases: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
     output_penalties: list[tuple[float, float, list[int]] | None] | None = None
+    grammars: list[Any | None] | None = None
 
     @property
     def needs_filters(self) -> tuple[bool, bool, bool]:
@@ -249,11 +254,12 @@ class Sampler:
 
     @staticmethod
     def _shape(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The allow-lists, logit biases, repetition and presence / frequency penalties and min_tokens bans of the
-        rows that ask, in that order, on one copy of the logits (the caller's are left as they are); the logits
-        themselves when no row asks."""
+        """The grammar masks, allow-lists, logit biases, repetition and presence / frequency penalties and
+        min_tokens bans of the rows that ask, in that order, on one copy of the logits (the caller's are left as
+        they are); the logits themselves when no row asks."""
         steps = [(apply, rows) for apply, rows in (
-            (apply_allowed_tokens, batch.allowed), (apply_logit_biases, batch.biases),
+            (apply_token_masks, batch.grammars), (apply_allowed_tokens, batch.allowed),
+            (apply_logit_biases, batch.biases),
             (apply_repetition_penalty, batch.penalties), (apply_output_penalties, batch.output_penalties),
             (apply_bans, batch.banned)) if _any_row(rows)]
         if not steps:

@@ -3,7 +3,7 @@
 The field names, defaults and shapes are OpenAI's, plus vLLM's extra sampling
 fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `skip_special_tokens`,
-`include_stop_str_in_output`, `cache_salt`, `prompt_logprobs`, and beam search's
+`include_stop_str_in_output`, `cache_salt`, `prompt_logprobs`, `structured_outputs`, and beam search's
 `use_beam_search` and `length_penalty`), so that the official `openai`
 client and vLLM's benchmark client work unchanged. Range checks live on the
 fields, so a bad value comes back as a 400 naming its field: floats must be
@@ -78,6 +78,10 @@ class _SamplingFields(OpenAIBaseModel):
     cache_salt: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's: each prompt token's logprob and the top ones there (not with stream; at most --max-logprobs).
     prompt_logprobs: int | None = Field(None, ge=0)
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}, and
+    # vLLM's structured_outputs {json | regex | choice | grammar | json_object, disable_any_whitespace}.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # vLLM's beam search fields: n is the beam width (and the number of choices returned, best first).
     use_beam_search: bool = False
     length_penalty: float = 1.0  # a beam's score: cumulative logprob / (its length in tokens) ** length_penalty
@@ -118,7 +122,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked by the server)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

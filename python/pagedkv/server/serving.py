@@ -46,6 +46,7 @@ from pagedkv.server.protocol import (
     UsageInfo,
     _SamplingFields,
 )
+from pagedkv.structured_outputs import CONSTRAINT_KINDS, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class OpenAIServing:
         def pick(value: Any, name: str, fallback: Any) -> Any:
             return d.get(name, fallback) if value is None else value
 
+        constraint = self.structured_outputs(req)
         try:
             params = SamplingParams(
                 n=req.n, temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
@@ -238,11 +240,38 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=prompt_logprobs)
+                include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
+                structured_outputs=constraint)
             self.validate_params(params)
         except SamplingParamsError as e:
             raise APIError(str(e), param=logprobs_param if e.param == "logprobs" else e.param) from e
         return params
+
+    @staticmethod
+    def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+        """The request's constraint: vLLM's structured_outputs, with OpenAI's response_format (json_object, or a
+        json_schema's schema) in place of its kind when given, as vLLM does."""
+        fields = dict(req.structured_outputs or {})
+        rf = req.response_format
+        kind = rf.get("type", "text") if rf is not None else "text"
+        if kind == "json_object":
+            fields = {k: v for k, v in fields.items() if k not in CONSTRAINT_KINDS} | {"json_object": True}
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError("response_format of type json_schema needs json_schema.schema, a JSON schema object.",
+                               param="response_format")
+            fields = {k: v for k, v in fields.items() if k not in CONSTRAINT_KINDS} | {"json": schema}
+        elif kind != "text":
+            raise APIError(f"response_format type {str(kind)[:40]!r} is not supported (text, json_object, "
+                           f"json_schema).", param="response_format")
+        if not fields:
+            return None
+        try:
+            return StructuredOutputsParams.coerce(fields)
+        except (SamplingParamsError, TypeError) as e:
+            raise APIError(str(e), param="structured_outputs" if kind == "text" else "response_format") from e
 
     def check_beam_search(self, req: _SamplingFields, logprobs: int | None, logprobs_param: str = "logprobs") -> None:
         """Refuses what a beam search cannot honour (as vLLM does for streaming); n is the beam width. The
@@ -264,6 +293,8 @@ class OpenAIServing:
             ("seed", req.seed is not None),
             ("min_tokens", req.min_tokens > 0),
             ("prompt_logprobs", req.prompt_logprobs is not None),
+            ("structured_outputs", req.structured_outputs is not None),
+            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
         )
         for name, is_set in unsupported:
             if is_set:

@@ -79,8 +79,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_common(req)
         if req.tools:
             raise APIError("tools are not supported.", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError("only response_format {'type': 'text'} is supported.", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true.", param="top_logprobs")
         beam = req.use_beam_search
