@@ -185,3 +185,32 @@ def test_qwen_vl_text_model_from_a_published_style_config():
         "model_type": "qwen3_vl_text", **_SHAPE, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
                                                                       "mrope_section": [24, 20, 20]}}})
     assert nested.rope_scaling is None and nested.head_dim == 64 and not nested.attention_bias
+
+
+def test_gptj_names_partial_rotary_and_biases():
+    """GPT-J: GPT-2's key names, rotary_dim as a share of the head, interleaved order, MLP biases only."""
+    cfg = ModelConfig.from_hf({"model_type": "gptj", "vocab_size": 1000, "n_embd": 256, "n_head": 4, "n_layer": 3,
+                               "n_positions": 2048, "n_inner": None, "rotary_dim": 16,
+                               "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5})
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (256, 4, 4, 64)
+    assert (cfg.num_hidden_layers, cfg.intermediate_size, cfg.max_position_embeddings) == (3, 1024, 2048)
+    assert cfg.rotary_dim == 16 and cfg.rotary_interleaved and cfg.parallel_residual
+    assert not cfg.attention_bias and not cfg.o_proj_bias and cfg.mlp_bias and not cfg.tie_word_embeddings
+    assert (cfg.hidden_act, cfg.rms_norm_eps) == ("gelu_new", 1e-5)
+
+
+def test_opt_names_learned_positions_and_refusals():
+    """OPT: ffn_dim, ReLU, LayerNorm eps 1e-5, biases per enable_bias, no grouped KV heads, learned positions (no
+    rotary anywhere), tied head; opt-350m's post-norm layout and projected embeddings refused by name."""
+    base = {"model_type": "opt", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "ffn_dim": 640, "max_position_embeddings": 2048, "word_embed_proj_dim": 256,
+            "activation_function": "relu", "do_layer_norm_before": True, "num_key_value_heads": 2}
+    cfg = ModelConfig.from_hf(base)
+    assert (cfg.intermediate_size, cfg.hidden_act, cfg.rms_norm_eps, cfg.num_key_value_heads) == (640, "relu", 1e-5, 4)
+    assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias and cfg.tie_word_embeddings
+    assert cfg.no_rope_layers == (0, 1, 2)
+    assert not ModelConfig.from_hf(base | {"enable_bias": False}).mlp_bias
+    for key, value in (("do_layer_norm_before", False), ("word_embed_proj_dim", 512),
+                       ("_remove_final_layer_norm", True)):
+        with pytest.raises(ValueError, match=f"OPT with {key}="):
+            ModelConfig.from_hf(base | {key: value})

@@ -45,7 +45,10 @@ away from their neutral values, so that a missing feature shows in the logits:
   ungated MLP; exaone4: OLMo 2's post-norms with per-head q/k norms, three sliding
   layers and a NoPE full layer;
 * qwen2_5_vl, qwen3_vl: the text model of a vision-language checkpoint (M-RoPE on
-  text positions is the plain rotation), vision tower skipped.
+  text positions is the plain rotation), vision tower skipped;
+* gptj: Phi's parallel layer with interleaved partial rotary, no attention
+  biases, an LM head with bias; opt: learned positions offset by 2, ReLU MLP,
+  biases everywhere, a final LayerNorm.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -231,6 +234,15 @@ def _config_2(family: str):
     if family in ("glm", "glm4"):
         cls, config = (T.GlmForCausalLM, T.GlmConfig) if family == "glm" else (T.Glm4ForCausalLM, T.Glm4Config)
         return cls, config(**_COMMON, pad_token_id=0, eos_token_id=2)
+    if family == "gptj":  # half of each 64-wide head rotates, interleaved
+        return T.GPTJForCausalLM, T.GPTJConfig(vocab_size=VOCAB, n_embd=256, n_head=4, n_layer=2, n_positions=512,
+                                               n_inner=320, rotary_dim=32, initializer_range=0.1, bos_token_id=1,
+                                               eos_token_id=2)
+    if family == "opt":
+        return T.OPTForCausalLM, T.OPTConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, ffn_dim=320,
+                                             num_attention_heads=4, max_position_embeddings=512,
+                                             word_embed_proj_dim=256, init_std=0.1, pad_token_id=0, bos_token_id=1,
+                                             eos_token_id=2)
     raise AssertionError(family)
 
 
@@ -238,7 +250,7 @@ FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite"
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
             "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee",
-            "exaone4", "qwen2_5_vl", "qwen3_vl")
+            "exaone4", "qwen2_5_vl", "qwen3_vl", "gptj", "opt")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
@@ -497,12 +509,13 @@ def test_hf_overrides_turn_yarn_on_without_editing_the_checkpoint(tmp_path):
             EngineArgs(hf_overrides=bad)
 
 
-@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm", "phi"))
+@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm", "phi", "opt", "gptj"))
 def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
     """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2), sharded
     experts (Mixtral), a sharded shared expert beside them (Qwen2-MoE), q/k heads permuted for GLM's
-    interleaved rotary, split by head, and Phi's parallel residual with an LM-head bias split by vocabulary
-    rows, at tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
+    interleaved rotary, split by head, Phi's parallel residual with an LM-head bias split by vocabulary
+    rows (and GPT-J's, with partial interleaved rotary), OPT's learned positions split by rows, at
+    tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.model.default_model import ensure_default_model
 

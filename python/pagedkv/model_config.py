@@ -40,7 +40,7 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # lm_head.weight. Every other family defaults to an LM head of its own.
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                     "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                    "Ernie4_5ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
+                    "Ernie4_5ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM")
 # Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
 # `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
@@ -48,7 +48,9 @@ _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "
 # Families whose projections have biases unless config.json says otherwise (Phi's always do; GPT-NeoX's
 # attention_bias and StarCoder2's use_bias default to true).
 _BIASED_BY_DEFAULT = ("GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel",
-                      "GPTBigCodeForCausalLM")
+                      "GPTBigCodeForCausalLM", "OPTForCausalLM")
+# Families whose MLP has biases and whose attention has none (GPT-J).
+_MLP_BIASED_BY_DEFAULT = _BIASED_BY_DEFAULT + ("GPTJForCausalLM",)
 # The config key of the norms' eps where it is not rms_norm_eps (the one the family's transformers code reads).
 _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_norm_eps",
              "GPTNeoXForCausalLM": "layer_norm_eps", "StableLmForCausalLM": "layer_norm_eps",
@@ -56,15 +58,16 @@ _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_n
 # Families whose transformers code sizes heads as hidden_size / num_attention_heads whatever config.json says
 # (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
 _HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
-                         "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                         "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "GPTJForCausalLM",
+                         "OPTForCausalLM")
 # Families whose attention and MLP read the same input unless use_parallel_residual is false (GPT-NeoX).
 _PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM",)
 # Families whose attention and MLP always read the same input (no config key says so).
-_ALWAYS_PARALLEL = ("PhiForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+_ALWAYS_PARALLEL = ("PhiForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GPTJForCausalLM")
 # Families that rotate in GPT-J's interleaved order (dims 2i and 2i + 1 form pair i), which the loader turns
 # into the kernels' halves order (`rotary.interleaved_to_halves`).
 _INTERLEAVED_ROTARY = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                       "Ernie4_5ForCausalLM", "HeliumForCausalLM")
+                       "Ernie4_5ForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
 # Families whose config.json honours `sliding_window` only with `use_sliding_window` set.
 _WINDOW_SWITCHED = ("qwen", "smollm3")
 
@@ -235,7 +238,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From the dict of an HF `config.json` (or `PretrainedConfig.to_dict()`)."""
-        hf = _with_gpt2_names(hf)
+        hf = _with_opt_names(_with_gpt2_names(hf))
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
         arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type)
@@ -275,7 +278,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
             attention_bias=bool(_first(hf, ("attention_bias", "qkv_bias", "use_qkv_bias", "use_bias"),
                                        arch in _QKV_BIAS_ONLY + _BIASED_BY_DEFAULT)),
-            mlp_bias=bool(_first(hf, ("mlp_bias", "use_bias"), arch in _BIASED_BY_DEFAULT)),
+            mlp_bias=bool(_first(hf, ("mlp_bias", "use_bias"), arch in _MLP_BIASED_BY_DEFAULT)),
             sliding_window=_window(hf, model_type),
             layer_types=kinds,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
@@ -393,9 +396,10 @@ _GPT2_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hi
 
 
 def _with_gpt2_names(hf: dict[str, Any]) -> dict[str, Any]:
-    """A GPT-2-style config with the common names filled in: sizes, 4 x hidden for a null n_inner, one KV head
-    under multi_query, softmax scale 1 without scale_attn_weights; settings pagedkv does not run refused."""
-    if hf.get("model_type") not in ("gpt2", "gpt_bigcode"):
+    """A GPT-2-style config (GPT-2, GPTBigCode, GPT-J) with the common names filled in: sizes, 4 x hidden for a
+    null n_inner, one KV head under multi_query, softmax scale 1 without scale_attn_weights, GPT-J's rotary_dim
+    as a partial rotary factor; settings pagedkv does not run refused."""
+    if hf.get("model_type") not in ("gpt2", "gpt_bigcode", "gptj"):
         return hf
     if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("add_cross_attention"):
         key = "scale_attn_by_inverse_layer_idx" if hf.get("scale_attn_by_inverse_layer_idx") else "add_cross_attention"
@@ -408,7 +412,28 @@ def _with_gpt2_names(hf: dict[str, Any]) -> dict[str, Any]:
     out["num_key_value_heads"] = 1 if out.get("multi_query") else out["num_attention_heads"]
     if out.get("scale_attn_weights") is False:
         out["attention_multiplier"] = 1.0
+    if hf.get("model_type") == "gptj" and hf.get("rotary_dim"):
+        out["partial_rotary_factor"] = hf["rotary_dim"] / (out["hidden_size"] // out["num_attention_heads"])
     return out
+
+
+def _with_opt_names(hf: dict[str, Any]) -> dict[str, Any]:
+    """An OPT config with the common names: ffn_dim, activation_function, enable_bias, LayerNorm's eps 1e-5 (no
+    key holds it), no grouped KV heads; its post-norm layout (opt-350m) and projected embeddings are refused."""
+    if hf.get("model_type") != "opt":
+        return hf
+    refused = [key for key, ok in (("do_layer_norm_before", hf.get("do_layer_norm_before", True)),
+                                   ("word_embed_proj_dim", hf.get("word_embed_proj_dim") in (None, hf["hidden_size"])),
+                                   ("layer_norm_elementwise_affine", hf.get("layer_norm_elementwise_affine", True)),
+                                   ("_remove_final_layer_norm", not hf.get("_remove_final_layer_norm")))
+               if not ok]
+    if refused:
+        raise ValueError(f"OPT with {refused[0]}={hf.get(refused[0])!r} (opt-350m's post-norm layout or projected "
+                         f"embeddings) is not supported")
+    bias = hf.get("enable_bias", True)
+    return dict(hf, intermediate_size=hf.get("ffn_dim"), hidden_act=hf.get("activation_function", "relu"),
+                rms_norm_eps=1e-5, attention_bias=bias, mlp_bias=bias,
+                num_key_value_heads=hf["num_attention_heads"])  # no grouped KV heads
 
 
 def _first(hf: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:
@@ -425,11 +450,11 @@ def _hidden_act(hf: dict[str, Any], model_type: str) -> str:
 def _no_rope_layers(hf: dict[str, Any], model_type: str, kinds: tuple[str, ...]) -> tuple[int, ...]:
     """The layers without rotary positions (NoPE), given each layer's attention kind. SmolLM3: `no_rope_layers`
     flags each layer 1 (rotates) or 0, else every `no_rope_layer_interval`-th layer skips them. Cohere 2 and
-    EXAONE 4 with a window: their full-attention layers. GPT-2: every layer (its positions are learned)."""
+    EXAONE 4 with a window: their full-attention layers. GPT-2, OPT: every layer (their positions are learned)."""
     layers = len(kinds)
     if model_type == "cohere2" or (model_type == "exaone4" and _window(hf, model_type)):
         return tuple(i for i, kind in enumerate(kinds) if kind == FULL)
-    if model_type in ("gpt2", "gpt_bigcode"):  # learned absolute positions instead
+    if model_type in ("gpt2", "gpt_bigcode", "opt"):  # learned absolute positions instead
         return tuple(range(layers))
     flags = hf.get("no_rope_layers")
     if flags is None and hf.get("no_rope_layer_interval"):

@@ -55,6 +55,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),  # its text model
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),  # its text model
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),  # its text model
+    "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
@@ -76,7 +78,7 @@ MODEL_TYPES: dict[str, str] = {
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM", "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM", "ministral3": "Ministral3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
     "helium": "HeliumForCausalLM", "seed_oss": "SeedOssForCausalLM", "arcee": "ArceeForCausalLM",
-    "exaone4": "Exaone4ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM", "gptj": "GPTJForCausalLM", "opt": "OPTForCausalLM",
 }
 
 

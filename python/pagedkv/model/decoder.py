@@ -54,6 +54,7 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.g
                 "gelu_tanh": partial(F.gelu, approximate="tanh")}
 # The plain (ungated) MLPs' too: transformers' gelu_new and gelu_fast are the tanh approximation (Phi, GPT-J).
 _PLAIN_ACTIVATIONS = _ACTIVATIONS | {"gelu_new": _ACTIVATIONS["gelu_tanh"], "gelu_fast": _ACTIVATIONS["gelu_tanh"],
+                                     "relu": F.relu,  # OPT's
                                      "relu2": lambda x: F.relu(x).square_()}  # Arcee's (Nemotron's) squared ReLU
 
 
@@ -114,8 +115,8 @@ class GatedMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """fc2(act(fc1(x))): the ungated MLP of GPT-NeoX, Phi, StarCoder2, GPT-2 and Arcee (fc1 column-parallel, fc2
-    row-parallel)."""
+    """fc2(act(fc1(x))): the ungated MLP of GPT-NeoX, Phi, GPT-J, StarCoder2, GPT-2, OPT and Arcee (fc1
+    column-parallel, fc2 row-parallel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = True) -> None:
         super().__init__()
