@@ -197,6 +197,7 @@ _FAMILY_SETTINGS = {
     "ministral3": [{"pad_token_id": 0}], "ernie4_5": [{"pad_token_id": 0}, {"pad_token_id": 0, "use_bias": True}],
     "helium": [{"pad_token_id": 0}], "seed_oss": [{"pad_token_id": 0}], "arcee": [{"pad_token_id": 0}],
     "exaone4": [{"pad_token_id": 0}], "gptj": [{"rotary_dim": 32}], "opt": [{"ffn_dim": 320}, {"enable_bias": False}],
+    "nemotron": [{"pad_token_id": 0}],
 }
 
 

@@ -48,7 +48,8 @@ away from their neutral values, so that a missing feature shows in the logits:
   text positions is the plain rotation), vision tower skipped;
 * gptj: Phi's parallel layer with interleaved partial rotary, no attention
   biases, an LM head with bias; opt: learned positions offset by 2, ReLU MLP,
-  biases everywhere, a final LayerNorm.
+  biases everywhere, a final LayerNorm; nemotron: LayerNorm1P (1 + w, with bias),
+  a squared-ReLU ungated MLP, a quarter of each head rotating.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -243,6 +244,9 @@ def _config_2(family: str):
                                              num_attention_heads=4, max_position_embeddings=512,
                                              word_embed_proj_dim=256, init_std=0.1, pad_token_id=0, bos_token_id=1,
                                              eos_token_id=2)
+    if family == "nemotron":  # a quarter of each head rotates
+        return T.NemotronForCausalLM, T.NemotronConfig(**_COMMON, partial_rotary_factor=0.25, norm_eps=1e-5,
+                                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
     raise AssertionError(family)
 
 
@@ -250,7 +254,7 @@ FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite"
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
             "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee",
-            "exaone4", "qwen2_5_vl", "qwen3_vl", "gptj", "opt")
+            "exaone4", "qwen2_5_vl", "qwen3_vl", "gptj", "opt", "nemotron")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:

@@ -54,7 +54,8 @@ _MLP_BIASED_BY_DEFAULT = _BIASED_BY_DEFAULT + ("GPTJForCausalLM",)
 # The config key of the norms' eps where it is not rms_norm_eps (the one the family's transformers code reads).
 _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_norm_eps",
              "GPTNeoXForCausalLM": "layer_norm_eps", "StableLmForCausalLM": "layer_norm_eps",
-             "CohereForCausalLM": "layer_norm_eps", "Cohere2ForCausalLM": "layer_norm_eps"}
+             "CohereForCausalLM": "layer_norm_eps", "Cohere2ForCausalLM": "layer_norm_eps",
+             "NemotronForCausalLM": "norm_eps"}
 # Families whose transformers code sizes heads as hidden_size / num_attention_heads whatever config.json says
 # (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
 _HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",

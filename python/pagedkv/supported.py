@@ -57,6 +57,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),  # its text model
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "NemotronForCausalLM": ("nemotron", "NemotronForCausalLM"),
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
@@ -79,6 +80,7 @@ MODEL_TYPES: dict[str, str] = {
     "gpt_bigcode": "GPTBigCodeForCausalLM", "ministral3": "Ministral3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
     "helium": "HeliumForCausalLM", "seed_oss": "SeedOssForCausalLM", "arcee": "ArceeForCausalLM",
     "exaone4": "Exaone4ForCausalLM", "gptj": "GPTJForCausalLM", "opt": "OPTForCausalLM",
+    "nemotron": "NemotronForCausalLM",
 }
 
 

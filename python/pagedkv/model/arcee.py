@@ -18,8 +18,10 @@ class ArceeDecoderLayer(LlamaDecoderLayer):
 
 
 class ArceeForCausalLM(DecoderForCausalLM):
+    LAYER: type[ArceeDecoderLayer] = ArceeDecoderLayer  # Nemotron's has its own norms
+
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, ArceeDecoderLayer)
+        super().__init__(cfg, self.LAYER)
 
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
         name = name.replace(".mlp.up_proj.", ".mlp.fc1.").replace(".mlp.down_proj.", ".mlp.fc2.")
