@@ -95,12 +95,15 @@ def test_layernorm_families_read_their_own_eps_rotary_and_bias_keys():
     assert _config("llama", layer_norm_eps=0.5).rms_norm_eps == 1e-6
 
 
-def test_per_head_qk_layernorm_is_refused():
-    for model_type in ("stablelm", "phi"):
-        with pytest.raises(ValueError, match="qk_layernorm"):
-            _config(model_type, qk_layernorm=True)
-    with pytest.raises(ValueError, match="use_qk_norm"):
-        _config("cohere", use_qk_norm=True)
+def test_qk_layernorm_is_read_where_a_family_has_it_and_refused_elsewhere():
+    """StableLM's and Phi's qk_layernorm, Cohere's use_qk_norm; any other family setting them is refused (a norm
+    it has no place for must not be dropped silently)."""
+    assert _config("stablelm", qk_layernorm=True).qk_layernorm and _config("phi", qk_layernorm=True).qk_layernorm
+    assert _config("cohere", use_qk_norm=True).qk_layernorm and not _config("cohere").qk_layernorm
+    with pytest.raises(ValueError, match="LlamaForCausalLM with use_qk_norm"):
+        _config("llama", use_qk_norm=True)
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM with qk_layernorm"):
+        _config("gpt_neox", qk_layernorm=True)
 
 
 def test_cohere_reads_logit_scale_ties_and_cohere2_drops_rotary_on_full_layers():

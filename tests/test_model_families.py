@@ -30,12 +30,15 @@ away from their neutral values, so that a missing feature shows in the logits:
   gate_up; GLM-4-0414's post-sublayer norms;
 * starcoder2: LayerNorms with bias, an ungated MLP, biases everywhere, a window;
 * stablelm: LayerNorms, q/k/v bias only, a quarter of each head rotating; and
-  the parallel-residual variant with one shared norm;
+  the parallel-residual variant with one shared norm; stablelm_qk: StableLM-2-12B's
+  per-head q/k LayerNorms (each head its own weight, one module per head);
 * phi: parallel attention and MLP on one norm, `dense`, an LM head with bias;
+  phi_qk: one LayerNorm (with bias) over each q and k head;
 * gpt_neox: per-head fused query_key_value, parallel residual with two norms,
   and the sequential variant;
 * cohere, cohere2: bias-free LayerNorm, parallel residual, interleaved rotary
   over the whole head, logit_scale; Cohere 2's sliding layers and NoPE full layers;
+  cohere_qk: Command R+'s per-head q/k LayerNorms under the interleaved rotary;
 * gpt2, gpt_bigcode: learned absolute positions and no rotary; GPT-2's Conv1D
   weights; GPTBigCode's multi-query attention (one KV head);
 * ministral3, mistral3_mm: YaRN and queries scaled by position past the
@@ -169,21 +172,25 @@ def _config_2(family: str):
     if family == "stablelm":
         return T.StableLmForCausalLM, T.StableLmConfig(**_WIDE, use_qkv_bias=True, partial_rotary_factor=0.25,
                                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family == "stablelm_parallel":
+    if family in ("stablelm_parallel", "stablelm_qk"):  # stablelm_qk: StableLM-2-12B's layout
         return T.StableLmForCausalLM, T.StableLmConfig(**_WIDE, use_parallel_residual=True,
-                                                       partial_rotary_factor=0.5, pad_token_id=0)
-    if family == "phi":
+                                                       partial_rotary_factor=0.5, pad_token_id=0,
+                                                       qk_layernorm=family == "stablelm_qk")
+    if family in ("phi", "phi_qk"):
         return T.PhiForCausalLM, T.PhiConfig(**_WIDE | {"num_key_value_heads": 4}, partial_rotary_factor=0.5,
-                                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                             qk_layernorm=family == "phi_qk")
     if family in ("gpt_neox", "gpt_neox_sequential"):
         shape = {k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads", "head_dim", "rms_norm_eps")}
         return T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**shape | {"hidden_size": 256}, rotary_pct=0.25,
                                                      use_parallel_residual=family == "gpt_neox", bos_token_id=1,
                                                      eos_token_id=2)
-    if family in ("cohere", "cohere2"):
+    if family in ("cohere", "cohere2", "cohere_qk"):  # cohere_qk: Command R+'s per-head q/k norms
         extra = dict(sliding_window=WINDOW, layer_types=_ALTERNATING) if family == "cohere2" else {}
-        cls, config = (T.CohereForCausalLM, T.CohereConfig) if family == "cohere" else (T.Cohere2ForCausalLM,
-                                                                                       T.Cohere2Config)
+        if family == "cohere_qk":
+            extra = dict(use_qk_norm=True)
+        cls, config = (T.Cohere2ForCausalLM, T.Cohere2Config) if family == "cohere2" else (T.CohereForCausalLM,
+                                                                                          T.CohereConfig)
         return cls, config(**_COMMON, logit_scale=0.25, layer_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
                            eos_token_id=2, **extra)
     if family in ("gpt2", "gpt_bigcode"):
@@ -254,7 +261,7 @@ FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite"
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
             "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee",
-            "exaone4", "qwen2_5_vl", "qwen3_vl", "gptj", "opt", "nemotron")
+            "exaone4", "qwen2_5_vl", "qwen3_vl", "gptj", "opt", "nemotron", "stablelm_qk", "cohere_qk", "phi_qk")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
@@ -513,13 +520,15 @@ def test_hf_overrides_turn_yarn_on_without_editing_the_checkpoint(tmp_path):
             EngineArgs(hf_overrides=bad)
 
 
-@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm", "phi", "opt", "gptj"))
+@pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm", "phi", "opt", "gptj",
+                                    "stablelm_qk", "cohere_qk"))
 def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
     """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2), sharded
     experts (Mixtral), a sharded shared expert beside them (Qwen2-MoE), q/k heads permuted for GLM's
     interleaved rotary, split by head, Phi's parallel residual with an LM-head bias split by vocabulary
-    rows (and GPT-J's, with partial interleaved rotary), OPT's learned positions split by rows, at
-    tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
+    rows (and GPT-J's, with partial interleaved rotary), OPT's learned positions split by rows, per-head q/k
+    norms split with their heads (StableLM-2-12B, Command R+), at tensor_parallel_size=2: the greedy ids of
+    size 1, ties aside."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.model.default_model import ensure_default_model
 

@@ -69,6 +69,9 @@ _ALWAYS_PARALLEL = ("PhiForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
 # into the kernels' halves order (`rotary.interleaved_to_halves`).
 _INTERLEAVED_ROTARY = ("GlmForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                        "Ernie4_5ForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM")
+# Families whose `qk_layernorm` / `use_qk_norm` puts a LayerNorm on each q and k head before the rotation:
+# StableLM-2-12B and Command R+ with each head's own weights, Phi with one shared over the heads.
+_QK_LAYERNORM = ("StableLmForCausalLM", "CohereForCausalLM", "PhiForCausalLM")
 # Families whose config.json honours `sliding_window` only with `use_sliding_window` set.
 _WINDOW_SWITCHED = ("qwen", "smollm3")
 
@@ -120,6 +123,7 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()
     clip_qkv: float | None = None
     parallel_residual: bool = False
+    qk_layernorm: bool = False  # StableLM / Cohere / Phi: a LayerNorm on each q and k head (_QK_LAYERNORM)
     attention_out_bias: bool | None = None  # Seed-OSS sets the output projection's bias apart from q/k/v's
     max_model_len: int | None = None  # the engine's, set at load: LongRoPE picks its factors by it
     bos_token_id: int | None = None
@@ -246,9 +250,10 @@ class ModelConfig:
         if arch in TEXT_OF_MULTIMODAL and "text_config" in hf:
             hf = _text_config(hf)
             model_type = hf.get("model_type", "")
-        for key in ("qk_layernorm", "use_qk_norm"):
-            if hf.get(key):  # StableLM-2-12B, Phi, Command R+: per-head LayerNorm weights
-                raise ValueError(f"{arch} with {key} (a LayerNorm over each q and k head) is not supported")
+        qk_layernorm = bool(hf.get("qk_layernorm") or hf.get("use_qk_norm"))
+        if qk_layernorm and arch not in _QK_LAYERNORM:
+            key = "qk_layernorm" if hf.get("qk_layernorm") else "use_qk_norm"
+            raise ValueError(f"{arch} with {key} (a LayerNorm over each q and k head) is not supported")
         if hf.get("use_bidirectional_attention"):
             raise ValueError(f"{arch} with use_bidirectional_attention is an encoder (embedding model); pagedkv "
                              "runs causal decoders")
@@ -302,6 +307,7 @@ class ModelConfig:
             clip_qkv=hf.get("clip_qkv"),
             parallel_residual=arch in _ALWAYS_PARALLEL or bool(hf.get("use_parallel_residual",
                                                                       arch in _PARALLEL_BY_DEFAULT)),
+            qk_layernorm=qk_layernorm,
             logit_scale=float(hf.get("logit_scale", 1.0)),
             attention_out_bias=hf.get("attention_out_bias"),
             bos_token_id=hf.get("bos_token_id"),

@@ -8,7 +8,9 @@
 * Logits are multiplied by `logit_scale`; the embeddings are tied.
 * Cohere 2: three sliding-window layers, then one full-attention layer that
   uses no rotary positions at all (NoPE), from `layer_types`.
-`use_qk_norm` (Command R+: a LayerNorm over each q and k head) is refused at load.
+* `use_qk_norm` (Command R+): a bias-free LayerNorm over each q and k head,
+  each head with its own weight (`PerHeadLayerNorm`), before the rotation (its
+  weights' dims permuted with the q/k rows).
 """
 
 from __future__ import annotations
@@ -31,4 +33,5 @@ class CohereForCausalLM(DecoderForCausalLM):
     norm_cls = CohereLayerNorm
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, partial(ParallelResidualLayer, norm_cls=CohereLayerNorm, shared_norm=True, gated=True))
+        super().__init__(cfg, partial(ParallelResidualLayer, norm_cls=CohereLayerNorm, shared_norm=True, gated=True,
+                                      qk_norm="per_head" if cfg.qk_layernorm else None))

@@ -28,6 +28,7 @@ from pagedkv.model.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
+    PerHeadLayerNorm,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -138,8 +139,9 @@ def decoder_mlp(cfg: ModelConfig, gated: bool) -> nn.Module:
 class DecoderAttention(nn.Module):
     """QKV projection, optional q/k RMSNorm, rotary + cache write, paged attention, output projection.
 
-    qk_norm: None; "head" (one RMSNorm over each head's dims: Qwen3, Gemma 3); or "full" (over all heads'
-    dims of the projection: OLMo 2, OLMoE; under tensor parallelism q and k are gathered for it).
+    qk_norm: None; "head" (one RMSNorm over each head's dims: Qwen3, Gemma 3; a LayerNorm for Phi); "per_head"
+    (a LayerNorm over each head with each head's own weight: StableLM-2-12B, Command R+); or "full" (over all
+    heads' dims of the projection: OLMo 2, OLMoE; under tensor parallelism q and k are gathered for it).
     rope: the layer's rotary table, or a `NoRotation` for a NoPE layer.
     """
 
@@ -157,6 +159,11 @@ class DecoderAttention(nn.Module):
         self.qk_norm = qk_norm
         if qk_norm == "head":
             self.q_norm, self.k_norm = norm_cls(d, cfg.rms_norm_eps), norm_cls(d, cfg.rms_norm_eps)
+        elif qk_norm == "per_head":
+            proj, rank = self.qkv_proj, get_tp_rank()
+            self.q_norm = PerHeadLayerNorm(proj.num_heads, d, rank * proj.num_heads, cfg.rms_norm_eps)
+            self.k_norm = PerHeadLayerNorm(proj.num_kv_heads, d, rank // proj.kv_replicas * proj.num_kv_heads,
+                                           cfg.rms_norm_eps)
         elif qk_norm == "full":
             if self.qkv_proj.kv_replicas > 1:
                 raise ValueError("a q/k norm over all heads needs num_key_value_heads divisible by the "
@@ -164,7 +171,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = norm_cls(cfg.num_attention_heads * d, cfg.rms_norm_eps)
             self.k_norm = norm_cls(cfg.num_key_value_heads * d, cfg.rms_norm_eps)
         elif qk_norm is not None:
-            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+            raise ValueError(f"qk_norm must be None, 'head', 'per_head' or 'full', got {qk_norm!r}")
         self.attn = PagedAttention(self.num_heads, d, self.num_kv_heads, cfg.attention_scale,
                                    sliding_window=cfg.layer_window(layer),
                                    logits_soft_cap=cfg.attn_logit_softcapping or 0.0)
@@ -182,6 +189,8 @@ class DecoderAttention(nn.Module):
         q, k = qkv[:, :qs], qkv[:, qs:qs + ks]
         if self.qk_norm == "head":
             q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
+        elif self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm == "full":
             q, k = self._full_norm(self.q_norm, q), self._full_norm(self.k_norm, k)
         v = qkv[:, qs + ks:].view(t, self.num_kv_heads, d)
@@ -223,14 +232,14 @@ class ParallelResidualLayer(nn.Module):
     """Attention and MLP side by side on the same input: out = x + attn(norm(x)) + mlp(norm'(x)).
 
     GPT-NeoX normalizes the MLP's input apart (`post_attention_layernorm`); Phi, StableLM and Cohere share one
-    norm (shared_norm). The MLP is gated (StableLM, Cohere) or plain (GPT-NeoX, Phi). The (hidden, residual)
-    pair it returns sums to `out`.
+    norm (shared_norm). The MLP is gated (StableLM, Cohere) or plain (GPT-NeoX, Phi). qk_norm: the attention's
+    (DecoderAttention; a "head" norm is of norm_cls). The (hidden, residual) pair it returns sums to `out`.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding | NoRotation, *,
-                 norm_cls: type[nn.Module], shared_norm: bool, gated: bool) -> None:
+                 norm_cls: type[nn.Module], shared_norm: bool, gated: bool, qk_norm: str | None = None) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer, rope)
+        self.self_attn = DecoderAttention(cfg, layer, rope, qk_norm=qk_norm, norm_cls=norm_cls)
         self.mlp = decoder_mlp(cfg, gated)
         self.input_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = None if shared_norm else norm_cls(cfg.hidden_size, cfg.rms_norm_eps)

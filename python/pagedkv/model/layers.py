@@ -245,6 +245,42 @@ class LayerNorm(nn.Module):
         return out if residual is None else (out, x)
 
 
+class PerHeadLayerNorm(nn.Module):
+    """A LayerNorm over each head's dims with each head's own weight (and bias): StableLM-2-12B's and Command
+    R+'s q/k norms. [T, heads * head_dim] -> the same shape; statistics in float32.
+
+    Holds this rank's heads (`first_head` on, as QKVParallelLinear splits them); the loader takes the whole
+    [num_heads, head_dim] tensor, or one head's [head_dim] row with its index as the shard (StableLM's
+    checkpoints keep one LayerNorm per head), and keeps this rank's rows.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, first_head: int, eps: float = 1e-5, bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.first_head, self.eps = num_heads, head_dim, first_head, eps
+        self.weight = _set_loader(nn.Parameter(torch.ones(num_heads, head_dim), requires_grad=False),
+                                  self.weight_loader)
+        self.bias = (_set_loader(nn.Parameter(torch.zeros(num_heads, head_dim), requires_grad=False),
+                                 self.weight_loader) if bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded, head: int | None = None) -> None:
+        if head is None:
+            whole = read_whole(loaded)
+            if whole.dim() != 2 or whole.shape[1] != self.head_dim or whole.shape[0] < self.first_head + self.num_heads:
+                raise ValueError(f"a per-head norm of shape {tuple(whole.shape)} does not hold heads "
+                                 f"[{self.first_head}, {self.first_head + self.num_heads}) of {self.head_dim}")
+            default_weight_loader(param, whole.narrow(0, self.first_head, self.num_heads))
+        elif self.first_head <= head < self.first_head + self.num_heads:
+            default_weight_loader(param.data[head - self.first_head], loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        heads = x.reshape(t, self.num_heads, self.head_dim)
+        out = F.layer_norm(heads.float(), (self.head_dim,), eps=self.eps) * self.weight.float()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(t, self.num_heads * self.head_dim)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, in float32, optionally adding a residual first (returns both).
 

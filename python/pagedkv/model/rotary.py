@@ -227,10 +227,16 @@ def permute_heads(tensor: torch.Tensor, num_heads: int, order: torch.Tensor) -> 
 
 def qk_rows_in_halves_order(name: str, tensor, num_heads: int, num_kv_heads: int, order: torch.Tensor):
     """A checkpoint's q_proj / k_proj weight or bias (a tensor or a lazy slice) with each head's rows permuted by
-    `order` (interleaved_to_halves); any other tensor as given."""
+    `order` (interleaved_to_halves), and a per-head q/k norm's weight ([head_dim] or [heads, head_dim]) with its
+    dims permuted alike (the norm runs before the rotation, on the permuted dims); any other tensor as given."""
     for part, heads in ((".q_proj.", num_heads), (".k_proj.", num_kv_heads)):
         if part in name:
             return permute_heads(read_whole(tensor), heads, order)
+    if ".q_norm." in name or ".k_norm." in name:
+        whole = read_whole(tensor)
+        if whole.shape[-1] != order.numel():
+            raise ValueError(f"{name}: a q/k norm of shape {tuple(whole.shape)} is not per head of {order.numel()}")
+        return whole[..., order]
     return tensor
 
 
