@@ -200,6 +200,8 @@ _FAMILY_SETTINGS = {
     "helium": [{"pad_token_id": 0}], "seed_oss": [{"pad_token_id": 0}], "arcee": [{"pad_token_id": 0}],
     "exaone4": [{"pad_token_id": 0}], "gptj": [{"rotary_dim": 32}], "opt": [{"ffn_dim": 320}, {"enable_bias": False}],
     "nemotron": [{"pad_token_id": 0}],
+    "falcon": [{}, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True},
+               {"multi_query": False, "parallel_attn": False}],
 }
 
 
@@ -210,6 +212,9 @@ def test_parameters_from_the_config_equal_transformers_count(model_type, setting
     transformers = pytest.importorskip("transformers")
     shape = dict(vocab_size=1000, hidden_size=256, intermediate_size=320, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
+    config_class = type(transformers.AutoConfig.for_model(model_type))
+    # A size the config class derives itself (Falcon's head_dim) cannot be passed.
+    shape = {k: v for k, v in shape.items() if not isinstance(getattr(config_class, k, None), property)}
     hf_config = transformers.AutoConfig.for_model(model_type, **shape, **settings)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config)

@@ -217,3 +217,25 @@ def test_opt_names_learned_positions_and_refusals():
                        ("_remove_final_layer_norm", True)):
         with pytest.raises(ValueError, match=f"OPT with {key}="):
             ModelConfig.from_hf(base | {key: value})
+
+
+def test_falcon_layouts_names_and_refusals():
+    """Falcon's own keys (n_head, n_head_kv, n_layer as published), its three q/k/v layouts and norm counts, its
+    defaults (4 x hidden MLP, tied head, parallel attention); ALiBi refused."""
+    base = {"model_type": "falcon", "vocab_size": 1000, "hidden_size": 256, "n_head": 4, "n_layer": 3}
+    seven = ModelConfig.from_hf(base)  # multi_query and parallel_attn by default (Falcon-7B)
+    assert (seven.num_attention_heads, seven.num_key_value_heads, seven.head_dim) == (4, 1, 64)
+    assert (seven.fused_qkv_layout, seven.parallel_norms, seven.parallel_residual) == ("multi_query", 1, True)
+    assert seven.intermediate_size == 1024 and seven.tie_word_embeddings and not seven.attention_bias
+    forty = ModelConfig.from_hf(base | {"new_decoder_architecture": True, "n_head_kv": 2, "bias": True})
+    assert (forty.num_key_value_heads, forty.fused_qkv_layout, forty.parallel_norms) == (2, "grouped", 2)
+    assert forty.attention_bias and forty.mlp_bias
+    eleven = ModelConfig.from_hf(base | {"new_decoder_architecture": True, "num_kv_heads": 2,
+                                         "num_ln_in_parallel_attn": 1, "ffn_hidden_size": 640})
+    assert (eleven.parallel_norms, eleven.intermediate_size) == (1, 640)
+    seq = ModelConfig.from_hf(base | {"multi_query": False, "parallel_attn": False})
+    assert (seq.num_key_value_heads, seq.fused_qkv_layout, seq.parallel_residual) == (4, "per_head", False)
+    with pytest.raises(ValueError, match="Falcon with alibi"):
+        ModelConfig.from_hf(base | {"alibi": True})
+    with pytest.raises(ValueError, match="new_decoder_architecture and parallel_attn false"):
+        ModelConfig.from_hf(base | {"new_decoder_architecture": True, "parallel_attn": False})

@@ -52,7 +52,10 @@ away from their neutral values, so that a missing feature shows in the logits:
 * gptj: Phi's parallel layer with interleaved partial rotary, no attention
   biases, an LM head with bias; opt: learned positions offset by 2, ReLU MLP,
   biases everywhere, a final LayerNorm; nemotron: LayerNorm1P (1 + w, with bias),
-  a squared-ReLU ungated MLP, a quarter of each head rotating.
+  a squared-ReLU ungated MLP, a quarter of each head rotating;
+* falcon, falcon_new, falcon_seq: Falcon-7B's multi-query fused q/k/v with one
+  shared norm, the new decoder architecture's KV-grouped fused q/k/v with two
+  norms and biases, and the per-head fused q/k/v with a sequential layer.
 
 For each: prompt logits and mixed flat batches (decodes and prefill chunks,
 chunks after a cached prefix) equal HF's to fp32 tolerance, and `LLM.generate`
@@ -251,6 +254,15 @@ def _config_2(family: str):
                                              num_attention_heads=4, max_position_embeddings=512,
                                              word_embed_proj_dim=256, init_std=0.1, pad_token_id=0, bos_token_id=1,
                                              eos_token_id=2)
+    if family in ("falcon", "falcon_new", "falcon_seq"):
+        layouts = {"falcon": dict(multi_query=True),  # Falcon-7B: one shared K/V head, one shared norm
+                   "falcon_new": dict(new_decoder_architecture=True, num_kv_heads=2, bias=True,
+                                      ffn_hidden_size=320),  # 40B / 180B: grouped KV heads, two norms
+                   "falcon_seq": dict(multi_query=False, parallel_attn=False)}  # per-head q/k/v, sequential
+        return T.FalconForCausalLM, T.FalconConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
+                                                   num_attention_heads=4, max_position_embeddings=512,
+                                                   initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                                                   **layouts[family])
     if family == "nemotron":  # a quarter of each head rotates
         return T.NemotronForCausalLM, T.NemotronConfig(**_COMMON, partial_rotary_factor=0.25, norm_eps=1e-5,
                                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -261,7 +273,8 @@ FAMILIES = ("qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "olmo2", "granite"
             "qwen3_moe", "gemma", "smollm3", "olmo3", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "glm",
             "glm4", "starcoder2", "stablelm", "stablelm_parallel", "phi", "gpt_neox", "gpt_neox_sequential", "cohere",
             "cohere2", "gpt2", "gpt_bigcode", "ministral3", "mistral3_mm", "ernie4_5", "helium", "seed_oss", "arcee",
-            "exaone4", "qwen2_5_vl", "qwen3_vl", "gptj", "opt", "nemotron", "stablelm_qk", "cohere_qk", "phi_qk")
+            "exaone4", "qwen2_5_vl", "qwen3_vl", "gptj", "opt", "nemotron", "stablelm_qk", "cohere_qk", "phi_qk",
+            "falcon", "falcon_new", "falcon_seq")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
@@ -521,14 +534,14 @@ def test_hf_overrides_turn_yarn_on_without_editing_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("family", ("gemma2", "olmo2", "mixtral", "qwen2_moe", "glm", "phi", "opt", "gptj",
-                                    "stablelm_qk", "cohere_qk"))
+                                    "stablelm_qk", "cohere_qk", "falcon", "falcon_new"))
 def test_tensor_parallel_size_2_matches_size_1(family, checkpoints):
     """Sliding windows with soft-capping (Gemma 2), q/k norms gathered across ranks (OLMo 2), sharded
     experts (Mixtral), a sharded shared expert beside them (Qwen2-MoE), q/k heads permuted for GLM's
     interleaved rotary, split by head, Phi's parallel residual with an LM-head bias split by vocabulary
     rows (and GPT-J's, with partial interleaved rotary), OPT's learned positions split by rows, per-head q/k
-    norms split with their heads (StableLM-2-12B, Command R+), at tensor_parallel_size=2: the greedy ids of
-    size 1, ties aside."""
+    norms split with their heads (StableLM-2-12B, Command R+), Falcon's fused q/k/v split by head (one KV
+    head replicated; KV-grouped), at tensor_parallel_size=2: the greedy ids of size 1, ties aside."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.model.default_model import ensure_default_model
 

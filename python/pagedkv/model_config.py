@@ -40,7 +40,8 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # lm_head.weight. Every other family defaults to an LM head of its own.
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                     "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                    "Ernie4_5ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM")
+                    "Ernie4_5ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",
+                    "FalconForCausalLM")
 # Families whose q/k/v projections have a bias and whose output projection has none; the config says so with
 # `attention_bias` (GLM) or `qkv_bias` (Qwen2-MoE), and each one's config class turns it on by default.
 _QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
@@ -60,9 +61,9 @@ _EPS_KEYS = {"Starcoder2ForCausalLM": "norm_epsilon", "PhiForCausalLM": "layer_n
 # (GPT-NeoX also has no grouped KV heads: num_key_value_heads is ignored).
 _HEAD_DIM_FROM_HIDDEN = ("GPTNeoXForCausalLM", "StableLmForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
                          "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "GPTJForCausalLM",
-                         "OPTForCausalLM")
+                         "OPTForCausalLM", "FalconForCausalLM")
 # Families whose attention and MLP read the same input unless use_parallel_residual is false (GPT-NeoX).
-_PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM",)
+_PARALLEL_BY_DEFAULT = ("GPTNeoXForCausalLM", "FalconForCausalLM")
 # Families whose attention and MLP always read the same input (no config key says so).
 _ALWAYS_PARALLEL = ("PhiForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GPTJForCausalLM")
 # Families that rotate in GPT-J's interleaved order (dims 2i and 2i + 1 form pair i), which the loader turns
@@ -124,6 +125,10 @@ class ModelConfig:
     clip_qkv: float | None = None
     parallel_residual: bool = False
     qk_layernorm: bool = False  # StableLM / Cohere / Phi: a LayerNorm on each q and k head (_QK_LAYERNORM)
+    # Falcon: how its fused query_key_value orders q, k and v ("grouped", "multi_query", "per_head"), and how many
+    # norms its parallel layer has (1: shared, 2: one for attention and one for the MLP).
+    fused_qkv_layout: str | None = None
+    parallel_norms: int = 1
     attention_out_bias: bool | None = None  # Seed-OSS sets the output projection's bias apart from q/k/v's
     max_model_len: int | None = None  # the engine's, set at load: LongRoPE picks its factors by it
     bos_token_id: int | None = None
@@ -243,7 +248,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From the dict of an HF `config.json` (or `PretrainedConfig.to_dict()`)."""
-        hf = _with_opt_names(_with_gpt2_names(hf))
+        hf = _with_falcon_names(_with_opt_names(_with_gpt2_names(hf)))
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
         arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type)
@@ -308,6 +313,8 @@ class ModelConfig:
             parallel_residual=arch in _ALWAYS_PARALLEL or bool(hf.get("use_parallel_residual",
                                                                       arch in _PARALLEL_BY_DEFAULT)),
             qk_layernorm=qk_layernorm,
+            fused_qkv_layout=hf.get("fused_qkv_layout"),
+            parallel_norms=hf.get("parallel_norms", 1),
             logit_scale=float(hf.get("logit_scale", 1.0)),
             attention_out_bias=hf.get("attention_out_bias"),
             bos_token_id=hf.get("bos_token_id"),
@@ -441,6 +448,36 @@ def _with_opt_names(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(hf, intermediate_size=hf.get("ffn_dim"), hidden_act=hf.get("activation_function", "relu"),
                 rms_norm_eps=1e-5, attention_bias=bias, mlp_bias=bias,
                 num_key_value_heads=hf["num_attention_heads"])  # no grouped KV heads
+
+
+def _with_falcon_names(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Falcon config with the common names: its own size keys (n_embed, n_head, n_head_kv, n_layer),
+    num_kv_heads under the new decoder architecture (else one KV head under multi_query, or one per head),
+    ffn_hidden_size (4 x hidden by default), bias, parallel_attn, and its fused q/k/v layout; ALiBi and the
+    new decoder architecture without parallel attention (which transformers cannot run either) are refused."""
+    if hf.get("model_type") != "falcon":
+        return hf
+    if hf.get("alibi"):
+        raise ValueError("Falcon with alibi (Falcon-RW) is not supported: pagedkv's kernels use rotary positions")
+    new_arch, parallel = hf.get("new_decoder_architecture", False), hf.get("parallel_attn", True)
+    if new_arch and not parallel:
+        raise ValueError("Falcon with new_decoder_architecture and parallel_attn false is not supported")
+    out = dict(hf)
+    for name, alias in (("hidden_size", "n_embed"), ("num_attention_heads", "n_head"),
+                        ("num_hidden_layers", "n_layer"), ("num_kv_heads", "n_head_kv")):
+        if out.get(alias) is not None:
+            out[name] = out[alias]
+    heads = out["num_attention_heads"]
+    kv = out.get("num_kv_heads") or heads
+    multi_query = not new_arch and hf.get("multi_query", True)
+    out.update(num_key_value_heads=1 if multi_query else kv,
+               intermediate_size=hf.get("ffn_hidden_size") or 4 * out["hidden_size"],
+               hidden_act=hf.get("activation", "gelu"), rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+               attention_bias=bool(hf.get("bias", False)), mlp_bias=bool(hf.get("bias", False)),
+               use_parallel_residual=parallel,
+               fused_qkv_layout="grouped" if new_arch else "multi_query" if multi_query else "per_head",
+               parallel_norms=(hf.get("num_ln_in_parallel_attn") or 2) if new_arch else 1)
+    return out
 
 
 def _first(hf: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:

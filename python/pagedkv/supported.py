@@ -58,6 +58,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "NemotronForCausalLM": ("nemotron", "NemotronForCausalLM"),
+    "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
 }
 
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
@@ -80,7 +81,7 @@ MODEL_TYPES: dict[str, str] = {
     "gpt_bigcode": "GPTBigCodeForCausalLM", "ministral3": "Ministral3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
     "helium": "HeliumForCausalLM", "seed_oss": "SeedOssForCausalLM", "arcee": "ArceeForCausalLM",
     "exaone4": "Exaone4ForCausalLM", "gptj": "GPTJForCausalLM", "opt": "OPTForCausalLM",
-    "nemotron": "NemotronForCausalLM",
+    "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM",
 }
 
 
