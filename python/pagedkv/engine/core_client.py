@@ -228,7 +228,14 @@ def _wait_ready(process: multiprocessing.Process, conn) -> CoreFacts:
 
 
 def _stop(process: multiprocessing.Process, timeout_s: float) -> None:
-    process.join(timeout_s)
+    """Waits up to `timeout_s` for the core to exit, then sends SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + timeout_s
+    while process.exitcode is None and time.monotonic() < deadline:
+        process.join(min(0.1, max(0.0, deadline - time.monotonic())))
+        if process.exitcode is None:
+            # join returns once the process sentinel closes, which can come a moment before the exit status
+            # can be collected: a core that is already exiting must not be signalled.
+            time.sleep(0.01)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if process.exitcode is not None:
             return
