@@ -220,6 +220,15 @@ def _prompt_scores(ref, ids: list[int]) -> list[float]:
     return [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
 
 
+def test_bad_words_as_llm_generate(client, llm):
+    """vLLM's bad_words field: tokenized by the front end (the core has no tokenizer), the text LLM.generate's."""
+    words = ["Paris", "capital"]
+    ref = llm.generate(PROMPT, greedy(12, bad_words=words), use_tqdm=False)[0].outputs[0].text
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                  extra_body={"bad_words": words})
+    assert r.choices[0].text == ref and "Paris" not in ref
+
+
 def test_echo_scores_the_prompt_as_the_engine_does(client, llm, loaded_model):
     """lm-eval's loglikelihood request (echo, max_tokens=0, logprobs) and echo before a completion, streamed and
     not: the prompt's text and its tokens' logprobs (the first null) as LLM.generate's prompt_logprobs give."""
@@ -411,6 +420,9 @@ def _post(server, body, path: str = "/v1/completions", headers: dict | None = No
     ({"model": MODEL, "prompt": "hi", "structured_outputs": {"json_object": True}, "min_tokens": 2}, "min_tokens"),
     ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}, "use_beam_search": True,
       "n": 2}, "response_format"),
+    ({"model": MODEL, "prompt": "hi", "bad_words": ["x"] * 300}, "bad_words"),
+    ({"model": MODEL, "prompt": "hi", "bad_words": [" "]}, "bad_words"),
+    ({"model": MODEL, "prompt": "hi", "bad_words": ["x"], "use_beam_search": True, "n": 2}, "bad_words"),
 ])
 def test_bad_completion_requests_get_400(server, body, param):
     r = _post(server, body)

@@ -29,6 +29,8 @@ MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 256  # each is matched against the output's tail after every token
+MAX_BAD_WORD_TOKENS = 64
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias, added to its row every step
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 PENALTY_LIMIT = 2.0  # presence / frequency penalties in [-2, 2], OpenAI's and vLLM's range
@@ -107,6 +109,38 @@ def _allowed_token_ids(ids: list[int] | None) -> list[int] | None:
     return ids
 
 
+def _bad_words(words: list[str] | None) -> list[str] | None:
+    if words is None:
+        return None
+    if isinstance(words, str) or not isinstance(words, (list, tuple)):
+        raise SamplingParamsError("bad_words", f"bad_words must be a list of strings, got {words!r:.80}")
+    if len(words) > MAX_BAD_WORDS:
+        raise SamplingParamsError("bad_words", f"at most {MAX_BAD_WORDS} bad words, got {len(words)}")
+    for w in words:
+        if not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS:
+            raise SamplingParamsError("bad_words", f"bad words must be non-blank strings of at most "
+                                                   f"{MAX_STOP_STRING_CHARS} characters, got {w!r:.80}")
+    return list(words) or None
+
+
+def _bad_words_token_ids(seqs: list[list[int]] | None) -> list[list[int]] | None:
+    if seqs is None:
+        return None
+    if not isinstance(seqs, (list, tuple)) or len(seqs) > 2 * MAX_BAD_WORDS:
+        raise SamplingParamsError("bad_words", f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} "
+                                               f"token-id lists, got {seqs!r:.80}")
+    out = []
+    for ids in seqs:
+        if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_BAD_WORD_TOKENS:
+            raise SamplingParamsError("bad_words", f"each bad word is 1 to {MAX_BAD_WORD_TOKENS} token ids, got "
+                                                   f"{ids!r:.80}")
+        bad = _first_bad_token_id(list(ids))
+        if bad is not None:
+            raise SamplingParamsError("bad_words", f"bad word token ids must be ints >= 0, got {bad!r}")
+        out.append(list(ids))
+    return out
+
+
 def _stop_token_ids(ids: list[int] | None) -> list[int]:
     ids = list(ids or [])
     if len(ids) > MAX_STOP_TOKEN_IDS:
@@ -144,6 +178,11 @@ class SamplingParams:
     prefix cache (its blocks are still offered to it), as in vLLM.
     structured_outputs: a JSON schema, regex, choice or grammar the output
     must follow (pagedkv.structured_outputs; a dict of its fields is taken).
+    bad_words: words the output must not contain (vLLM's): each is
+    tokenized as it starts a text and after a space, and a sequence's last
+    token is banned whenever the output ends with the ones before it.
+    bad_words_token_ids: the same as token-id sequences (the engine fills it
+    from bad_words with the tokenizer; it may also be given instead).
     """
 
     n: int = 1
@@ -167,6 +206,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
     # Set lookups for the per-token stop check (stop_token_ids stays the list the user gave).
     all_stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
@@ -198,6 +239,8 @@ class SamplingParams:
         self.stop_strings = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
+        self.bad_words = _bad_words(self.bad_words)
+        self.bad_words_token_ids = _bad_words_token_ids(self.bad_words_token_ids)
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if self.structured_outputs is not None and self.min_tokens:
             # A complete grammar allows only the end of the sequence, which min_tokens would ban: nothing is left.
@@ -233,9 +276,10 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether anything changes the logits before the pick (penalties, biases, an allow-list)."""
+        """Whether anything changes the logits before the pick (penalties, biases, an allow-list, bad words)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.logit_bias is not None or self.allowed_token_ids is not None)
+                or self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.bad_words is not None or self.bad_words_token_ids is not None)
 
     @property
     def stop_holdback(self) -> int:

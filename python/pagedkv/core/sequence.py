@@ -108,6 +108,7 @@ class Request:
     banned_before_min_tokens: list[int] | None = None  # the model runner's cache: EOS and stop ids, sorted
     logit_bias_tensors: tuple | None = None  # the model runner's cache: logit_bias as (ids, values) tensors
     allowed_ids_tensor: Any = None  # the model runner's cache: allowed_token_ids as an int64 tensor
+    bad_words_ids: list[list[int]] | None = None  # bad_words as token-id sequences (pagedkv.bad_words)
     # A beam search's state (pagedkv.core.beam_search.BeamGroup), or None: then seqs are its live beams.
     beam: Any = None
     # With params.prompt_logprobs: None for the first prompt token, then one {token: Logprob} per prompt token

@@ -14,6 +14,7 @@ detokenizes one step's tokens, the core computes the next.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,6 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
+from pagedkv.bad_words import tokenize_bad_words
 from pagedkv.beam_search import BeamSearchParams, beam_params_to_wire
 from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
@@ -125,6 +127,12 @@ class FrontendEngine:
         if isinstance(params, BeamSearchParams):
             beam, params = beam_params_to_wire(params), params.to_sampling_params()
         grammar = self._compile(params.structured_outputs) if params.structured_outputs is not None else None
+        if params.bad_words is not None and params.bad_words_token_ids is None:  # the core has no tokenizer
+            if self.tokenizer is None:
+                raise SamplingParamsError("bad_words", "bad_words need a tokenizer (skip_tokenizer_init=True): "
+                                                       "pass bad_words_token_ids")
+            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(self.tokenizer,
+                                                                                        params.bad_words))
         arrival = arrival_time or time.time()
         state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
         self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt,

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.bad_words import tokenize_bad_words
 from pagedkv.beam_search import BeamSearchParams
 from pagedkv.config import EngineArgs, GiB, KVEventsConfig, ModelConfig
 from pagedkv.core.beam_search import BeamGroup
@@ -210,6 +211,7 @@ class LLMEngine:
         self._validate(request_id, token_ids, params, cache_salt)
         if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
             grammar = self._grammars().compile(params.structured_outputs)
+        bad_words = self._bad_words_ids(params) if isinstance(params, SamplingParams) else None
         beam = None
         if isinstance(params, BeamSearchParams):
             eos = self.beam_eos_token_id if beam_eos_token_id is None else beam_eos_token_id
@@ -219,7 +221,7 @@ class LLMEngine:
         if self.prefix_diagnostics is not None:
             self.prefix_diagnostics.observe(token_ids, extra)
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()),
-                      output_kind, extra, beam=beam)
+                      output_kind, extra, beam=beam, bad_words_ids=bad_words)
         for i in range(params.n):
             gen = None
             if params.seed is not None:  # seed + i may pass INT64_MAX: the generator takes any uint64
@@ -233,6 +235,15 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return req
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """bad_words as token-id sequences: as given (bad_words_token_ids, e.g. from a front end), else tokenized."""
+        if params.bad_words_token_ids is not None or params.bad_words is None:
+            return params.bad_words_token_ids
+        if self.tokenizer is None:
+            raise SamplingParamsError("bad_words", "bad_words need a tokenizer (skip_tokenizer_init=True): pass "
+                                                   "bad_words_token_ids")
+        return tokenize_bad_words(self.tokenizer, params.bad_words)
 
     def _grammars(self) -> GrammarCompiler:
         """The structured-outputs compiler, built at the first request that needs it (~0.2 s)."""

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pagedkv import host_memory, ops
+from pagedkv.bad_words import banned_next_tokens
 from pagedkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.kv_tiers import TierMoves
@@ -369,10 +370,17 @@ class ModelRunner:
         return req.logit_bias_tensors
 
     def _banned(self, p, seq: Sequence) -> list[int] | None:
-        """Before min_tokens, the tokens that would end the sequence may not be sampled (as in vLLM).
+        """The tokens this row may not sample now: those that would complete a bad word (pagedkv.bad_words), and
+        before min_tokens those that would end the sequence (as in vLLM)."""
+        words = seq.request.bad_words_ids
+        completing = banned_next_tokens(words, seq.token_ids, seq.num_prompt_tokens) if words else None
+        before_min = self._banned_before_min_tokens(p, seq)
+        if completing and before_min:
+            return before_min + completing
+        return completing or before_min
 
-        The list is built once per request (it is the same every step until min_tokens).
-        """
+    def _banned_before_min_tokens(self, p, seq: Sequence) -> list[int] | None:
+        """EOS and the stop ids until min_tokens; built once per request (the same every step until then)."""
         if seq.num_output_tokens >= p.min_tokens:
             return None
         req = seq.request

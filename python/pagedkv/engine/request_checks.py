@@ -35,9 +35,11 @@ class RequestLimits:
         if params.top_k > vocab:
             raise SamplingParamsError("top_k", f"top_k must be -1, 0 or in [1, {vocab}] (the vocabulary), "
                                                f"got {params.top_k}")
+        bad_words = [t for ids in params.bad_words_token_ids or () for t in ids]
         for name, what, ids in (("stop_token_ids", "stop token id", params.stop_token_ids),
                                 ("logit_bias", "logit_bias token id", params.logit_bias or ()),
-                                ("allowed_token_ids", "allowed_token_ids token id", params.allowed_token_ids or ())):
+                                ("allowed_token_ids", "allowed_token_ids token id", params.allowed_token_ids or ()),
+                                ("bad_words", "bad word token id", bad_words)):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise SamplingParamsError(name, f"{what} {bad} is outside the vocabulary [0, {vocab})")

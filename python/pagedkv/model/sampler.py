@@ -41,7 +41,8 @@ class SamplingBatch:
     generators[i]: a row's own generator or None (the engine's);
     penalties[i]: (repetition_penalty, token ids seen so far) or None;
     num_logprobs[i]: top logprobs wanted (None: none);
-    banned[i]: token ids row i may not sample now (EOS and stop tokens before min_tokens), or None;
+    banned[i]: token ids row i may not sample now (those completing a bad word; EOS and stop tokens before
+    min_tokens), or None;
     allowed[i]: int64 token ids row i may sample (the others are masked), or None;
     biases[i]: (int64 ids, float32 values) added to row i's logits, or None;
     output_penalties[i]: (presence, frequency, the row's output token ids) or None;

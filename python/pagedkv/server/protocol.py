@@ -2,7 +2,7 @@
 
 The field names, defaults and shapes are OpenAI's, plus vLLM's extra sampling
 fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `min_tokens`, `skip_special_tokens`,
+`stop_token_ids`, `bad_words`, `min_tokens`, `skip_special_tokens`,
 `include_stop_str_in_output`, `cache_salt`, `prompt_logprobs`, `structured_outputs`, and beam search's
 `use_beam_search` and `length_penalty`), so that the official `openai`
 client and vLLM's benchmark client work unchanged. Range checks live on the
@@ -72,6 +72,7 @@ class _SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[Text] | None = None
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -238,7 +238,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, logprobs=logprobs,
                 repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+                logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
                 structured_outputs=constraint)
@@ -288,6 +288,7 @@ class OpenAIServing:
             ("frequency_penalty", bool(req.frequency_penalty)),
             ("logit_bias", bool(req.logit_bias)),
             ("allowed_token_ids", req.allowed_token_ids is not None),
+            ("bad_words", bool(req.bad_words)),
             ("stop", bool(req.stop)),
             ("stop_token_ids", bool(req.stop_token_ids)),
             ("seed", req.seed is not None),
