@@ -72,6 +72,7 @@ REQUESTS = [
     (PROMPTS[3], SamplingParams(temperature=0, max_tokens=16, logprobs=3)),
     (PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[13])),  # "." ends by its id
     (PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, min_tokens=8, stop=["Paris"])),
+    (PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, logprobs=1, prompt_logprobs=2)),
 ]
 
 
@@ -115,6 +116,16 @@ def test_outputs_equal_the_in_process_engine(core, llm, kind):
             for rc, gc in zip(r[-1].outputs, g[-1].outputs, strict=True):
                 assert [sorted(e) for e in rc.logprobs] == [sorted(e) for e in gc.logprobs]
                 assert gc.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=1e-4)
+                # Each candidate's own text, as vLLM fills Logprob.decoded_token (the front end's, here).
+                texts = [{t: v.decoded_token for t, v in e.items()} for e in gc.logprobs]
+                assert texts == [{t: v.decoded_token for t, v in e.items()} for e in rc.logprobs]
+                assert all(text == core.tokenizer.decode([t]) for e in texts for t, text in e.items())
+        if params.prompt_logprobs is not None:  # whole once, through the wire in the core's DELTA
+            want, have = r[-1].prompt_logprobs, g[-1].prompt_logprobs
+            assert have[0] is None and [sorted(e) for e in have[1:]] == [sorted(e) for e in want[1:]]
+            assert [v.decoded_token for e in have[1:] for v in e.values()] == [
+                v.decoded_token for e in want[1:] for v in e.values()]
+            assert all(v.decoded_token == core.tokenizer.decode([t]) for e in have[1:] for t, v in e.items())
 
 
 def test_streamed_deltas_add_up_to_the_final_text(core, llm):

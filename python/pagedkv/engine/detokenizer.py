@@ -10,11 +10,28 @@ pay for this; the others are decoded once, when they finish.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pagedkv.core.sequence import OutputKind, Sequence
-from pagedkv.outputs import CompletionOutput
+from pagedkv.outputs import CompletionOutput, Logprob
 from pagedkv.sampling_params import SamplingParams
+
+TOKEN_TEXT_CACHE = 1 << 16  # token ids whose own text is kept (a logprobs entry names k + 1 of them a step)
+
+
+class TokenTexts:
+    """Each token's own text, `Logprob.decoded_token` as vLLM fills it (the token decoded alone), decoded once
+    per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._text = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(lambda token: tokenizer.decode([token]))
+
+    def fill(self, entry: dict[int, Logprob] | None) -> None:
+        """Sets decoded_token on every Logprob of a logprobs entry that has none."""
+        for token, lp in (entry or {}).items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self._text(token)
 
 
 def update_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:

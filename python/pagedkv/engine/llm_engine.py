@@ -33,7 +33,14 @@ from pagedkv.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import OutputKind, Request, Sequence, SequenceStatus
 from pagedkv.distributed.launch import start_tensor_parallel
 from pagedkv.distributed.runtime import TPRuntime
-from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
+from pagedkv.engine.detokenizer import (
+    TokenTexts,
+    completion_output,
+    final_text,
+    find_stop_string,
+    needs_text,
+    update_text,
+)
 from pagedkv.engine.device_setup import build_device_side
 from pagedkv.engine.engine_stats import EngineStats
 from pagedkv.engine.kv_advice import KVAdvisor
@@ -133,6 +140,9 @@ class LLMEngine:
             self.kv_events = KVEventEmitter(events, self.cache_config.block_size)
         self.kv_advisor = KVAdvisor(self.cache_config, self.scheduler_config)
         self._grammar_compiler: GrammarCompiler | None = None  # structured outputs: built when first needed
+        # Logprob.decoded_token of the logprobs it returns (none without a tokenizer: an engine core's front end
+        # fills them).
+        self.token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None
         self.kv_trace = None  # a KVTraceRecorder (pagedkv.engine.kv_trace): snapshots after steps, e.g. --kv-trace
 
     @staticmethod
@@ -357,15 +367,18 @@ class LLMEngine:
                              len(rows))
             return self.runner.sample_each(rows, logits)
 
-    @staticmethod
-    def _score_prompts(prompt: PromptLogits) -> dict[str, tuple[Request, Exception]]:
-        """Appends the step's prompt logprobs to their requests; returns the requests whose scoring failed."""
+    def _score_prompts(self, prompt: PromptLogits) -> dict[str, tuple[Request, Exception]]:
+        """Appends the step's prompt logprobs to their requests (with each token's text, given a tokenizer);
+        returns the requests whose scoring failed."""
         failed = {}
         for req, result in prompt.score():
             if isinstance(result, Exception):
                 failed[req.request_id] = (req, result)
-            else:
-                req.prompt_logprobs.extend(result)
+                continue
+            if self.token_texts is not None:
+                for entry in result:
+                    self.token_texts.fill(entry)
+            req.prompt_logprobs.extend(result)
         return failed
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -441,6 +454,8 @@ class LLMEngine:
             if req.request_id in failed or req.beam is not None:  # a beam search's text comes when it ends
                 continue
             try:
+                if seq.logprobs:
+                    self.token_texts.fill(seq.logprobs[-1])
                 self._update_text(seq)
             except Exception as e:
                 failed[req.request_id] = (req, e)

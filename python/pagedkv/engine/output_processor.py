@@ -24,7 +24,14 @@ from pagedkv.engine.core_messages import (
     prompt_logprobs_from_wire,
     unpack_ids,
 )
-from pagedkv.engine.detokenizer import completion_output, final_text, find_stop_string, needs_text, update_text
+from pagedkv.engine.detokenizer import (
+    TokenTexts,
+    completion_output,
+    final_text,
+    find_stop_string,
+    needs_text,
+    update_text,
+)
 from pagedkv.engine.prompt_logprobs import take_for_output as take_prompt_logprobs
 from pagedkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
@@ -80,6 +87,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None  # Logprob.decoded_token
         self.requests: dict[str, RequestState] = {}
 
     def add(self, state: RequestState) -> None:
@@ -99,6 +107,9 @@ class OutputProcessor:
             req.metrics = metrics_from_wire(delta.metrics)
             if delta.prompt_logprobs is not None:
                 req.prompt_logprobs = prompt_logprobs_from_wire(delta.prompt_logprobs)
+                if self.token_texts is not None:
+                    for entry in req.prompt_logprobs:
+                        self.token_texts.fill(entry)
             if delta.error is not None:
                 req.error = delta.error
             else:
@@ -134,11 +145,12 @@ class OutputProcessor:
             if not ids and d.finish_reason is not None:
                 self._finish(req, sample, d.finish_reason, d.stop_reason)
 
-    @staticmethod
-    def _append(req: RequestState, sample: SampleState, token: int, wire_logprobs) -> None:
+    def _append(self, req: RequestState, sample: SampleState, token: int, wire_logprobs) -> None:
         sample.output_token_ids.append(token)
         if wire_logprobs is not None:
             entry = logprobs_from_wire(wire_logprobs)
+            if self.token_texts is not None:
+                self.token_texts.fill(entry)
             if sample.logprobs is None:
                 sample.logprobs = []
             sample.logprobs.append(entry)
