@@ -307,11 +307,16 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         n = min(remaining, budget, cap) if cap else min(remaining, budget)
         if seq is not None and seq.request.next_prompt_logprob is not None:
-            n = min(n, self._scoring_left)
-            self._scoring_left -= n
+            n = min(n, max(self._scoring_left, 0))
         return n
 
+    def _took_chunk(self, seq: Sequence, n: int) -> None:
+        """A chunk of `n` tokens was scheduled for `seq`: a scoring prompt's tokens spend the step's scoring share."""
+        if seq.request.next_prompt_logprob is not None:
+            self._scoring_left -= n
+
     def _append_chunk(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        self._took_chunk(seq, n)
         start = seq.num_computed_tokens
         cow = self.bm.append_slots(seq.seq_id, n, seq.token_ids[start:start + n] if self.caching else None)
         if cow is not None:
@@ -395,6 +400,7 @@ class Scheduler:
             self.running.append(seq)
             out.prefill_seqs.append(seq)
             out.prefill_lens.append(n)
+            self._took_chunk(seq, n)
             budget -= n
             reserved += seats - 1
 
