@@ -13,6 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.errors import SamplingParamsError
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str] | None,
+                        given: list[list[int]] | None) -> list[list[int]] | None:
+    """A request's bad words as token-id sequences: `given` (SamplingParams.bad_words_token_ids, e.g. filled by a
+    front end) as it is, else `bad_words` tokenized; None when it has neither."""
+    if given is not None or bad_words is None:
+        return given
+    if tokenizer is None:
+        raise SamplingParamsError("bad_words", "bad_words need a tokenizer (skip_tokenizer_init=True): pass "
+                                               "bad_words_token_ids")
+    return tokenize_bad_words(tokenizer, bad_words)
+
 
 def tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """Each word's token ids without special tokens: at the start of a text, and after a space when that adds a

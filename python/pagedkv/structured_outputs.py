@@ -112,7 +112,10 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int = 1) -> None:
         """vocab_size: the model's (its logits' width), which may exceed the tokenizer's: the extra ids are never
-        allowed."""
+        allowed. Without a tokenizer (skip_tokenizer_init) structured outputs are refused."""
+        if tokenizer is None:
+            raise SamplingParamsError("structured_outputs", "structured outputs need a tokenizer "
+                                                            "(skip_tokenizer_init=True)")
         xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)

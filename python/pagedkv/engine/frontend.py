@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
-from pagedkv.bad_words import tokenize_bad_words
+from pagedkv.bad_words import bad_words_token_ids
 from pagedkv.beam_search import BeamSearchParams, beam_params_to_wire
 from pagedkv.config import EngineArgs
 from pagedkv.core.sequence import OutputKind
@@ -48,7 +48,7 @@ from pagedkv.engine.output_processor import OutputProcessor, RequestState
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.model.loader import load_tokenizer, resolve_model
 from pagedkv.outputs import RequestMetrics, RequestOutput
-from pagedkv.sampling_params import SamplingParams, SamplingParamsError
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_outputs import GrammarCompiler, StructuredOutputsParams, dump_grammar
 
 logger = logging.getLogger(__name__)
@@ -128,11 +128,8 @@ class FrontendEngine:
             beam, params = beam_params_to_wire(params), params.to_sampling_params()
         grammar = self._compile(params.structured_outputs) if params.structured_outputs is not None else None
         if params.bad_words is not None and params.bad_words_token_ids is None:  # the core has no tokenizer
-            if self.tokenizer is None:
-                raise SamplingParamsError("bad_words", "bad_words need a tokenizer (skip_tokenizer_init=True): "
-                                                       "pass bad_words_token_ids")
-            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(self.tokenizer,
-                                                                                        params.bad_words))
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+                self.tokenizer, params.bad_words, None))
         arrival = arrival_time or time.time()
         state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
         self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt,
@@ -144,9 +141,6 @@ class FrontendEngine:
         """structured_outputs compiled here, where the tokenizer is (serialized for the core); the core gets the
         grammar vocabulary once, before the first grammar."""
         if self._grammars is None:
-            if self.tokenizer is None:
-                raise SamplingParamsError("structured_outputs", "structured outputs need a tokenizer "
-                                                                "(skip_tokenizer_init=True)")
             compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
             self.client.send(GrammarVocab(compiler.vocab_json()))
             self._grammars = compiler

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.bad_words import tokenize_bad_words
+from pagedkv.bad_words import bad_words_token_ids
 from pagedkv.beam_search import BeamSearchParams
 from pagedkv.config import EngineArgs, GiB, KVEventsConfig, ModelConfig
 from pagedkv.core.beam_search import BeamGroup
@@ -55,7 +55,7 @@ from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
 from pagedkv.model.loader import LoadedModel, generation_defaults, read_hf_config, resolve_model
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
-from pagedkv.sampling_params import SamplingParams, SamplingParamsError
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_outputs import GrammarCompiler, new_matcher
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,8 @@ class LLMEngine:
         self._validate(request_id, token_ids, params, cache_salt)
         if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
             grammar = self._grammars().compile(params.structured_outputs)
-        bad_words = self._bad_words_ids(params) if isinstance(params, SamplingParams) else None
+        bad_words = (bad_words_token_ids(self.tokenizer, params.bad_words, params.bad_words_token_ids)
+                     if isinstance(params, SamplingParams) else None)
         beam = None
         if isinstance(params, BeamSearchParams):
             eos = self.beam_eos_token_id if beam_eos_token_id is None else beam_eos_token_id
@@ -246,21 +247,9 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])
         return req
 
-    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]] | None:
-        """bad_words as token-id sequences: as given (bad_words_token_ids, e.g. from a front end), else tokenized."""
-        if params.bad_words_token_ids is not None or params.bad_words is None:
-            return params.bad_words_token_ids
-        if self.tokenizer is None:
-            raise SamplingParamsError("bad_words", "bad_words need a tokenizer (skip_tokenizer_init=True): pass "
-                                                   "bad_words_token_ids")
-        return tokenize_bad_words(self.tokenizer, params.bad_words)
-
     def _grammars(self) -> GrammarCompiler:
         """The structured-outputs compiler, built at the first request that needs it (~0.2 s)."""
         if self._grammar_compiler is None:
-            if self.tokenizer is None:
-                raise SamplingParamsError("structured_outputs", "structured outputs need a tokenizer "
-                                                                "(skip_tokenizer_init=True)")
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self._grammar_compiler
 

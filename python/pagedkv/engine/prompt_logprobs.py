@@ -14,9 +14,9 @@ such a request reads nothing from the prefix cache until they are all
 scored (`Request.reads_prefix_cache`), and one recomputed after preemption
 skips the positions it scored before. The scheduler bounds the prompt tokens
 of scoring requests per step (`max_scored_tokens`), so their logits stay
-within MAX_SCORED_LOGITS whatever the chunk budget and the vocabulary. The list is whole when the chunk that
-samples the first output token is done; outputs carry it from then on (a
-DELTA output once: `take_for_output`).
+within MAX_SCORED_LOGITS whatever the chunk budget and the vocabulary. The
+list is whole when the chunk that samples the first output token is done;
+outputs carry it from then on (a DELTA output once: `take_for_output`).
 """
 
 from __future__ import annotations

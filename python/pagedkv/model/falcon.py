@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.decoder import DecoderForCausalLM, ParallelResidualLayer
+from pagedkv.model.gpt2 import gpt2_style_name
 from pagedkv.model.gpt_neox import split_heads_qkv
 from pagedkv.model.layers import LayerNorm, read_whole
 from pagedkv.model.rotary import NoRotation, RotaryEmbedding
@@ -62,11 +63,7 @@ class FalconForCausalLM(DecoderForCausalLM):
         super().__init__(cfg, falcon_layer)
 
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
-        name = name.removeprefix("transformer.")
-        if name.startswith("h."):
-            name = "layers." + name.removeprefix("h.")
-        name = {"word_embeddings.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight",
-                "ln_f.bias": "norm.bias"}.get(name, name)
+        name = gpt2_style_name(name, embeddings="word_embeddings")
         for old, new in _RENAMES:
             name = name.replace(old, new)
         if ".self_attn.qkv_proj." in name:

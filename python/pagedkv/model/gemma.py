@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.decoder import DecoderForCausalLM, SandwichNormLayer, TextOfMultimodal
-from pagedkv.model.layers import RMSNorm, default_weight_loader, read_whole
+from pagedkv.model.layers import RMSNorm, one_plus_weight_loader
 from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.model_config import ModelConfig
 
@@ -36,11 +36,7 @@ class GemmaRMSNorm(RMSNorm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _load(param: nn.Parameter, loaded) -> None:
-        default_weight_loader(param, read_whole(loaded).float() + 1.0)
+        self.weight.weight_loader = one_plus_weight_loader  # type: ignore[attr-defined]
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

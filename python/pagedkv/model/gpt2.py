@@ -30,6 +30,16 @@ _RENAMES = ((".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layerno
 _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
+def gpt2_style_name(name: str, embeddings: str = "wte") -> str:
+    """A GPT-2-style checkpoint name (GPT-2, GPT-J, Falcon) in the shell's terms: `transformer.` dropped,
+    `h.{i}` -> `layers.{i}`, the word embeddings (`embeddings`) -> `embed_tokens`, `ln_f` -> `norm`."""
+    name = name.removeprefix("transformer.")
+    if name.startswith("h."):
+        return "layers." + name.removeprefix("h.")
+    return {f"{embeddings}.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight",
+            "ln_f.bias": "norm.bias"}.get(name, name)
+
+
 class GPT2LMHeadModel(DecoderForCausalLM):
     norm_cls = LayerNorm
     CONV1D = True  # projection weights stored [in, out]
@@ -42,13 +52,9 @@ class GPT2LMHeadModel(DecoderForCausalLM):
         return super().embed(input_ids, positions).add_(self.wpe(positions))
 
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
-        name = name.removeprefix("transformer.")
         if name.endswith(_BUFFERS):
             return ()
-        if name.startswith("h."):
-            name = "layers." + name.removeprefix("h.")
-        name = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias"}.get(
-            name, name)
+        name = gpt2_style_name(name)
         for old, new in _RENAMES:
             name = name.replace(old, new)
         projection = any(part in name for part in (".attn.c_attn.", ".self_attn.o_proj.", ".mlp."))

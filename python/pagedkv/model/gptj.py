@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagedkv.model.gpt2 import gpt2_style_name
 from pagedkv.model.phi import PhiForCausalLM
 
 _RENAMES = ((".ln_1.", ".input_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."),
@@ -24,13 +25,9 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 class GPTJForCausalLM(PhiForCausalLM):
     def split_checkpoint_tensor(self, name: str, tensor) -> Iterable[tuple[str, object, object]]:
-        name = name.removeprefix("transformer.")
         if name.endswith(_BUFFERS):
             return ()
-        if name.startswith("h."):
-            name = "layers." + name.removeprefix("h.")
-        name = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias"}.get(
-            name, name)
+        name = gpt2_style_name(name)
         for old, new in _RENAMES:
             name = name.replace(old, new)
         return super().split_checkpoint_tensor(name, tensor)

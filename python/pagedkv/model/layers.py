@@ -51,6 +51,12 @@ def default_weight_loader(param: nn.Parameter, loaded) -> None:
     param.data.copy_(read_whole(loaded))
 
 
+def one_plus_weight_loader(param: nn.Parameter, loaded) -> None:
+    """A norm weight the checkpoint stores as w for a norm that scales by 1 + w (Gemma's RMSNorm, Nemotron's
+    LayerNorm1P): loaded as 1 + w, added in float32, then the parameter's dtype."""
+    default_weight_loader(param, read_whole(loaded).float() + 1.0)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks: y [*, out_features / tp]."""
 

@@ -10,10 +10,8 @@ projections; the norms' eps is `norm_eps`.
 
 from __future__ import annotations
 
-from torch import nn
-
 from pagedkv.model.arcee import ArceeDecoderLayer, ArceeForCausalLM
-from pagedkv.model.layers import LayerNorm, default_weight_loader, read_whole
+from pagedkv.model.layers import LayerNorm, one_plus_weight_loader
 
 
 class LayerNorm1P(LayerNorm):
@@ -21,11 +19,7 @@ class LayerNorm1P(LayerNorm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(hidden_size, eps)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _load(param: nn.Parameter, loaded) -> None:
-        default_weight_loader(param, read_whole(loaded).float() + 1.0)
+        self.weight.weight_loader = one_plus_weight_loader  # type: ignore[attr-defined]
 
 
 class NemotronDecoderLayer(ArceeDecoderLayer):
