@@ -118,6 +118,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            double logits_soft_cap, c10::string_view kv_cache_dtype,
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
+// Multi-LoRA linear (csrc/lora/lora.cpp; punica's SGMV shrink then expand, ATen calls only):
+// out [T, N] += per adapter slot s, on the rows token_rows[slot_starts[s] : slot_starts[s + 1]],
+// (input[rows] [n, K] @ lora_a[s]^T [K, n_slices * R]) with slice j's R columns times
+// lora_b[s, off_j : off_j+1, :]^T into out's columns off_j .. off_j+1 (off = slice_offsets).
+// lora_a [S, n_slices * R, K], lora_b [S, N, R] (scaling folded in), out/input/lora_a/lora_b one
+// float dtype and device; token_rows int64 [M], slot_starts int64 [S + 1] on that device. On CUDA
+// the index values are copied to the host once per call (a sync: not capturable in a CUDA graph).
+void lora_linear_add(at::Tensor& out, const at::Tensor& input, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                     const at::Tensor& token_rows, const at::Tensor& slot_starts, at::IntArrayRef slice_offsets);
+
 // True when the split-K v2 kernel should be used for this shape on this device;
 // num_sms: the CUDA device's multiprocessor count (unused on the CPU).
 bool should_use_v2(bool is_cuda, int64_t num_sms, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,

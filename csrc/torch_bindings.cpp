@@ -56,6 +56,10 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor temperatures, Tensor uniforms) -> ()");
   // Structured outputs: each masked row's forbidden tokens (0 bits of its int32 words) get -inf.
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  // Multi-LoRA: each adapter slot's rows of out += (input @ lora_a[s]^T) @ lora_b[s]^T, per slice (csrc/lora/lora.cpp).
+  m.def(
+      "lora_linear_add(Tensor(a!) out, Tensor input, Tensor lora_a, Tensor lora_b, Tensor token_rows, "
+      "Tensor slot_starts, int[] slice_offsets) -> ()");
   // Which CPU kernel variant runs here: "default", "avx2", "avx512" or "avx512_bf16", and a
   // switch between them for tests and benchmarks (no tensors, no dispatch).
   m.def("cpu_capability() -> str", &pagedkv::cpu::cpu_capability_op);
@@ -95,10 +99,12 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("apply_token_bitmask", &pagedkv::apply_token_bitmask_cpu);
 }
 
-// paged_attention only allocates and calls v1/v2 through the dispatcher, so one
-// kernel serves every backend; its fake kernel is registered in python/pagedkv/ops.py.
+// paged_attention only allocates and calls v1/v2 through the dispatcher, and lora_linear_add
+// is ATen calls only, so one kernel serves every backend; their fake kernels are registered in
+// python/pagedkv/ops.py.
 TORCH_LIBRARY_IMPL(pagedkv, CompositeExplicitAutograd, m) {
   m.impl("paged_attention", &pagedkv::paged_attention);
+  m.impl("lora_linear_add", &pagedkv::lora_linear_add);
 }
 
 // `import pagedkv._C` loads this library, which runs the registrations above.

@@ -21,10 +21,11 @@ from pagedkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSe
 from pagedkv.config import EngineArgs  # noqa: E402
 from pagedkv.engine import LLMEngine  # noqa: E402
 from pagedkv.llm import LLM  # noqa: E402
+from pagedkv.lora import LoRARequest  # noqa: E402
 from pagedkv.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedkv.sampling_params import SamplingParams  # noqa: E402
 from pagedkv.structured_outputs import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ops",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "LoRARequest",
+           "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ops",
            "reference", "built_with_cuda", "__version__"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from pagedkv.outputs import Logprob
 from pagedkv.sampling_params import SamplingParams, SamplingParamsError, _finite, _is_int
@@ -106,7 +107,7 @@ class BeamSearchSequence:
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    lora_request: None = None
+    lora_request: Any = None  # the LoRARequest it ran with
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None

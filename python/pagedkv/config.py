@@ -228,6 +228,29 @@ class SchedulerConfig:
                              f"({self.max_num_seqs}): every running sequence needs a token of the step's budget")
 
 
+MAX_LORA_RANK_LIMIT = 512
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    """Serving LoRA adapters (vLLM's names): at most `max_loras` adapters in one step (each a device slot), of
+    rank up to `max_lora_rank`, with `max_cpu_loras` adapters kept in host memory (default max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive("LoRAConfig", max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                  max_cpu_loras=self.max_cpu_loras)
+        if self.max_lora_rank > MAX_LORA_RANK_LIMIT:
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK_LIMIT}, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Everything `LLM(...)` and `pagedkv serve` accept (vLLM's names and defaults)."""
@@ -275,6 +298,11 @@ class EngineArgs:
     # a JSON object: e.g. {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
     # "original_max_position_embeddings": 32768}} for a long context without editing the checkpoint.
     hf_overrides: str | dict | None = None
+    # LoRA adapters (pagedkv.lora; vLLM's names): requests name one with a LoRARequest (the server's `model`).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
@@ -285,9 +313,15 @@ class EngineArgs:
                              "enable_prefix_caching=True (--enable-prefix-caching)")
         _check_calculate_kv_scales(self.calculate_kv_scales)
         _check_tiers(self)
+        self.lora_config()  # bad LoRA limits fail here, before any model loads
         if (self.kv_offloading_size or self.kv_cache_dir) and self.tensor_parallel_size > 1:
             raise ValueError("kv_offloading_size / kv_cache_dir: the prefix-cache tiers run on one device "
                              f"(tensor_parallel_size=1), got tensor_parallel_size={self.tensor_parallel_size}")
+
+    def lora_config(self) -> LoRAConfig | None:
+        """None without enable_lora (the settings are still checked)."""
+        config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return config if self.enable_lora else None
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -13,6 +13,7 @@ from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.llm_engine import EngineStats
 from pagedkv.engine.make_engine import make_engine
 from pagedkv.engine.request_checks import PromptType
+from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import LoadedModel
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
@@ -42,6 +43,9 @@ class LLM:
     `engine_core="process"` runs the engine core in a process of its own (as
     `pagedkv serve` does; then call it under `if __name__ == "__main__":`);
     the default runs it in this process, which is faster offline.
+    `enable_lora` serves LoRA adapters (PEFT folders) named per request with
+    a `LoRARequest`: at most `max_loras` different adapters in one step, of
+    rank up to `max_lora_rank`, `max_cpu_loras` kept in host memory.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
@@ -89,14 +93,17 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, cache_salt: str | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in prompt order.
 
-        A prompt the engine refuses (too long, empty, bad token ids) gets a
-        finished output with finish_reason "abort" and the reason in `.error`;
-        the others run.
+        A prompt the engine refuses (too long, empty, bad token ids, an
+        adapter that cannot run) gets a finished output with finish_reason
+        "abort" and the reason in `.error`; the others run. lora_request: one
+        adapter for every prompt, or one (or None) per prompt.
         """
         prompts = _prompt_list(prompts)
+        loras = _per_prompt("lora_request", lora_request, len(prompts))
         if isinstance(sampling_params, BeamSearchParams):
             raise TypeError("generate takes SamplingParams; a BeamSearchParams runs through LLM.beam_search")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -107,12 +114,13 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, lora in zip(prompts, params, loras, strict=True):
             rid = f"gen-{self._ids}"
             self._ids += 1
             order.append(rid)
             try:
-                self.llm_engine.add_request(rid, prompt, p, cache_salt=cache_salt, output_kind=OutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(rid, prompt, p, cache_salt=cache_salt, output_kind=OutputKind.FINAL_ONLY,
+                                            lora_request=lora)
             except ValueError as e:
                 logger.warning("request %s refused: %s", rid, e)
                 results[rid] = _refused(rid, prompt, p, str(e))
@@ -120,7 +128,7 @@ class LLM:
         return [results[rid] for rid in order]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    lora_request: None = None, use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's signature); outputs in prompt order, best hypothesis first.
 
@@ -129,25 +137,26 @@ class LLM:
         others. `concurrency_limit`: at most this many prompts run at once.
         A prompt the engine refuses raises ValueError (nothing runs).
         """
-        if lora_request is not None:
-            raise ValueError("lora_request: pagedkv serves no LoRA adapters")
         prompts = _prompt_list(prompts)
+        loras = _per_prompt("lora_request", lora_request, len(prompts))
         limit = concurrency_limit or max(len(prompts), 1)
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"concurrency_limit must be an int >= 1 (or None), got {concurrency_limit!r}")
         outputs: list[BeamSearchOutput] = []
         for start in range(0, len(prompts), limit):
-            outputs.extend(self._beam_batch(prompts[start:start + limit], params, use_tqdm))
+            outputs.extend(self._beam_batch(prompts[start:start + limit], params, use_tqdm,
+                                            loras[start:start + limit]))
         return outputs
 
-    def _beam_batch(self, prompts: list[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool) -> list[BeamSearchOutput]:
+    def _beam_batch(self, prompts: list[PromptType], params: BeamSearchParams, use_tqdm: bool,
+                    loras: list[LoRARequest | None]) -> list[BeamSearchOutput]:
         order: list[str] = []
         try:
-            for prompt in prompts:
+            for prompt, lora in zip(prompts, loras, strict=True):
                 rid = f"beam-{self._ids}"
                 self._ids += 1
-                self.llm_engine.add_request(rid, prompt, params, output_kind=OutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(rid, prompt, params, output_kind=OutputKind.FINAL_ONLY,
+                                            lora_request=lora)
                 order.append(rid)
         except ValueError:
             self.llm_engine.abort_request(order)
@@ -156,7 +165,7 @@ class LLM:
         self._run(results, len(order), use_tqdm)
         tok = self.llm_engine.tokenizer
         outputs = []
-        for rid in order:
+        for rid, lora in zip(order, loras, strict=True):
             out = results[rid]
             if out.error is not None:
                 raise RuntimeError(f"beam search of request {rid} failed: {out.error}")
@@ -165,14 +174,15 @@ class LLM:
             for c in out.outputs:
                 tokens = prompt_ids + list(c.token_ids)
                 text = tok.decode(tokens, skip_special_tokens=params.skip_special_tokens) if tok else None
-                seqs.append(BeamSearchSequence(tokens, list(c.logprobs or []), None, c.cumulative_logprob or 0.0,
+                seqs.append(BeamSearchSequence(tokens, list(c.logprobs or []), lora, c.cumulative_logprob or 0.0,
                                                text, c.finish_reason, c.stop_reason))
             outputs.append(BeamSearchOutput(seqs))
         return outputs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation (or a list of them) and generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
@@ -181,7 +191,7 @@ class LLM:
                     "prompt": tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         engine = self.llm_engine
@@ -207,6 +217,15 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _per_prompt(name: str, value, n: int) -> list:
+    """One value for every prompt, or a list of n (one per prompt)."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"got {len(value)} {name}s for {n} prompts")
+    return list(value)
 
 
 def _refused(rid: str, prompt: PromptType, params: SamplingParams, error: str) -> RequestOutput:

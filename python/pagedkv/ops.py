@@ -470,6 +470,32 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     return logits
 
 
+def lora_linear_add(out: torch.Tensor, input: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    token_rows: torch.Tensor, slot_starts: torch.Tensor, slice_offsets: Sequence[int]) -> torch.Tensor:
+    """In place: adds each row's LoRA adapter to a base linear's output out [T, N]; returns out.
+
+    punica's SGMV (shrink, then expand), segmented by adapter slot. input [T, K]; lora_a
+    [S, n_slices * R, K] (slice j of slot s: rows j*R .. (j+1)*R, R the max rank); lora_b
+    [S, N, R], the LoRA scaling folded in; out, input, lora_a, lora_b one dtype (float32,
+    bfloat16, float16) and device. slice_offsets: n_slices + 1 ints, 0 first, strictly
+    increasing, N last: slice j owns out's columns slice_offsets[j] .. slice_offsets[j + 1]
+    (a fused QKV projection has 3 slices, gate/up 2, a plain linear 1). token_rows int64 [M]:
+    the rows of input/out that use an adapter, grouped by slot; slot_starts int64 [S + 1]
+    (0 first, nondecreasing, M last): slot s owns token_rows[slot_starts[s]:slot_starts[s + 1]].
+    Both on out's device. For each slot s with rows, xa = input[rows] @ lora_a[s]^T, then for
+    each slice j, out[rows, cols_j] += xa[:, jR:(j+1)R] @ lora_b[s, cols_j, :]^T. Rows not
+    listed are untouched (the base model); a row listed twice gets both updates.
+
+    A slot whose rows are consecutive increasing rows works on views of input and out (one
+    addmm_ per slice); others gather their rows and scatter-add the update. The index values
+    are read on the host: on CUDA, slot_starts and token_rows are copied to the CPU once per
+    call (a sync; the op cannot be captured in a CUDA graph). Value checks (slot_starts, rows
+    in [0, T)) follow `set_index_checks`. `reference.lora_linear_add` is the same in PyTorch.
+    """
+    _ops.lora_linear_add(out, input, lora_a, lora_b, token_rows, slot_starts, list(slice_offsets))
+    return out
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A CPU linear weight [out_features, in_features] (float32 or bfloat16) packed for `packed_linear`.
 
@@ -622,6 +648,12 @@ def _sample_from_logits_fake(out, logits, temperatures, uniforms):
 @torch.library.register_fake("pagedkv::apply_token_bitmask")
 def _apply_token_bitmask_fake(logits, bitmask, rows):
     _check_meta_consistent("apply_token_bitmask", {"logits": logits, "bitmask": bitmask, "rows": rows})
+
+
+@torch.library.register_fake("pagedkv::lora_linear_add")
+def _lora_linear_add_fake(out, input, lora_a, lora_b, token_rows, slot_starts, slice_offsets):
+    _check_meta_consistent("lora_linear_add", {"out": out, "input": input, "lora_a": lora_a, "lora_b": lora_b},
+                           (token_rows, slot_starts))
 
 
 @torch.library.register_fake("pagedkv::pack_linear_weight")

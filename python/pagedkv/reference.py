@@ -469,3 +469,23 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     index = rows.to(logits.device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
     return logits
+
+
+def lora_linear_add(out: torch.Tensor, input: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    token_rows: torch.Tensor, slot_starts: torch.Tensor, slice_offsets: Sequence[int]) -> torch.Tensor:
+    """`ops.lora_linear_add`, in place on any device: for each adapter slot s, the rows
+    token_rows[slot_starts[s]:slot_starts[s + 1]] of out [T, N] get, per slice j (out's columns
+    slice_offsets[j] .. slice_offsets[j + 1]), (input[rows] @ lora_a[s]^T)[:, jR:(j+1)R] @
+    lora_b[s, cols_j, :]^T, each product rounded to out's dtype before it is added; returns out."""
+    n_slices = len(slice_offsets) - 1
+    rank = lora_b.shape[2]
+    starts = slot_starts.tolist()
+    for s in range(lora_a.shape[0]):
+        rows = token_rows[starts[s]:starts[s + 1]]
+        if rows.numel() == 0:
+            continue
+        xa = input[rows] @ lora_a[s].T
+        for j in range(n_slices):
+            lo, hi = slice_offsets[j], slice_offsets[j + 1]
+            out[:, lo:hi].index_add_(0, rows, xa[:, j * rank:(j + 1) * rank] @ lora_b[s, lo:hi].T)
+    return out

@@ -125,13 +125,18 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill, preemption and prefix caching."""
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager,
-                 eos_token_ids: Set[int] = frozenset(), max_scored_prompt_tokens: int | None = None) -> None:
+                 eos_token_ids: Set[int] = frozenset(), max_scored_prompt_tokens: int | None = None,
+                 max_loras: int | None = None) -> None:
         """eos_token_ids: the tokens that end a sequence (unless its request sets ignore_eos).
 
         max_scored_prompt_tokens: prompt tokens of requests that ask for prompt logprobs computed per step at
         most (each needs a row of logits: the engine bounds their memory by the vocabulary); None: no bound.
+        max_loras: distinct LoRA adapters running at once at most (each needs a device slot); a waiting request
+        whose adapter would be one too many waits, and those behind it with a running adapter (or none) go first,
+        as in vLLM.
         """
         self.config = config
+        self.max_loras = max_loras
         self.max_scored_prompt_tokens = max_scored_prompt_tokens
         self._scoring_left = 0  # of max_scored_prompt_tokens, in the step being scheduled
         self.eos_token_ids = eos_token_ids
@@ -340,7 +345,8 @@ class Scheduler:
             group = list(seq.request.seqs) if seq.in_beam_group else [seq]
             ids = [s.seq_id for s in group]
             if (len(group) > budget or len(self.running) + reserved + len(group) > self.config.max_num_seqs
-                    or not self.bm.can_swap_in(ids)):
+                    or not self.bm.can_swap_in(ids)
+                    or (self.max_loras is not None and self._lora_full(seq, self._running_loras()))):
                 break
             # Room for its blocks (those it holds: the window's dropped entries cost nothing; a group's shared
             # ones once) and for the token each decodes this step.
@@ -364,10 +370,32 @@ class Scheduler:
             return self.bm.num_held_blocks(ids[0])
         return len({b for i in ids for b in self.bm.get_block_table(i) if b >= 0})
 
+    def _running_loras(self) -> set[int]:
+        return {s.request.lora_request.lora_int_id for s in self.running
+                if s.request.lora_request is not None and s.status is SequenceStatus.RUNNING}
+
+    def _lora_full(self, seq: Sequence, loras: set[int] | None) -> bool:
+        """Whether `seq`'s adapter would be one more than max_loras beside `loras` (the running ones)."""
+        lora = seq.request.lora_request
+        return (loras is not None and lora is not None and lora.lora_int_id not in loras
+                and len(loras) >= self.max_loras)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, pending: int, reserved: int) -> None:
+        loras = self._running_loras() if self.max_loras is not None else None
+        skipped: list[Sequence] = []  # behind an adapter that has no slot this step: back in front, in order
+        try:
+            self._admit(out, budget, pending, reserved, loras, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit(self, out: SchedulerOutput, budget: int, pending: int, reserved: int, loras: set[int] | None,
+               skipped: list[Sequence]) -> None:
         bs = self.block_size
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self._lora_full(seq, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             req = seq.request
             # A beam search's first prompt holds the seats its beams will fill.
             seats = req.beam.params.beam_width if req.beam is not None and not seq.in_beam_group else 1
@@ -398,6 +426,8 @@ class Scheduler:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.num_cached_tokens = cached
             self.running.append(seq)
+            if loras is not None and req.lora_request is not None:
+                loras.add(req.lora_request.lora_int_id)
             out.prefill_seqs.append(seq)
             out.prefill_lens.append(n)
             self._took_chunk(seq, n)

@@ -115,6 +115,7 @@ class Request:
     # whose position has been computed (pagedkv.engine.prompt_logprobs); None when not asked.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # a DELTA output carried them already
+    lora_request: Any = None  # the LoRA adapter it runs with (pagedkv.lora.LoRARequest), or None: the base model
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -46,6 +46,10 @@ class StepBatch:
     decode_max_seq_len: int
     prefill_max_query_len: int
     prefill_max_seq_len: int
+    # LoRA (pagedkv.lora): the rows that run an adapter, grouped by slot, and each slot's start in them
+    # (int64 [M], int64 [max_loras + 1]); None when no row does.
+    lora_rows: np.ndarray | None = None
+    lora_starts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

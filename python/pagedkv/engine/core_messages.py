@@ -18,6 +18,7 @@ import dataclasses
 import msgspec
 import numpy as np
 
+from pagedkv.lora.request import LoRARequest
 from pagedkv.outputs import Logprob, RequestMetrics
 from pagedkv.sampling_params import SamplingParams
 
@@ -31,6 +32,14 @@ def pack_ids(ids: list[int] | np.ndarray) -> bytes:
 
 def unpack_ids(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
+
+
+def lora_to_wire(request: LoRARequest | None) -> tuple | None:
+    return None if request is None else dataclasses.astuple(request)
+
+
+def lora_from_wire(fields: tuple | None) -> LoRARequest | None:
+    return None if fields is None else LoRARequest(*fields)
 
 
 def params_to_wire(params: SamplingParams) -> tuple:
@@ -60,6 +69,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     cache_salt: str | None = None
     beam: tuple | None = None  # beam_params_to_wire(BeamSearchParams): a beam search (params is then unused)
     grammar: str | None = None  # params.structured_outputs compiled by the front end (serialized; GrammarVocab first)
+    lora: tuple | None = None  # lora_to_wire(LoRARequest): the adapter it runs with (the core reads the folder)
 
 
 class GrammarVocab(msgspec.Struct, tag="grammar_vocab", array_like=True):
@@ -86,10 +96,12 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 
 
 class Inspect(msgspec.Struct, tag="inspect", array_like=True):
-    """Asks for `LLMEngine.inspect()` (what="state") or `LLMEngine.kv_snapshot()` (what="kv_snapshot"), answered
-    with an Inspection after the core's current step."""
+    """Asks for `LLMEngine.inspect()` (what="state") or `LLMEngine.kv_snapshot()` (what="kv_snapshot"), or runs
+    `add_lora` / `remove_lora` / `list_loras` with `arg` (a wire LoRARequest, a lora_int_id); answered with an
+    Inspection after the core's current step (the LoRA ones: {"result": ...} or {"error": message})."""
 
     what: str = "state"
+    arg: tuple | int | None = None
 
 
 class Inspection(msgspec.Struct, tag="inspection", array_like=True):

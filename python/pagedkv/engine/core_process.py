@@ -49,6 +49,7 @@ from pagedkv.engine.core_messages import (
     WireStats,
     encoder,
     logprobs_to_wire,
+    lora_from_wire,
     metrics_to_wire,
     pack_ids,
     params_from_wire,
@@ -128,7 +129,7 @@ class EngineCore:
                 except ValueError:  # not forked yet: the front end cannot have seen its text; nothing to stop
                     logger.warning("finish of %s sample %d before its first token: ignored", request_id, index)
         elif isinstance(message, Inspect):
-            self._inspections.append(message.what)
+            self._inspections.append((message.what, message.arg))
         elif isinstance(message, Shutdown):
             return False
         return True
@@ -136,8 +137,24 @@ class EngineCore:
     def take_inspections(self) -> list[Inspection]:
         """The answers to the Inspect messages applied since the last call (the engine as it is now)."""
         asked, self._inspections = self._inspections, []
-        return [Inspection(self.engine.kv_snapshot() if what == "kv_snapshot" else self.engine.inspect())
-                for what in asked]
+        return [Inspection(self._answer(what, arg)) for what, arg in asked]
+
+    def _answer(self, what: str, arg: Any) -> dict:
+        engine = self.engine
+        if what == "kv_snapshot":
+            return engine.kv_snapshot()
+        if what == "state":
+            return engine.inspect()
+        try:
+            if what == "add_lora":
+                return {"result": engine.add_lora(lora_from_wire(arg))}
+            if what == "remove_lora":
+                return {"result": engine.remove_lora(arg)}
+            if what == "list_loras":
+                return {"result": sorted(engine.list_loras())}
+        except ValueError as e:  # an adapter that cannot run: the caller gets the reason
+            return {"error": str(e)}
+        return {"error": f"unknown inspection {what!r}"}
 
     def _load_grammar(self, grammar: str | None) -> Any:
         if grammar is None:
@@ -154,7 +171,8 @@ class EngineCore:
             params = params_from_wire(m.params) if m.beam is None else beam_params_from_wire(m.beam)
             self.engine.add_request(m.request_id, unpack_ids(m.prompt_token_ids), params,
                                     arrival_time=m.arrival_time, cache_salt=m.cache_salt,
-                                    output_kind=OutputKind.DELTA, grammar=self._load_grammar(m.grammar))
+                                    output_kind=OutputKind.DELTA, grammar=self._load_grammar(m.grammar),
+                                    lora_request=lora_from_wire(m.lora))
         except ValueError as e:  # the front end checks first: this is a second opinion, answered as a failure
             metrics = metrics_to_wire(RequestMetrics(m.arrival_time))
             self._refused.append(RequestDelta(m.request_id, [], True, metrics, f"refused by the engine core: {e}"))

@@ -90,7 +90,9 @@ class DecodeGraphs:
                     self.sizes[0], self.sizes[-1], time.perf_counter() - start)
 
     def fits(self, batch: StepBatch) -> bool:
-        return batch.num_prefills == 0 and 0 < batch.num_decode_tokens <= self.sizes[-1]
+        # A step with LoRA rows runs eagerly: the captured graphs hold no adapter map.
+        return (batch.num_prefills == 0 and 0 < batch.num_decode_tokens <= self.sizes[-1]
+                and batch.lora_rows is None)
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
         """Replays the smallest bucket holding the batch: float32 logits [num_decode_tokens, vocab] (a view

@@ -24,6 +24,7 @@ from pagedkv.engine.memory_pool import (
     plan_kv_cache,
 )
 from pagedkv.engine.model_runner import ModelRunner, check_kv_cache_dtype, profile_activation_peak
+from pagedkv.lora.manager import LoRAManager
 from pagedkv.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
                          loaded.device, args.seed, tp.channel if tp is not None and driver else None,
                          cuda_graphs=not args.enforce_eager)
     runner.eos_token_ids = loaded.eos_token_ids
+    lora_config = args.lora_config()
+    if lora_config is not None:
+        on_load = tp.channel.send_lora if tp is not None and driver else None
+        runner.lora = LoRAManager(loaded.model, lora_config, loaded.dtype, loaded.device, on_load)
     return DeviceSide(loaded, cc, sc, plan, bm, runner)
 
 

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ from pagedkv.engine.core_messages import (
     Inspection,
     StepOutputs,
     TokenizerEos,
+    lora_to_wire,
     pack_ids,
     params_to_wire,
 )
@@ -46,6 +48,7 @@ from pagedkv.engine.cpu_binding import CpuBinding, plan_cpu_binding
 from pagedkv.engine.llm_engine import EngineStats
 from pagedkv.engine.output_processor import OutputProcessor, RequestState
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
+from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import load_tokenizer, resolve_model
 from pagedkv.outputs import RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
@@ -89,6 +92,7 @@ class FrontendEngine:
         self._request_ids = itertools.count()
         self._stats = EngineStats(0, 0, 0, facts.num_gpu_blocks, 0, 0.0, 0, 0, 0, 0, 0)
         self._inspections: deque[Future] = deque()  # asked, not answered yet (the core answers in order)
+        self._held: list[RequestOutput] = []  # outputs read while a LoRA call waited (pagedkv.engine.frontend._call)
         self._grammars: GrammarCompiler | None = None  # structured outputs: built at the first request needing it
 
     @staticmethod
@@ -113,10 +117,14 @@ class FrontendEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestState:
+                    cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    lora_request: LoRARequest | None = None) -> RequestState:
         """Checks and sends a prompt to the core. Raises ValueError (and sends nothing) for a request that can
         never run. A BeamSearchParams runs a beam search: one output, when it finishes (the core also checks
-        that its beams fit in the pool)."""
+        that its beams fit in the pool). lora_request: the core reads the adapter; one that cannot run fails
+        the request there (its output carries the reason)."""
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.processor.requests:
@@ -133,7 +141,7 @@ class FrontendEngine:
         arrival = arrival_time or time.time()
         state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
         self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt,
-                                    beam, grammar))
+                                    beam, grammar, lora_to_wire(lora_request)))
         self.processor.add(state)
         return state
 
@@ -165,9 +173,9 @@ class FrontendEngine:
         """The outputs of the core's next steps: waits up to `timeout_s` (None: until some come, or `wake()`).
         With nothing unfinished it returns at once, unless a timeout is given: then it waits that long for the
         core's news (its stats after a finish or an abort). Raises EngineDeadError when the core died."""
+        outputs, self._held = self._held, []  # what came while a LoRA call waited for its answer
         if not self.processor.requests and timeout_s is None:
-            return []
-        outputs: list[RequestOutput] = []
+            return outputs
         for message in self.client.recv(timeout_s):
             if isinstance(message, Inspection):
                 if self._inspections:
@@ -182,11 +190,41 @@ class FrontendEngine:
                     self.client.send(FinishSamples(stopped))
         return outputs
 
-    def request_inspection(self, answer: Future, what: str = "state") -> None:
-        """Asks the core for `LLMEngine.inspect()` (or, what="kv_snapshot", `kv_snapshot()`); `answer` gets it
-        when a later step reads the reply."""
+    def request_inspection(self, answer: Future, what: str = "state", arg: Any = None) -> None:
+        """Asks the core for `LLMEngine.inspect()` (or, what="kv_snapshot", `kv_snapshot()`; or runs "add_lora",
+        "remove_lora", "list_loras" with `arg`: pagedkv.engine.core_messages.Inspect); `answer` gets it when a
+        later step reads the reply."""
         self._inspections.append(answer)
-        self.client.send(Inspect(what))
+        self.client.send(Inspect(what, lora_to_wire(arg) if isinstance(arg, LoRARequest) else arg))
+
+    # --- LoRA adapters, answered by the core (LLMEngine's methods) -----------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """The core reads the adapter; raises ValueError with the core's reason when it cannot run."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._call("remove_lora", lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self._call("list_loras", None))
+
+    def _call(self, what: str, arg: Any, timeout_s: float = 300.0) -> Any:
+        """Runs an engine method in the core from the thread that steps this front end (outputs that arrive
+        meanwhile are kept for the next `step`)."""
+        answer: Future = Future()
+        self.request_inspection(answer, what, arg)
+        deadline = time.monotonic() + timeout_s
+        while not answer.done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine core did not answer {what} in {timeout_s:.0f} s")
+            held, self._held = self._held, []
+            self._held = held + self.step(0.05)
+        reply = answer.result()
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return reply["result"]
 
     def wake(self) -> None:
         """Ends a `step` that is waiting (any thread may call it)."""

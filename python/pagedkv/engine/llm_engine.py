@@ -53,6 +53,7 @@ from pagedkv.engine.prompt_logprobs import take_for_output as take_prompt_logpro
 from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_prompt
 from pagedkv.engine.worker import serve_steps
 from pagedkv.errors import EngineDeadError
+from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import LoadedModel, generation_defaults, read_hf_config, resolve_model
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
 from pagedkv.sampling_params import SamplingParams
@@ -120,8 +121,10 @@ class LLMEngine:
         self.limits = RequestLimits(self.model_config.vocab_size, self.scheduler_config.max_model_len,
                                     self.scheduler_config.max_num_seqs, args.max_logprobs)
         self.block_manager, self.runner = device_side.block_manager, device_side.runner
+        lora_config = args.lora_config()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids,
-                                   max_scored_tokens(self.model_config.vocab_size, self.cache_config.block_size))
+                                   max_scored_tokens(self.model_config.vocab_size, self.cache_config.block_size),
+                                   max_loras=lora_config.max_loras if lora_config is not None else None)
         self._log_cache(device_side.plan)
         self._request_ids = itertools.count()
         # The EOS a beam search's candidates finish on: the tokenizer's, as in vLLM (a core process without a
@@ -207,18 +210,22 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
-                    beam_eos_token_id: int | None = None, grammar: Any = None) -> Request:
+                    beam_eos_token_id: int | None = None, grammar: Any = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Queues a prompt. Raises ValueError (and queues nothing) for a request that can never run.
 
         params: a BeamSearchParams runs a beam search (pagedkv.core.beam_search), whose one output comes when
         it finishes: its best hypotheses, best first. beam_eos_token_id: the EOS its candidates finish on
         (default: the tokenizer's). grammar: params.structured_outputs already compiled (an engine core gets it
-        from its front end); else it is compiled here.
+        from its front end); else it is compiled here. lora_request: the LoRA adapter to run it with (the engine
+        needs enable_lora; the adapter is read now, so one that cannot run is refused here).
         """
         params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, token_ids = self.tokenize(prompt)
         self._validate(request_id, token_ids, params, cache_salt)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
             grammar = self._grammars().compile(params.structured_outputs)
         bad_words = (bad_words_token_ids(self.tokenizer, params.bad_words, params.bad_words_token_ids)
@@ -229,10 +236,12 @@ class LLMEngine:
             beam = BeamGroup(params, eos, len(token_ids))
             params = params.to_sampling_params()
         extra = (cache_salt,) if cache_salt is not None else ()
+        if lora_request is not None:  # blocks computed under an adapter are shared only under the same one
+            extra += (lora_request.prefix_cache_key,)
         if self.prefix_diagnostics is not None:
             self.prefix_diagnostics.observe(token_ids, extra)
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()),
-                      output_kind, extra, beam=beam, bad_words_ids=bad_words)
+                      output_kind, extra, beam=beam, bad_words_ids=bad_words, lora_request=lora_request)
         for i in range(params.n):
             gen = None
             if params.seed is not None:  # seed + i may pass INT64_MAX: the generator takes any uint64
@@ -246,6 +255,31 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return req
+
+    # --- LoRA adapters (vLLM's methods) ------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads an adapter and keeps it in host memory (up to max_cpu_loras; the least recently used go first).
+        Raises ValueError when the engine has no enable_lora or the adapter cannot run (the message says why)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine was started without LoRA "
+                             "(enable_lora=True, --enable-lora)")
+        self.runner.lora.register(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (False if not held). Requests running with it are aborted."""
+        if self.runner.lora is None:
+            return False
+        running = [rid for rid, req in self.requests.items()
+                   if req.lora_request is not None and req.lora_request.lora_int_id == lora_int_id]
+        self.abort_request(running)
+        return self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters held in host memory."""
+        return set(self.runner.lora.loaded_ids) if self.runner.lora is not None else set()
 
     def _grammars(self) -> GrammarCompiler:
         """The structured-outputs compiler, built at the first request that needs it (~0.2 s)."""

@@ -39,6 +39,7 @@ from pagedkv.engine.cuda_graphs import DecodeGraphs
 from pagedkv.engine.prompt_logprobs import PromptLogits, PromptRows
 from pagedkv.engine.prompt_logprobs import plan_rows as plan_prompt_rows
 from pagedkv.kv_cache import KVCache, allocate_layer_cache, gather_block_bytes, kv_cache_format, scatter_block_bytes
+from pagedkv.lora.manager import LoRAManager
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.kv_scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from pagedkv.model.protocol import CausalLM
@@ -148,6 +149,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids: set[int] = set()  # set by the engine; banned before a request's min_tokens
         self.sampler = Sampler(self.generator)
+        self.lora: LoRAManager | None = None  # the adapters' slots when the engine serves LoRA (device_setup)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self._forward_logits, device, max_seqs, self.max_blocks_per_seq,
@@ -290,14 +292,22 @@ class ModelRunner:
         num_tokens = self.bm.fill_metadata(seq_ids, block_tables, self._slot_mapping, self._seq_lens, query_lens)
         qsl = np.zeros(npf + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
+        lora = self._lora_map(decodes, prefills, lens) if self.lora is not None else None
         batch = StepBatch(
             input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
             slot_mapping=self._slot_mapping[:num_tokens], block_tables=block_tables,
             seq_lens=self._seq_lens[:num_seqs], query_start_loc=qsl,
             logits_indices=np.asarray(logits_rows, dtype=np.int64), num_decode_tokens=nd,
             decode_max_seq_len=max(seq_lens_py[:nd], default=0), prefill_max_query_len=max(lens, default=0),
-            prefill_max_seq_len=max(seq_lens_py[nd:], default=0))
+            prefill_max_seq_len=max(seq_lens_py[nd:], default=0),
+            lora_rows=lora[0] if lora else None, lora_starts=lora[1] if lora else None)
         return batch, sampled_seqs, prompt_rows
+
+    def _lora_map(self, decodes: list[Sequence], prefills: list[Sequence],
+                  lens: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's rows per adapter slot (loading the adapters it needs into slots; pagedkv.lora.manager)."""
+        requests = [s.request.lora_request for s in decodes] + [s.request.lora_request for s in prefills]
+        return self.lora.step_map(requests, [1] * len(decodes) + list(lens))
 
     def device_inputs(self, batch: StepBatch) -> StepInputs:
         """The batch's arrays on the model's device (zero-copy on the CPU, one copy each on CUDA)."""
@@ -431,8 +441,14 @@ class ModelRunner:
         # Every rank decides alike (same batch, same state), and each computes the scales of its own heads.
         calibrate = self.kv_scales_pending and batch.num_prefills > 0
         inputs.meta.calibrate_kv_scales = calibrate
-        with ops.index_checks(False):
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.lora is not None:
+            self.lora.set_step(batch.lora_rows, batch.lora_starts)
+        try:
+            with ops.index_checks(False):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        finally:
+            if self.lora is not None:  # another engine sharing the model must not see this step's map
+                self.lora.set_step(None, None)
         if calibrate:  # only once the forward went through: a failed step leaves it to the next one
             self.kv_scales_pending = False
             self._log_calibrated_scales()

@@ -15,6 +15,7 @@ import torch
 from pagedkv.config import EngineArgs
 from pagedkv.distributed.runtime import TPRuntime
 from pagedkv.engine.device_setup import build_device_side
+from pagedkv.lora.request import LoRARequest
 
 
 def serve_steps(args: EngineArgs, runtime: TPRuntime) -> int:
@@ -23,6 +24,10 @@ def serve_steps(args: EngineArgs, runtime: TPRuntime) -> int:
     steps = 0
     with torch.inference_mode():
         while (message := runtime.channel.recv()) is not None:
+            if isinstance(message[1], LoRARequest):  # an adapter for a slot, before the step that uses it
+                slot, request = message
+                runner.lora.load_into_slot(slot, runner.lora.register(request))
+                continue
             runner.run_batch(*message, checked=True)  # the driver checked it before sending
             steps += 1
     return steps

@@ -60,9 +60,12 @@ def one_plus_weight_loader(param: nn.Parameter, loaded) -> None:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks: y [*, out_features / tp]."""
 
+    lora = None  # a pagedkv.lora.layers.LinearLoRA when the engine serves LoRA adapters
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.in_features = in_features
         self.out_per_rank = _divide(out_features, self.tp_size, "output features")
         self.weight = _set_loader(nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False),
                                   self.weight_loader)
@@ -139,9 +142,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split across ranks; the partial sums are all-reduced."""
 
+    lora = None  # a pagedkv.lora.layers.LinearLoRA when the engine serves LoRA adapters
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.out_features = out_features
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = _set_loader(nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False),
                                   self.weight_loader)
@@ -170,10 +176,14 @@ def _pack(layer: nn.Module) -> None:
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b, plus the step's LoRA adapters on their tokens' rows. A row-parallel layer adds its adapters'
+    share before the all-reduce: the sum over ranks of x_r A_r^T B^T is x A^T B^T."""
     packed = getattr(layer, "packed_weight", None)
-    if packed is not None:
-        return cpu_linear.packed_linear(x, packed, bias)
-    return F.linear(x, layer.weight, bias)
+    y = cpu_linear.packed_linear(x, packed, bias) if packed is not None else F.linear(x, layer.weight, bias)
+    lora = layer.lora
+    if lora is not None and lora.step.active:
+        lora.apply(y, x)
+    return y
 
 
 class VocabParallelEmbedding(nn.Module):
