@@ -9,7 +9,9 @@ VLLM_CPU_OMP_THREADS_BIND.
 
 W.json: {"prompts": [[ids]], "output_lens": [n], "warmup_prompts": [[ids]], "warmup_output_lens": [n],
          "max_num_seqs": int, "max_num_batched_tokens": int, "seed": int, "enable_prefix_caching": bool (optional),
-         "dtype": str (optional, default "float32"), "kv_cache_dtype": str (optional, default "auto")}
+         "dtype": str (optional, default "float32"), "kv_cache_dtype": str (optional, default "auto"),
+         "lora_paths": [str] (optional: LoRA adapter folders; enables LoRA), "prompt_loras": [int] (the
+         adapter index of each prompt, -1 for none), "warmup_loras": [int], "max_loras": int, "max_lora_rank": int}
 R.json: {"token_ids": [[ids]], "elapsed_s": float, "load_s": float, "vllm_version": str,
          "torch_version": str}
 Only llm.generate() of the workload is timed; loading and the warm-up are not.
@@ -28,10 +30,21 @@ def sampling_params(output_lens: list[int]):
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in output_lens]
 
 
-def generate(llm, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
-    """Token ids generated for each prompt, in prompt order."""
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params(output_lens), use_tqdm=False)
+def generate(llm, prompts: list[list[int]], output_lens: list[int], loras=None) -> list[list[int]]:
+    """Token ids generated for each prompt, in prompt order (loras: a LoRARequest or None per prompt)."""
+    extra = {"lora_request": loras} if loras is not None else {}
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params(output_lens), use_tqdm=False,
+                           **extra)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def lora_requests(paths: list[str], indices: list[int] | None):
+    """vLLM LoRARequests for adapter indices (-1: the base model); None when the workload has no adapters."""
+    if not paths or indices is None:
+        return None
+    from vllm.lora.request import LoRARequest
+    made = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(paths)]
+    return [made[i] if i >= 0 else None for i in indices]
 
 
 def main() -> None:
@@ -54,12 +67,16 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=wl.get("dtype", "float32"), seed=wl["seed"], max_num_seqs=wl["max_num_seqs"],
               max_num_batched_tokens=wl["max_num_batched_tokens"],
               enable_prefix_caching=bool(wl.get("enable_prefix_caching", False)),
-              kv_cache_dtype=wl.get("kv_cache_dtype", "auto"))
+              kv_cache_dtype=wl.get("kv_cache_dtype", "auto"),
+              **({"enable_lora": True, "max_loras": wl["max_loras"], "max_lora_rank": wl["max_lora_rank"]}
+                 if wl.get("lora_paths") else {}))
     load_s = time.perf_counter() - start
     if wl.get("warmup_prompts"):
-        generate(llm, wl["warmup_prompts"], wl["warmup_output_lens"])
+        generate(llm, wl["warmup_prompts"], wl["warmup_output_lens"],
+                 lora_requests(wl.get("lora_paths"), wl.get("warmup_loras")))
     start = time.perf_counter()
-    token_ids = generate(llm, wl["prompts"], wl["output_lens"])
+    token_ids = generate(llm, wl["prompts"], wl["output_lens"], lora_requests(wl.get("lora_paths"),
+                                                                            wl.get("prompt_loras")))
     elapsed = time.perf_counter() - start
     result = {"token_ids": token_ids, "elapsed_s": elapsed, "load_s": load_s, "vllm_version": vllm.__version__,
               "torch_version": torch.__version__}

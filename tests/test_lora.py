@@ -9,28 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_util import _save_adapter
 from pagedkv import LLM, LoRARequest, SamplingParams
 
 peft = pytest.importorskip("peft")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 8
-
-
-def _save_adapter(base_dir, out_dir, seed: int, **lora_kwargs) -> str:
-    """A PEFT LoRA adapter of the default model with random (non-zero) A and B, saved to out_dir."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    config = peft.LoraConfig(init_lora_weights=False, **lora_kwargs)
-    wrapped = peft.get_peft_model(model, config)
-    with torch.no_grad():  # small enough that greedy outputs move but stay text-like
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name:
-                p.mul_(0.5)
-    wrapped.save_pretrained(str(out_dir))
-    return str(out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +54,8 @@ def _peft_logprobs(peft_model, adapter: str | None, prompt_ids: list[int], out_i
 
 
 def _llm(loaded_model, **kwargs) -> LLM:
-    kwargs = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "kv_cache_memory": 64 << 20, "max_model_len": 512} | kwargs
+    kwargs = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "kv_cache_memory": 64 << 20,
+              "max_model_len": 512} | kwargs
     return LLM(loaded_model=loaded_model, device="cpu", dtype="float32", **kwargs)
 
 
@@ -98,7 +84,8 @@ def test_mixed_batch_matches_peft(loaded_model, adapters, peft_model):
     for i in (1, 2):
         c = outputs[i].outputs[0]
         base = _peft_logprobs(peft_model, None, list(outputs[i].prompt_token_ids), list(c.token_ids))
-        moved = max(abs(e[t].logprob - base[j, t].item()) for j, (t, e) in enumerate(zip(c.token_ids, c.logprobs)))
+        pairs = enumerate(zip(c.token_ids, c.logprobs, strict=True))
+        moved = max(abs(e[t].logprob - base[j, t].item()) for j, (t, e) in pairs)
         assert moved > 1e-2, (names[i], moved)
 
 
@@ -175,6 +162,16 @@ def test_lora_needs_enable_lora(loaded_model, adapters):
         LoRARequest("x", 0, "/tmp")
 
 
+def test_two_engines_on_one_model_keep_their_own_adapters(loaded_model, adapters, peft_model):
+    """Two LoRA engines sharing one loaded model, used in turn: each applies its own slots (the one built last
+    does not take the other's projections)."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, ignore_eos=True)
+    first, second = _llm(loaded_model), _llm(loaded_model)
+    for llm, name in ((first, "full"), (second, "qv"), (first, "qv"), (second, "full")):
+        out = llm.generate(PROMPTS[1], params, use_tqdm=False, lora_request=adapters[name])
+        _check_against_peft(peft_model, out, [name])
+
+
 def test_same_id_other_adapter_is_refused(loaded_model, adapters):
     llm = _llm(loaded_model)
     llm.llm_engine.add_lora(adapters["qv"])
@@ -182,3 +179,25 @@ def test_same_id_other_adapter_is_refused(loaded_model, adapters):
         llm.llm_engine.add_lora(LoRARequest("other", 2, adapters["full"].lora_path))
     assert llm.llm_engine.list_loras() == {2}
     assert llm.llm_engine.remove_lora(2) and not llm.llm_engine.list_loras()
+
+
+def test_tensor_parallel_matches_one_device(loaded_model, adapters, default_model_dir):
+    """The default model at tensor_parallel_size=3 (each rank its shard of A or B): the same greedy tokens as one
+    device, with one slot reloaded between the two adapters on every rank."""
+    from model_util import assert_same_greedy
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    loras = [adapters["full"], None, adapters["qv"], adapters["full"]]
+    prompts = PROMPTS + PROMPTS[:1]
+    common = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8, "kv_cache_memory": 32 << 20,
+              "max_model_len": 256, "device": "cpu", "dtype": "float32"}
+    ref = LLM(loaded_model=loaded_model, **common).generate(prompts, params, use_tqdm=False, lora_request=loras)
+    with LLM(str(default_model_dir), tensor_parallel_size=3, **common) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert all(o.error is None for o in outputs)
+    assert_same_greedy(ref, outputs, "LoRA at tensor_parallel_size=3")
+    for r, o in zip(ref, outputs, strict=True):  # the adapters' effect on the logprobs too, not only the argmax
+        a, b = r.outputs[0], o.outputs[0]
+        if a.token_ids == b.token_ids:
+            assert [e[t].logprob for t, e in zip(b.token_ids, b.logprobs, strict=True)] == pytest.approx(
+                [e[t].logprob for t, e in zip(a.token_ids, a.logprobs, strict=True)], abs=1e-3)

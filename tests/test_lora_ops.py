@@ -129,7 +129,7 @@ def _aten_ops_called(fn) -> set[str]:
 
 def test_lora_linear_add_consecutive_rows_take_views():
     """The fast path is taken: consecutive increasing rows gather and scatter nothing; the same rows
-    out of order (or with a gap) do."""
+    out of order (or with a gap) are gathered (the CPU adds the rows back itself, not with index_add_)."""
     gen = _gen(2)
     lora_a, lora_b = _weights(1, 13, 29, 1, 3, torch.float32, "cpu", gen)
     input, out = torch.randn(8, 13, generator=gen), torch.randn(8, 29, generator=gen)
@@ -143,7 +143,7 @@ def test_lora_linear_add_consecutive_rows_take_views():
     assert "aten::addmm_" in consecutive
     assert not {"aten::index_select", "aten::index_add_"} & consecutive
     for rows in ([3, 2, 4, 5], [2, 3, 5, 6]):
-        assert {"aten::index_select", "aten::index_add_"} <= called(rows)
+        assert "aten::index_select" in called(rows)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -858,3 +858,26 @@ def test_a_beam_whose_row_raised_fails_its_group_and_not_the_next():
     update = sched.update_from_output(out, rows, sampled, [None, RuntimeError("row 1"), None, None], now=1.0)
     assert list(update.failed) == [first.request_id]
     assert update.appended == second.seqs and all(len(s.output_token_ids) == 2 for s in second.seqs)
+
+
+def test_max_loras_admits_past_an_adapter_without_a_slot():
+    """max_loras=1 with adapter 1 running: a waiting request of adapter 2 waits, the requests behind it that run
+    adapter 1 or no adapter are admitted in order, and adapter 2's goes first once adapter 1 is done."""
+    from pagedkv.lora import LoRARequest
+
+    sched = make_scheduler(64)
+    sched.max_loras = 1
+    lora = {i: LoRARequest(f"a{i}", i, f"/adapters/{i}") for i in (1, 2)}
+    running = running_decode(sched, 0, 8)
+    running.request.lora_request = lora[1]
+    waiting = [make_seq(i, 8) for i in (1, 2, 3, 4)]
+    for seq, adapter in zip(waiting, (2, 1, None, 2), strict=True):
+        seq.request.lora_request = lora.get(adapter)
+        sched.add(seq)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.prefill_seqs] == [2, 3]
+    assert [s.seq_id for s in sched.waiting] == [1, 4]  # still in arrival order, first in line
+    for s in (running, *out.prefill_seqs):
+        sched.finish(s, "stop")
+    out = sched.schedule()
+    assert [s.seq_id for s in out.prefill_seqs] == [1, 4]  # both adapter 2: one slot serves them

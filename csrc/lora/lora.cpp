@@ -3,6 +3,8 @@
 // calls only (mm / addmm_ / index_select / index_add_ / narrow), so one kernel serves the
 // CPU and CUDA (registered CompositeExplicitAutograd); the GEMMs are torch's.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <utility>
@@ -107,6 +109,32 @@ bool consecutive_rows(const int64_t* rows, int64_t n) {
   return true;
 }
 
+// out[rows[i], :] += delta[i, :] on the CPU: torch's index_add_ scatters element by element on one
+// thread (a millisecond per projection in a decode step); this adds whole rows, the columns split over
+// the threads, so a row listed twice is still added twice without a race.
+void add_rows_cpu(at::Tensor& out, const int64_t* rows, int64_t n, const at::Tensor& delta) {
+  const int64_t N = out.size(1), so = out.stride(0), sc = out.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "lora_linear_add", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* d = delta.const_data_ptr<scalar_t>();  // contiguous [n, N]
+    at::parallel_for(0, N, 512, [&](int64_t c0, int64_t c1) {
+      for (int64_t i = 0; i < n; ++i) {
+        scalar_t* orow = o + rows[i] * so;
+        const scalar_t* drow = d + i * N;
+        if (sc == 1) {
+          for (int64_t c = c0; c < c1; ++c) {
+            orow[c] = static_cast<scalar_t>(static_cast<float>(orow[c]) + static_cast<float>(drow[c]));
+          }
+        } else {
+          for (int64_t c = c0; c < c1; ++c) {
+            orow[c * sc] = static_cast<scalar_t>(static_cast<float>(orow[c * sc]) + static_cast<float>(drow[c]));
+          }
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 void lora_linear_add(at::Tensor& out, const at::Tensor& input, const at::Tensor& lora_a, const at::Tensor& lora_b,
@@ -146,7 +174,16 @@ void lora_linear_add(at::Tensor& out, const at::Tensor& input, const at::Tensor&
         at::Tensor cols = delta.narrow(1, off, width);
         at::mm_out(cols, xa.narrow(1, j * R, R), b.narrow(0, off, width).t());
       }
-      out.index_add_(0, index, delta);
+      if (out.is_cpu()) {
+        // The value checks may be off: a bad row stops here with an error, never a stray write.
+        for (int64_t i = 0; i < n; ++i) {
+          TORCH_CHECK(rows[begin + i] >= 0 && rows[begin + i] < T, kOp, ": token_rows[", begin + i, "] = ",
+                      rows[begin + i], " is outside the ", T, " rows of input and out");
+        }
+        add_rows_cpu(out, rows + begin, n, delta);
+      } else {
+        out.index_add_(0, index, delta);
+      }
     }
   }
 }

@@ -74,6 +74,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads-bind", default=None,
                    help="the engine core's compute CPUs: auto, all, nobind, or a list like 0-3,6 (vLLM's "
                         "VLLM_CPU_OMP_THREADS_BIND); default $PAGEDKV_CPU_THREADS_BIND, else auto")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) beside the model: a request names one (serve: its "
+                        "`model`, see --lora-modules)")
+    p.add_argument("--max-loras", type=int, default=1, help="most LoRA adapters in one step (each a device slot)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="highest LoRA rank served (sizes the slots)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept in host memory, least recently used dropped first (default --max-loras)")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -90,7 +97,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "kv_cache_dtype": ns.kv_cache_dtype, "calculate_kv_scales": ns.calculate_kv_scales,
             "kv_offloading_size": ns.kv_offloading_size, "kv_cache_dir": ns.kv_cache_dir,
             "kv_cache_dir_size": ns.kv_cache_dir_size, "kv_events_config": ns.kv_events_config,
-            "hf_overrides": ns.hf_overrides}
+            "hf_overrides": ns.hf_overrides, "enable_lora": ns.enable_lora, "max_loras": ns.max_loras,
+            "max_lora_rank": ns.max_lora_rank, "max_cpu_loras": ns.max_cpu_loras}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -223,6 +231,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first labels the metrics (default: MODEL as given)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), read at start: each name=path or a JSON "
+                        "object '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's `model` "
+                        "picks one by name. $PAGEDKV_ALLOW_RUNTIME_LORA_UPDATING=1 adds POST /v1/load_lora_adapter "
+                        "and /v1/unload_lora_adapter")
     p.add_argument("--api-key", nargs="+", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics; several keys "
                         "(space- or comma-separated) are all accepted (default: $PAGEDKV_API_KEY)")

@@ -43,6 +43,10 @@ class EngineStats:
     kv_disk_load_seconds: float = 0.0
     kv_disk_files_rejected: int = 0  # corrupt, truncated or foreign files: never used
     kv_disk_write_errors: int = 0
+    # LoRA adapters (vLLM's vllm:lora_requests_info labels): the names of those that requests now running / waiting
+    # run with, sorted and comma-joined ("" without any, or without enable_lora).
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -269,12 +269,10 @@ class LLMEngine:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forgets an adapter (False if not held). Requests running with it are aborted."""
+        """Forgets an adapter: its host copy and its slot (False if not held). As in vLLM, requests still running
+        with it are not stopped: the next step that schedules one reads the adapter again."""
         if self.runner.lora is None:
             return False
-        running = [rid for rid, req in self.requests.items()
-                   if req.lora_request is not None and req.lora_request.lora_int_id == lora_int_id]
-        self.abort_request(running)
         return self.runner.lora.remove(lora_int_id)
 
     def list_loras(self) -> set[int]:
@@ -572,6 +570,15 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         pc = bm.prefix_cache_stats
+        lora: dict[str, str] = {}
+        if self.runner.lora is not None:  # the adapters of the running and waiting (or swapped) requests, by name
+
+            def names(seqs: Iterable[Sequence]) -> str:
+                return ",".join(sorted({s.request.lora_request.lora_name for s in seqs
+                                        if s.request.lora_request is not None}))
+
+            lora = {"running_lora_adapters": names(s for s in sched.running if s.status is SequenceStatus.RUNNING),
+                    "waiting_lora_adapters": names(itertools.chain(sched.waiting, sched.swapped))}
         return EngineStats(
             num_running=sum(1 for s in sched.running if s.status is SequenceStatus.RUNNING),
             num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
@@ -580,4 +587,4 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions, prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens, peak_used_gpu_blocks=self.counters.peak_used_blocks,
             prefix_divergence_warnings=self.prefix_diagnostics.num_warnings if self.prefix_diagnostics else 0,
-            **(self.kv_offload.stats_fields() if self.kv_offload is not None else {}))
+            **(self.kv_offload.stats_fields() if self.kv_offload is not None else {}), **lora)

@@ -51,10 +51,12 @@ class LoRAManager:
         self.modules = lora_capable_modules(model)
         if not self.modules:
             raise ValueError(f"enable_lora: {model.config.architecture} has no projections pagedkv can adapt")
-        # Attached to the shared modules: the forward of this engine reads them (an engine that shares the model
-        # and does not serve adapters leaves its step inactive: the slots are skipped).
-        for module in self.modules.values():
-            module.lora = LinearLoRA(module, config.max_loras, config.max_lora_rank, dtype, device, self.step)
+        # This engine's slots of each projection. Engines can share one loaded model: `set_step` attaches this
+        # engine's slots to the modules before its forward (an engine without LoRA never activates a step, and
+        # the slots attached then are skipped).
+        self.slots_of = {name: LinearLoRA(m, config.max_loras, config.max_lora_rank, dtype, device, self.step)
+                         for name, m in self.modules.items()}
+        self._attach()
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, least recently used first
         self.slots: list[int | None] = [None] * config.max_loras  # lora_int_id in each slot
         self.slot_used: list[int] = [0] * config.max_loras  # step count of each slot's last use
@@ -106,14 +108,18 @@ class LoRAManager:
 
     # --- device slots ----------------------------------------------------------------------------
     def _layers(self):
-        return (m.lora for m in self.modules.values())
+        return self.slots_of.values()
+
+    def _attach(self) -> None:
+        for name, module in self.modules.items():
+            module.lora = self.slots_of[name]
 
     def load_into_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         """Writes `adapter` into device slot `slot` of every projection (the parts it does not adapt: zeros)."""
         for lora in self._layers():
             lora.clear_slot(slot)
         for part in adapter.parts:
-            self.modules[part.module].lora.set_part(slot, part.shard, part.lora_a, part.lora_b)
+            self.slots_of[part.module].set_part(slot, part.shard, part.lora_a, part.lora_b)
         self.slots[slot] = adapter.request.lora_int_id
 
     def slot_for(self, request: LoRARequest, in_use: set[int]) -> int:
@@ -161,5 +167,8 @@ class LoRAManager:
         if token_rows is None or len(token_rows) == 0:
             self.step.clear()
             return
+        first = next(iter(self.modules.values()))
+        if first.lora is not self.slots_of[next(iter(self.modules))]:  # another engine on the same model ran last
+            self._attach()
         dev = self.device
         self.step.set(torch.from_numpy(token_rows).to(dev), torch.from_numpy(slot_starts).to(dev))

@@ -3,12 +3,16 @@
     pagedkv serve [MODEL] [--host 127.0.0.1] [--port 8000] [engine flags] [--served-model-name NAME]
                   [--api-key KEY[,KEY...]] [--protect-metrics] [--max-request-body-bytes N]
                   [--max-json-nesting-depth N] [--enable-prompt-tokens-details] [--shutdown-timeout S]
+                  [--enable-lora [--lora-modules NAME=PATH ...] [--max-loras N] [--max-lora-rank R]]
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (streamed as server-sent events with `stream: true`), GET /health,
 GET /version, GET /metrics (Prometheus, vLLM's metric names), vLLM's
 POST /tokenize and /detokenize, and the KV-cache page GET /dashboard
-(pagedkv.server.dashboard). Every error is an OpenAI error body
+(pagedkv.server.dashboard). With $PAGEDKV_ALLOW_RUNTIME_LORA_UPDATING=1,
+vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter too (a
+request's `model` names the base model or a LoRA adapter:
+pagedkv.server.serving_models). Every error is an OpenAI error body
 ({"error": {"message", "type", "param", "code"}}), never a 5xx for a bad
 request.
 
@@ -44,7 +48,7 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -56,7 +60,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.make_engine import make_engine
 from pagedkv.model.loader import LoadedModel
 from pagedkv.server.api_key import APIKeyMiddleware, ASGIApp, Scope, error_response
-from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, EngineDraining
 from pagedkv.server.dashboard import QUERY_KEY_PATHS, mount_dashboard
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -64,13 +68,21 @@ from pagedkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
-from pagedkv.server.serving import ServingOptions
+from pagedkv.server.serving import ServingOptions, engine_error
 from pagedkv.server.serving_chat import OpenAIServingChat
 from pagedkv.server.serving_completion import OpenAIServingCompletion
+from pagedkv.server.serving_models import (
+    LoRAModulePath,
+    OpenAIServingModels,
+    load_lora_modules,
+    parse_lora_module,
+    runtime_lora_updating_allowed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +103,8 @@ class ServerOptions:
     enable_prompt_tokens_details: bool = False
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     dashboard_interval_s: float = 0.5  # /dashboard/stream: seconds between snapshots
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's); None: $PAGEDKV_ALLOW_RUNTIME_LORA_UPDATING
+    allow_runtime_lora_updating: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dashboard_interval_s <= 0:
@@ -220,14 +234,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(f"internal server error: {exc!r}", 500, type="server_error"))
 
 
-def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics, model_names: list[str],
+def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics, models: OpenAIServingModels,
                 options: ServerOptions) -> None:
     serving = ServingOptions(enable_prompt_tokens_details=options.enable_prompt_tokens_details)
-    completions = OpenAIServingCompletion(async_engine, model_names, serving)
-    chat = OpenAIServingChat(async_engine, model_names, serving, executor=completions.executor,
+    completions = OpenAIServingCompletion(async_engine, models, serving)
+    chat = OpenAIServingChat(async_engine, models, serving, executor=completions.executor,
                              tokenizer=completions.tokenizer)
-    engine = async_engine.engine
-    root = str(engine.args.model) if engine.args.model else engine.model_name
 
     @app.get("/health")
     async def health() -> Response:
@@ -248,13 +260,11 @@ def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        cards = [ModelCard(id=name, root=root, max_model_len=completions.max_model_len) for name in model_names]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=models.model_cards()).model_dump()
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
-        completions.check_model(model)
-        return ModelCard(id=model, root=root, max_model_len=completions.max_model_len).model_dump()
+        return models.model_card(model).model_dump()
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
@@ -288,32 +298,72 @@ def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
             raise APIError(f"Token id {bad} is out of vocabulary [0, {size}).", param="tokens")
         return {"prompt": await completions.off_loop(tok.decode, req.tokens)}
 
+    allow_lora_updating = options.allow_runtime_lora_updating
+    if allow_lora_updating is None:
+        allow_lora_updating = runtime_lora_updating_allowed()
+    if allow_lora_updating:  # else the routes do not exist (404), as in vLLM without its variable
+        _add_lora_routes(app, models)
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """vLLM's runtime LoRA routes: 200 with a plain-text line, else an OpenAI error body."""
+    logger.warning("runtime LoRA updating is on: clients with access to the API can load adapters from this "
+                   "machine's files (POST /v1/load_lora_adapter)")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        try:
+            return PlainTextResponse(await models.load_lora_adapter(req.lora_name, req.lora_path))
+        except (EngineDeadError, EngineDraining) as e:
+            raise engine_error(e) from e
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        try:
+            return PlainTextResponse(await models.unload_lora_adapter(req.lora_name, req.lora_int_id))
+        except (EngineDeadError, EngineDraining) as e:
+            raise engine_error(e) from e
+
 
 def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               loaded: LoadedModel | None = None, engine: LLMEngine | None = None,
-              log_interval_s: float = 10.0, options: ServerOptions | None = None) -> FastAPI:
+              log_interval_s: float = 10.0, options: ServerOptions | None = None,
+              lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
     """Builds the engine (loading the model, or reusing `loaded`, a model already in memory; or takes `engine`)
     and returns the app. The engine thread starts with the app (its lifespan) and stops with it.
 
     The engine core runs in its own process (`args.engine_core` "auto" or "process"), unless it is given
     (`engine`, `loaded`) or asked for in this process ("inproc"): then on the server's engine thread.
 
-    api_key: one key or several comma-separated (added to options.api_keys).
+    api_key: one key or several comma-separated (added to options.api_keys). lora_modules: LoRA adapters to
+    serve (args.enable_lora), read by the engine here: ValueError naming the first that cannot run.
     """
     options = options or ServerOptions()
     if api_key:
         options = dataclasses.replace(options, api_keys=options.api_keys + parse_api_keys(api_key))
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (enable_lora=True)")
     engine = engine or make_engine(args, loaded, default_core="process")
     model_names = list(served_model_names or [str(args.model) if args.model else engine.model_name])
+    try:
+        loras = load_lora_modules(engine, lora_modules or [], model_names)
+    except ValueError:
+        engine.shutdown()  # a core process must not outlive the failed start
+        raise
     metrics = ServerMetrics(model_names[0], engine.scheduler_config.max_model_len, log_interval_s,
-                            cache_info=engine.cache_config.metrics_info())
+                            cache_info=engine.cache_config.metrics_info(),
+                            max_loras=engine.args.max_loras if engine.args.enable_lora else None)
     metrics.advice_log = AdviceLog.for_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
+    root = str(engine.args.model) if engine.args.model else engine.model_name
+    models = OpenAIServingModels(async_engine, model_names, root, engine.scheduler_config.max_model_len, loras)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         logger.info("serving %s as %s", engine.model_name, ", ".join(model_names))
+        if loras:
+            logger.info("LoRA adapters: %s", ", ".join(f"{r.lora_name} ({r.lora_path})" for r in loras))
         try:
             yield
         finally:
@@ -323,9 +373,9 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
 
     app = FastAPI(title="pagedkv OpenAI-compatible server", version=pagedkv.__version__, lifespan=lifespan)
     app.state.engine, app.state.async_engine, app.state.metrics = engine, async_engine, metrics
-    app.state.options = options
+    app.state.options, app.state.models = options, models
     _add_error_handlers(app)
-    _add_routes(app, async_engine, metrics, model_names, options)
+    _add_routes(app, async_engine, metrics, models, options)
     mount_dashboard(app, async_engine, options.dashboard_interval_s)
     app.add_middleware(RequestGuardMiddleware, options=options, is_draining=lambda: async_engine.draining)
     if options.api_keys:  # added last: the outermost, so no body is read for an unauthenticated request
@@ -415,7 +465,8 @@ def run_server(args: EngineArgs, ns: argparse.Namespace) -> int:
                             shutdown_timeout=ns.shutdown_timeout, dashboard_interval_s=ns.dashboard_interval)
     if options.protect_metrics and not keys:
         raise ValueError("--protect-metrics needs --api-key (or $PAGEDKV_API_KEY)")
-    app = build_app(args, served_model_names=ns.served_model_name, options=options)
+    lora_modules = [parse_lora_module(text) for text in ns.lora_modules or ()]
+    app = build_app(args, served_model_names=ns.served_model_name, options=options, lora_modules=lora_modules)
     binding = getattr(app.state.engine, "cpu_binding", None)
     if binding is not None:
         apply_frontend_binding(binding)  # off the core's CPUs, when some are left

@@ -5,6 +5,7 @@
                                           engine.step() while requests are unfinished
     RequestOutputCollector  <---------    one loop.call_soon_threadsafe per step with every output
     generate() exits early -> abort --->  (a client that went away frees its blocks)
+    add_lora / remove_lora ----------->  the engine's (in its core process: an inspection), answered by a Future
 
 Only the engine thread touches the engine after `start()`; the asyncio side
 talks to it through a deque guarded by a Condition (the thread sleeps on it
@@ -20,7 +21,8 @@ tensor-parallel rank, an unusable device, an error outside a step) ends the
 thread: every request in flight, and every later one, gets an
 EngineDeadError (503), and `on_dead` is called once so the server can exit.
 Draining (SIGTERM): new requests get EngineDraining (503), the ones in
-flight run to the end or until `abort_all`.
+flight run to the end or until `abort_all`. Unloading a LoRA adapter ends
+its requests in flight (and refuses later ones naming it) with a 404.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pagedkv.beam_search import BeamSearchParams
 from pagedkv.core.sequence import OutputKind
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine
 from pagedkv.errors import EngineDeadError
+from pagedkv.lora.request import LoRARequest
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.server.metrics import ServerMetrics
@@ -52,11 +55,12 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineDraining", "EngineRequest", 
 
 
 class RequestRefused(ValueError):
-    """The engine refused the request at add_request (answered with 400). param: the field at fault."""
+    """The engine refused the request at add_request (answered with 400), or its LoRA adapter was unloaded (404).
+    param: the field at fault."""
 
-    def __init__(self, message: str, param: str | None = "prompt") -> None:
+    def __init__(self, message: str, param: str | None = "prompt", status_code: int = 400) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status_code = param, status_code
 
 
 class EngineStepError(RuntimeError):
@@ -70,7 +74,8 @@ class EngineDraining(RuntimeError):
 @dataclass(slots=True)
 class EngineRequest:
     """One prompt for the engine. tag: which prompt of its HTTP request it is (the choice index base). params:
-    BeamSearchParams for a beam search (the engine runs it and answers once, with the best beams)."""
+    BeamSearchParams for a beam search (the engine runs it and answers once, with the best beams). lora_request:
+    the LoRA adapter it runs with (None: the base model)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -79,6 +84,7 @@ class EngineRequest:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)
     tag: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +93,7 @@ class _Stream:
 
     collector: RequestOutputCollector
     tag: int
+    lora: LoRARequest | None = None
 
 
 Delivery = tuple[RequestOutputCollector, int, str, Any]
@@ -105,6 +112,7 @@ class AsyncEngine:
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._unloaded_loras: set[int] = set()  # engine thread only: lora_int_ids removed (ids are not reused)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -186,6 +194,32 @@ class AsyncEngine:
         self._submit(("inspect", answer, "kv_snapshot"))
         return answer.result(timeout)
 
+    # --- LoRA adapters (asyncio side) --------------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest, timeout: float = 300.0) -> None:
+        """Has the engine read an adapter (on the engine thread, or in its core process), without blocking the
+        event loop. Raises ValueError with the engine's reason when it cannot run it."""
+        await self._lora_call("add_lora", lora_request, timeout)
+
+    async def remove_lora(self, lora_request: LoRARequest, timeout: float = 300.0) -> None:
+        """Ends the adapter's requests in flight (RequestRefused, 404), refuses later ones, and has the engine
+        forget it."""
+        await self._lora_call("remove_lora", lora_request, timeout)
+
+    async def list_loras(self, timeout: float = 30.0) -> set[int]:
+        """The lora_int_ids the engine holds in host memory."""
+        return set(await self._lora_call("list_loras", None, timeout))
+
+    async def _lora_call(self, what: str, arg: LoRARequest | None, timeout: float) -> Any:
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        answer: Future = Future()
+        self._submit(("lora", answer, what, arg))
+        # Shielded: a timeout or a cancelled caller must not cancel the Future the engine thread will answer.
+        reply = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(answer)), timeout)
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return reply["result"]
+
     def _submit(self, *commands: tuple[Any, ...]) -> None:
         with self._cond:
             self._inbox.extend(commands)
@@ -246,8 +280,12 @@ class AsyncEngine:
             self.dead_reason = self.dead_reason or "the server is shutting down"
         with self._cond:  # requests that came in while the thread was stopping: nobody will run them
             late = [c for c in self._inbox if c[0] == "add"]
+            asked = [c[1] for c in self._inbox if c[0] in ("inspect", "lora")]
             self._inbox.clear()
         error = EngineDeadError(self.dead_reason)
+        for answer in asked:
+            if not answer.done():
+                answer.set_exception(error)
         self._deliver([(collector, req.tag, req.request_id, error) for _, req, collector in late])
 
     def _loop_once(self) -> bool:
@@ -297,19 +335,55 @@ class AsyncEngine:
             else:
                 command[1].set_result(self.engine.kv_snapshot() if command[2] == "kv_snapshot"
                                       else self.engine.inspect())
+        elif command[0] == "lora":
+            self._lora(*command[1:], deliveries)
         else:  # abort_all: the drain ran out of time
             self._fail_all(EngineDraining(command[1]), "abort", deliveries)
 
+    def _lora(self, answer: Future, what: str, lora: LoRARequest | None, deliveries: list[Delivery]) -> None:
+        """add_lora / remove_lora / list_loras of the engine; `answer` gets {"result": ...} or {"error": reason}."""
+        arg: Any = lora
+        if what == "remove_lora":
+            self._abort_lora_streams(lora, deliveries)
+            self._unloaded_loras.add(lora.lora_int_id)
+            arg = lora.lora_int_id
+        ask = getattr(self.engine, "request_inspection", None)
+        if ask is not None:
+            ask(answer, what, arg)  # the core runs it; answered when its reply is read
+            return
+        try:
+            method = getattr(self.engine, what)
+            result = method() if what == "list_loras" else method(arg)
+        except ValueError as e:  # an adapter that cannot run: the caller gets the reason
+            answer.set_result({"error": str(e)})
+            return
+        answer.set_result({"result": sorted(result) if isinstance(result, set) else result})
+
+    def _abort_lora_streams(self, lora: LoRARequest, deliveries: list[Delivery]) -> None:
+        """Ends the requests running with `lora` (its engine requests aborted first: the engine's remove_lora
+        would end them without an output)."""
+        error = RequestRefused(f"The model `{lora.lora_name:.200}` was unloaded while the request ran.", "model", 404)
+        for request_id, stream in list(self._streams.items()):
+            if stream.lora is not None and stream.lora.lora_int_id == lora.lora_int_id:
+                self._abort(request_id)
+                deliveries.append((stream.collector, stream.tag, request_id, error))
+
     def _add(self, req: EngineRequest, collector: RequestOutputCollector, deliveries: list[Delivery]) -> None:
         prompt = {"prompt_token_ids": req.prompt_token_ids, "prompt": req.prompt}
+        lora = req.lora_request
         try:
+            if lora is not None and lora.lora_int_id in self._unloaded_loras:  # unloaded while it was checked
+                raise RequestRefused(f"The model `{lora.lora_name:.200}` does not exist.", "model", 404)
             self.engine.add_request(req.request_id, prompt, req.params, arrival_time=req.arrival_time,
-                                    cache_salt=req.cache_salt, output_kind=OutputKind.DELTA)
+                                    cache_salt=req.cache_salt, output_kind=OutputKind.DELTA, lora_request=lora)
+        except RequestRefused as e:
+            deliveries.append((collector, req.tag, req.request_id, e))
+            return
         except ValueError as e:
             refused = RequestRefused(str(e), getattr(e, "param", "prompt"))
             deliveries.append((collector, req.tag, req.request_id, refused))
             return
-        self._streams[req.request_id] = _Stream(collector, req.tag)
+        self._streams[req.request_id] = _Stream(collector, req.tag, lora)
         if self.metrics is not None:
             self.metrics.request_started(req.request_id, False)
 

@@ -14,7 +14,11 @@ Existing vLLM dashboards query `vllm:*` series labelled `model_name` (and
   and generation lengths;
 - the engine's cache settings, once: `vllm:cache_config_info`, a gauge of 1
   whose labels are the CacheConfig fields (`cache_dtype`, `block_size`,
-  `num_gpu_blocks`, ...) and `engine`, as vLLM's.
+  `num_gpu_blocks`, ...) and `engine`, as vLLM's;
+- with LoRA on, vLLM's `vllm:lora_requests_info`: labels `max_lora`,
+  `running_lora_adapters` and `waiting_lora_adapters` (adapter names,
+  comma-joined), its value the time the snapshot was taken (vLLM's
+  set_to_current_time). Only the latest label set is exposed.
 
 Everything is registered in a per-server registry, so several servers (tests)
 can live in one process.
@@ -121,16 +125,25 @@ class _EngineStatsCollector(Collector):
                               ("disk", s.tier_hits_disk)):
             by_source.add_metric([*values, source], float(value))
         yield by_source
+        if self.metrics.max_loras is not None:
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(self.metrics.max_loras), s.waiting_lora_adapters, s.running_lora_adapters],
+                            self.metrics.stats_time)
+            yield lora
 
 
 class ServerMetrics:
     """The server's Prometheus registry; the `record_*` / `request_*` methods run on the engine thread."""
 
     def __init__(self, model_name: str, max_model_len: int, log_interval_s: float = 10.0,
-                 cache_info: dict[str, str] | None = None) -> None:
-        """cache_info: `CacheConfig.metrics_info()`, the labels of vllm:cache_config_info (None: no such gauge)."""
+                 cache_info: dict[str, str] | None = None, max_loras: int | None = None) -> None:
+        """cache_info: `CacheConfig.metrics_info()`, the labels of vllm:cache_config_info (None: no such gauge).
+        max_loras: the engine's, with LoRA on (None: no vllm:lora_requests_info)."""
         self.labels = {"model_name": model_name, "engine": "0"}
         self.stats: EngineStats | None = None
+        self.stats_time = 0.0  # when `stats` was recorded (time.time())
+        self.max_loras = max_loras
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(self))
         names = list(self.labels)
@@ -182,7 +195,7 @@ class ServerMetrics:
 
     # --- engine thread --------------------------------------------------------------------------------------------
     def record_stats(self, stats: EngineStats) -> None:
-        self.stats = stats
+        self.stats, self.stats_time = stats, time.time()
         self._log.maybe_log(stats, self._num_prompt_tokens)
         for advice in self.advice_log.update(stats, time.time()) if self.advice_log is not None else ():
             logger.warning("KV cache tuning advice (%s): %s", advice.flag, advice.message)  # once per advice

@@ -140,6 +140,21 @@ class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's; with $PAGEDKV_ALLOW_RUNTIME_LORA_UPDATING): both fields are needed (a
+    missing one is a 400 naming it, as vLLM answers)."""
+
+    lora_name: Text | None = None
+    lora_path: Text | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): the adapter by name (lora_int_id, if given, must be its id)."""
+
+    lora_name: Text | None = None
+    lora_int_id: int | None = Field(None, ge=1)
+
+
 # --- responses ------------------------------------------------------------------------------------------------
 
 class ErrorInfo(BaseModel):

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from pagedkv.beam_search import BeamSearchParams
+from pagedkv.lora.request import LoRARequest
 from pagedkv.outputs import CompletionOutput, Logprob
 from pagedkv.sampling_params import SamplingParams, SamplingParamsError
 from pagedkv.server.async_engine import (
@@ -46,6 +47,7 @@ from pagedkv.server.protocol import (
     UsageInfo,
     _SamplingFields,
 )
+from pagedkv.server.serving_models import OpenAIServingModels
 from pagedkv.structured_outputs import CONSTRAINT_KINDS, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,8 @@ def random_id(prefix: str) -> str:
 def engine_error(e: Exception) -> APIError:
     """The API error for an exception out of AsyncEngine.generate."""
     if isinstance(e, RequestRefused):  # a beam search's width is the request's n
-        return APIError(str(e), 400, param="n" if e.param == "beam_width" else e.param)
+        return APIError(str(e), e.status_code, param="n" if e.param == "beam_width" else e.param,
+                        code="model_not_found" if e.status_code == 404 else None)
     if isinstance(e, EngineStepError):
         return APIError(str(e), 500, type="server_error")
     if isinstance(e, (EngineDeadError, EngineDraining)):
@@ -132,15 +135,15 @@ class ChoiceState:
 
 
 class OpenAIServing:
-    """Checks a request against the served model and turns it into engine requests."""
+    """Checks a request against the served model (and its LoRA adapters) and turns it into engine requests."""
 
-    def __init__(self, async_engine: AsyncEngine, model_names: list[str], options: ServingOptions | None = None,
+    def __init__(self, async_engine: AsyncEngine, models: OpenAIServingModels, options: ServingOptions | None = None,
                  executor: ThreadPoolExecutor | None = None, tokenizer: Any = None) -> None:
-        """executor, tokenizer: the tokenizer thread and the front end's tokenizer copy, shared by the routes
-        (default: new ones)."""
+        """models: the served names (base model and adapters). executor, tokenizer: the tokenizer thread and the
+        front end's tokenizer copy, shared by the routes (default: new ones)."""
         engine = async_engine.engine
         self.async_engine = async_engine
-        self.model_names = model_names
+        self.models = models
         self.options = options or ServingOptions()
         # The front end's own tokenizer: the engine thread decodes with the other one at the same time.
         if tokenizer is None and engine.tokenizer is not None:
@@ -158,7 +161,11 @@ class OpenAIServing:
 
     @property
     def model_name(self) -> str:
-        return self.model_names[0]
+        return self.models.model_name
+
+    def response_model(self, model: str | None) -> str:
+        """A response's `model`: the name the client sent (an adapter's, or one of the base model's), as vLLM."""
+        return model if model is not None else self.model_name
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs tokenizer work on the tokenizer thread, so the event loop keeps serving everyone else."""
@@ -167,9 +174,9 @@ class OpenAIServing:
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(f"The model `{model:.200}` does not exist.", 404, param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name not served."""
+        return self.models.resolve(model)
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (on the tokenizer thread: see `off_loop`)."""
@@ -202,15 +209,17 @@ class OpenAIServing:
         limits = [v for v in (room, max_tokens, self.defaults.get("max_tokens")) if v is not None]
         return min(limits)
 
-    def check_common(self, req: _SamplingFields) -> None:
+    def check_common(self, req: _SamplingFields) -> LoRARequest | None:
         """Fields pagedkv does not implement are refused rather than silently ignored. The ranges that depend on
-        the model (n, top_k, stop ids, logprobs) are the engine's own check, in `sampling_params`."""
-        self.check_model(req.model)
+        the model (n, top_k, stop ids, logprobs) are the engine's own check, in `sampling_params`. Returns the
+        LoRA adapter the request's `model` names (None: the base model)."""
+        lora = self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
         if req.stream and req.prompt_logprobs is not None:  # as vLLM: they come whole, with the first token
             raise APIError("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")
         self._log_ignored(req.ignored_fields)
+        return lora
 
     def _log_ignored(self, names: list[str]) -> None:
         """Unknown fields, each name once at debug level, escaped: a client cannot forge or flood the log."""
@@ -321,9 +330,10 @@ class OpenAIServing:
     @staticmethod
     def engine_requests(base_id: str, prompts: list[tuple[str | None, list[int]]],
                         params: list[SamplingParams] | list[BeamSearchParams],
-                        cache_salt: str | None, arrival_time: float) -> list[EngineRequest]:
-        """One engine request per prompt."""
-        return [EngineRequest(f"{base_id}-{i}", ids, p, text, cache_salt, arrival_time, i)
+                        cache_salt: str | None, arrival_time: float,
+                        lora_request: LoRARequest | None = None) -> list[EngineRequest]:
+        """One engine request per prompt (all with the request's LoRA adapter, if any)."""
+        return [EngineRequest(f"{base_id}-{i}", ids, p, text, cache_salt, arrival_time, i, lora_request)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))]
 
     def usage(self, prompt_lens: list[int], states: list[ChoiceState], cached: int) -> UsageInfo:

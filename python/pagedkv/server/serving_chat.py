@@ -76,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         arrival = time.time()
-        self.check_common(req)
+        lora = self.check_common(req)
         if req.tools:
             raise APIError("tools are not supported.", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
@@ -93,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
             params = self.sampling_params(req, max_tokens, num_logprobs, logprobs_param="top_logprobs",
                                           prompt_logprobs=req.prompt_logprobs)
         request_id = random_id("chatcmpl")
-        requests = self.engine_requests(request_id, [(None, ids)], [params], req.cache_salt, arrival)
+        requests = self.engine_requests(request_id, [(None, ids)], [params], req.cache_salt, arrival, lora)
         states = [ChoiceState(keep=not req.stream) for _ in range(req.n)]
         outputs = await self.start(raw, requests, req.stream)
         if req.stream:
@@ -122,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
                                   logprobs=self._logprobs(s.token_ids, logprobs(s), req) if req.logprobs else None,
                                   finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                        for i, s in enumerate(answered)]
-            return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+            return ChatCompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
                                           usage=self.usage([len(ids)], states, cached),
                                           prompt_logprobs=self.prompt_logprobs_body(prompt_logprobs))
 
@@ -131,10 +131,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, outputs: AsyncIterator,
                       states: list[ChoiceState], prompt_len: int) -> AsyncIterator[ChatCompletionChunk]:
-        created, cached = int(time.time()), 0
+        created, cached, model = int(time.time()), 0, self.response_model(req.model)
 
         def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice])
+            return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
 
         for i in range(req.n):  # OpenAI opens every choice with the role
             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
@@ -148,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
                                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             cached += out.num_cached_tokens if out.finished else 0
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
+            yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                       usage=self.usage([prompt_len], states, cached))
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,

@@ -67,7 +67,7 @@ class _Echo:
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         arrival = time.time()
-        self.check_common(req)
+        lora = self.check_common(req)
         if req.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         if req.max_tokens == 0 and not req.echo:
@@ -94,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                            prompt_logprobs=prompt_logprobs) for _, ids in prompts]
         echo = await self._echo(prompts, req) if req.echo else None
         request_id = random_id("cmpl")
-        requests = self.engine_requests(request_id, prompts, params, req.cache_salt, arrival)
+        requests = self.engine_requests(request_id, prompts, params, req.cache_salt, arrival, lora)
         states = [ChoiceState(keep=not req.stream) for _ in params for _ in range(req.n)]
         prompt_lens = [len(ids) for _, ids in prompts]
         outputs = await self.start(raw, requests, req.stream)
@@ -121,7 +121,7 @@ class OpenAIServingCompletion(OpenAIServing):
             answered = [(k // req.n, s) for k, s in enumerate(states) if s.finished or not beam]
             choices = [self._whole_choice(i, tag, s, req, beam, echo, prompt_lps[tag])
                        for i, (tag, s) in enumerate(answered)]
-            return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+            return CompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
                                       usage=self.usage(prompt_lens, [] if req.max_tokens == 0 else states, cached))
 
         response = await unless_disconnected(raw, run)
@@ -164,7 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _chunks(self, req: CompletionRequest, request_id: str, outputs: AsyncIterator, states: list[ChoiceState],
                       prompt_lens: list[int], echo: _Echo | None) -> AsyncIterator[CompletionResponse]:
-        created, cached = int(time.time()), 0
+        created, cached, model = int(time.time()), 0, self.response_model(req.model)
         echoed = [False] * len(states)
         async for tag, out in outputs:
             if echo is not None and out.prompt_logprobs is not None:
@@ -179,11 +179,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 if echo is not None and (echo.only or not echoed[index]):
                     delta = self._echoed(echo, tag, delta, first=not echoed[index])
                     echoed[index] = True
-                yield CompletionResponse(id=request_id, created=created, model=self.model_name,
+                yield CompletionResponse(id=request_id, created=created, model=model,
                                          choices=[self._choice(index, delta, state, offset, req.logprobs)])
             cached += out.num_cached_tokens if out.finished else 0
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                      usage=self.usage(prompt_lens, [] if req.max_tokens == 0 else states, cached))
 
     @staticmethod
