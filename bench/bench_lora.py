@@ -174,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         data["configs"][config] = cell
     info = machine_info()
     lines = header_lines("LoRA serving offline (bench/bench_lora.py)", info)
+    bind = vllm_bind(args.vllm_omp_bind)
     lines += [f"{args.num_requests} requests, {args.prompt_len} prompt tokens, {args.output_len} output tokens each "
               f"(greedy, ignore_eos, fp32, the default model); adapters of rank {args.rank} on q, k, v, o, gate, up, "
-              f"down; best of {args.rounds} rounds; vLLM with VLLM_CPU_OMP_THREADS_BIND={vllm_bind(args.vllm_omp_bind)}.",
+              f"down; best of {args.rounds} rounds; vLLM with VLLM_CPU_OMP_THREADS_BIND={bind}.",
               "", markdown_table(header, rows)]
     text = "\n".join(lines)
     print(text)

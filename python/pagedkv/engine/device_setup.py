@@ -58,6 +58,12 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
     check_kv_cache_dtype(cc.cache_dtype, loaded.model.config.head_dim, cc.block_size)
     if tp is not None:
         tp.barrier()  # every rank has its shard
+    # The adapters' slots before the cache is sized: on CUDA the pool gets the memory they leave.
+    lora_config = args.lora_config()
+    lora = None
+    if lora_config is not None:
+        on_load = tp.channel.send_lora if tp is not None and driver else None
+        lora = LoRAManager(loaded.model, lora_config, loaded.dtype, loaded.device, on_load)
     plan = _plan_cache(loaded, cc, sc, args.seed, tp)
     cc.num_gpu_blocks, cc.num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
     bm = (BlockManager(cc.block_size, plan.num_blocks, plan.num_cpu_blocks, cc.watermark, cc.enable_prefix_caching,
@@ -66,10 +72,7 @@ def build_device_side(args: EngineArgs, tp: TPRuntime | None = None, loaded: Loa
                          loaded.device, args.seed, tp.channel if tp is not None and driver else None,
                          cuda_graphs=not args.enforce_eager)
     runner.eos_token_ids = loaded.eos_token_ids
-    lora_config = args.lora_config()
-    if lora_config is not None:
-        on_load = tp.channel.send_lora if tp is not None and driver else None
-        runner.lora = LoRAManager(loaded.model, lora_config, loaded.dtype, loaded.device, on_load)
+    runner.lora = lora
     return DeviceSide(loaded, cc, sc, plan, bm, runner)
 
 
