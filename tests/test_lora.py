@@ -98,8 +98,9 @@ def test_one_slot_serves_two_adapters_in_turn(loaded_model, adapters, peft_model
     outputs = llm.generate([PROMPTS[i % 3] for i in range(5)], params, use_tqdm=False,
                            lora_request=[None if n is None else adapters[n] for n in names])
     _check_against_peft(peft_model, outputs, names)
+    # One slot; both host copies kept past max_cpu_loras=1 while their requests ran (no folder re-read in a step).
     manager = llm.llm_engine.runner.lora
-    assert len(manager.host) <= 1 and len(manager.slots) == 1
+    assert len(manager.slots) == 1 and set(manager.host) == {1, 2}
 
 
 def test_prefix_cache_is_per_adapter(loaded_model, adapters):
@@ -137,7 +138,16 @@ def test_refusals_name_the_problem_and_the_rest_runs(loaded_model, adapters, tmp
     dora.mkdir()
     config = json.loads((Path(adapters["qv"].lora_path) / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    misfit = tmp_path / "misfit"  # q_proj's lora_A made for another model's hidden size
+    misfit.mkdir()
+    (misfit / "adapter_config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(Path(adapters["qv"].lora_path) / "adapter_model.safetensors"))
+    name = next(n for n in tensors if "layers.3.self_attn.q_proj.lora_A" in n)
+    tensors[name] = torch.randn(tensors[name].shape[0], 100)
+    save_file(tensors, str(misfit / "adapter_model.safetensors"))
     bad = {
+        "layers.3.self_attn.qkv_proj part does not fit": LoRARequest("misfit", 10, str(misfit)),
         "rank 8 exceeds max_lora_rank=4": adapters["full"],
         "no such folder": LoRARequest("missing", 7, str(tmp_path / "nothing")),
         "DoRA": LoRARequest("dora", 8, str(dora)),

@@ -265,7 +265,8 @@ class LLMEngine:
         if self.runner.lora is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine was started without LoRA "
                              "(enable_lora=True, --enable-lora)")
-        self.runner.lora.register(lora_request)
+        live = {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+        self.runner.lora.register(lora_request, keep=live)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:

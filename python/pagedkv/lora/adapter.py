@@ -141,7 +141,7 @@ def load_adapter(request: LoRARequest, model, lora_modules: dict, max_rank: int,
     folder = Path(request.lora_path).expanduser()
     where = f"LoRA adapter {request.lora_name!r} ({folder})"
     if not folder.is_dir():
-        raise LoRAAdapterError(f"{where}: no such folder")
+        raise LoRAAdapterError(f"{where}: {'not a folder' if folder.exists() else 'no such folder'}")
     config = read_adapter_config(folder)
     check_adapter_config(config, where)
     modules = pair_tensors(read_adapter_tensors(folder), where)

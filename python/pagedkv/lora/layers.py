@@ -81,27 +81,36 @@ class LinearLoRA:
     def set_part(self, slot: int, shard, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """Writes one adapted part (A [r, in], B [out of the part, r], whole checkpoint sizes) into `slot`,
         keeping this rank's shard through the layer's own weight loader (which checks the sizes)."""
+        self._write(self.lora_a[slot], self.lora_b[slot], shard, lora_a, lora_b)
+
+    def check_part(self, shard, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """Raises ValueError if the part does not fit this projection (written into scratch, no slot touched):
+        run when an adapter is read, so that a misfit never fails a step."""
+        self._write(torch.zeros_like(self.lora_a[0]), torch.zeros_like(self.lora_b[0]), shard, lora_a, lora_b)
+
+    def _write(self, dst_a: torch.Tensor, dst_b: torch.Tensor, shard, lora_a: torch.Tensor,
+               lora_b: torch.Tensor) -> None:
         r, big = lora_a.shape[0], self.rank
         a = lora_a.new_zeros(big, lora_a.shape[1])
         a[:r] = lora_a
         b = lora_b.new_zeros(lora_b.shape[0], big)
         b[:, :r] = lora_b
         if self.row_parallel:
-            self.layer.weight_loader(self.lora_a[slot], a)
-            if tuple(b.shape) != tuple(self.lora_b[slot].shape):
+            self.layer.weight_loader(dst_a, a)
+            if tuple(b.shape) != tuple(dst_b.shape):
                 raise ValueError(f"lora_B of shape {tuple(lora_b.shape)} does not fit a projection of "
-                                 f"{self.lora_b.shape[1]} outputs")
-            self.lora_b[slot].copy_(b)
+                                 f"{dst_b.shape[0]} outputs")
+            dst_b.copy_(b)
             return
         j = self._slice(shard)
-        if a.shape[1] != self.lora_a.shape[2]:
+        if a.shape[1] != dst_a.shape[1]:
             raise ValueError(f"lora_A of shape {tuple(lora_a.shape)} does not fit a projection of "
-                             f"{self.lora_a.shape[2]} inputs")
-        self.lora_a[slot, j * big:(j + 1) * big].copy_(a)
+                             f"{dst_a.shape[1]} inputs")
+        dst_a[j * big:(j + 1) * big].copy_(a)
         if shard is None:
-            self.layer.weight_loader(self.lora_b[slot], b)
+            self.layer.weight_loader(dst_b, b)
         else:
-            self.layer.weight_loader(self.lora_b[slot], b, shard)
+            self.layer.weight_loader(dst_b, b, shard)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y [T, out] += each adapter's x A^T B^T on its rows (x [T, in])."""

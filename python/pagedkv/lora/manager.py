@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 import numpy as np
 import torch
 
 from pagedkv.config import LoRAConfig
-from pagedkv.lora.adapter import LoRAAdapter, load_adapter
+from pagedkv.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 from pagedkv.lora.layers import LinearLoRA, LoRAStep
 from pagedkv.lora.request import LoRARequest
 from pagedkv.model.layers import ColumnParallelLinear, RowParallelLinear
@@ -63,9 +63,11 @@ class LoRAManager:
         self._steps = 0
 
     # --- host copies -----------------------------------------------------------------------------
-    def register(self, request: LoRARequest) -> LoRAAdapter:
-        """Reads the adapter (unless held) and keeps it on the host; raises LoRAAdapterError if it cannot run.
-        An id already held with another folder or name is refused (an id names one adapter)."""
+    def register(self, request: LoRARequest, keep: Set[int] = frozenset()) -> LoRAAdapter:
+        """Reads the adapter (unless held) and keeps it on the host; raises LoRAAdapterError if it cannot run
+        (every part is checked against its projection here, so a misfit never fails a step). An id already
+        held with another folder or name is refused (an id names one adapter). keep: ids whose host copies
+        must stay (adapters of unfinished requests: their steps never read a folder again)."""
         held = self.host.get(request.lora_int_id)
         if held is not None:
             if (held.request.lora_path, held.request.lora_name) != (request.lora_path, request.lora_name):
@@ -74,20 +76,26 @@ class LoRAManager:
             self.host.move_to_end(request.lora_int_id)
             return held
         adapter = load_adapter(request, self.model, self.modules, self.config.max_lora_rank, self.dtype)
+        for part in adapter.parts:
+            try:
+                self.slots_of[part.module].check_part(part.shard, part.lora_a, part.lora_b)
+            except ValueError as e:
+                raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): its "
+                                       f"{part.module} part does not fit the model: {e}") from None
         self.host[request.lora_int_id] = adapter
-        self._trim_host()
+        self._trim_host(keep | {request.lora_int_id})
         logger.info("LoRA adapter %r (id %d, rank %d, %d projections, %.1f MiB) read from %s", request.lora_name,
                     request.lora_int_id, adapter.rank, len(adapter.parts), adapter.num_bytes / 2**20,
                     request.lora_path)
         return adapter
 
-    def _trim_host(self) -> None:
-        """Drops the least recently used host copies beyond max_cpu_loras (never one that sits in a slot)."""
+    def _trim_host(self, keep: Set[int]) -> None:
+        """Drops the least recently used host copies beyond max_cpu_loras (never one in a slot or in `keep`)."""
         excess = len(self.host) - self.config.max_cpu_loras
         for lora_id in list(self.host):
             if excess <= 0:
                 break
-            if lora_id not in self.slots:
+            if lora_id not in self.slots and lora_id not in keep:
                 del self.host[lora_id]
                 excess -= 1
 
