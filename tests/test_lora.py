@@ -211,3 +211,26 @@ def test_tensor_parallel_matches_one_device(loaded_model, adapters, default_mode
         if a.token_ids == b.token_ids:
             assert [e[t].logprob for t, e in zip(b.token_ids, b.logprobs, strict=True)] == pytest.approx(
                 [e[t].logprob for t, e in zip(a.token_ids, a.logprobs, strict=True)], abs=1e-3)
+
+
+def test_kv_events_name_the_adapter(loaded_model, adapters, tmp_path):
+    """BlockStored events of blocks computed under an adapter carry its lora_id and lora_name (vLLM's fields,
+    which KV-aware routers match on); the base model's carry None."""
+    from pagedkv.engine.kv_events import BlockStored
+
+    events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv-events"}
+    llm = _llm(loaded_model, enable_prefix_caching=True, kv_events_config=events)
+    emitter, seen = llm.llm_engine.kv_events, []
+    publish = emitter.flush
+
+    def capture():
+        seen.extend(e for e in emitter.pending if isinstance(e, BlockStored))
+        publish()
+
+    emitter.flush = capture
+    prompt = " ".join(["A paged KV cache keeps each sequence's keys and values in fixed-size blocks."] * 3)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[adapters["qv"], None])
+    by_adapter = {(e.lora_id, e.lora_name) for e in seen}
+    assert by_adapter == {(2, "qv"), (None, None)}
+    llm.llm_engine.shutdown()

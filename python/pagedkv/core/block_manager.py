@@ -74,6 +74,7 @@ class BlockEventLog:
     cleared: bool = False
     removed: list[bytes] = field(default_factory=list)
     stored: list[tuple[bytes, bytes | None, list[int]]] = field(default_factory=list)  # (key, parent, tokens)
+    stored_extra_keys: dict[bytes, tuple] = field(default_factory=dict)  # key -> its request's extra keys, if any
     # The host tier below the pool (kv_offloading_size): keys it took on eviction and keys it dropped (LRU).
     stored_host: list[bytes] = field(default_factory=list)
     removed_host: list[bytes] = field(default_factory=list)
@@ -186,6 +187,8 @@ class BlockManager:
         log = self.kv_events
         recorded = self.prefix_cache.take_recorded()
         log.stored = [(key, *recorded[key]) for _, key in self.core.step_cached_entries() if key in recorded]
+        extra = self.prefix_cache.take_recorded_keys()
+        log.stored_extra_keys = {key: extra[key] for key, _, _ in log.stored if key in extra}
         if self.tiers is not None:
             log.stored_host, log.removed_host = self.tiers.take_events()
         self.kv_events = BlockEventLog()

@@ -179,6 +179,7 @@ class PrefixCache:
     record_blocks: bool = False
     _seqs: dict[int, _SeqHashes] = field(default_factory=dict)
     _recorded: dict[bytes, tuple[bytes | None, list[int]]] = field(default_factory=dict)
+    _recorded_keys: dict[bytes, tuple] = field(default_factory=dict)  # their requests' extra keys, where any
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -241,10 +242,17 @@ class PrefixCache:
         for i in range(first, len(state.hashes)):
             parent = state.hashes[i - 1] if i else None
             self._recorded[state.hashes[i]] = (parent, state.tokens[i * bs:(i + 1) * bs])
+            if state.extra_keys:
+                self._recorded_keys[state.hashes[i]] = state.extra_keys
 
     def take_recorded(self) -> dict[bytes, tuple[bytes | None, list[int]]]:
         """hash -> (parent hash, token ids) of the blocks offered to the index since the last call."""
         out, self._recorded = self._recorded, {}
+        return out
+
+    def take_recorded_keys(self) -> dict[bytes, tuple]:
+        """hash -> the extra keys (cache_salt, adapter) of the recorded blocks that had any; emptied per step."""
+        out, self._recorded_keys = self._recorded_keys, {}
         return out
 
     def on_free(self, seq_id: int) -> None:

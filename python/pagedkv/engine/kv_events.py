@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from pagedkv.config import KVEventsConfig
+from pagedkv.lora.request import lora_of_extra_keys
 
 logger = logging.getLogger(__name__)
 
@@ -93,18 +94,22 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def stored_events(entries: list[tuple[bytes, bytes | None, list[int]]], block_size: int) -> list[BlockStored]:
+def stored_events(entries: list[tuple[bytes, bytes | None, list[int]]], block_size: int,
+                  extra_keys: dict[bytes, tuple] | None = None) -> list[BlockStored]:
     """BlockStored events for newly cached blocks given as (hash, parent hash, token ids), in caching order:
-    one event per run of blocks that chain onto each other (a prompt's new blocks are one run)."""
+    one event per run of blocks that chain onto each other (a prompt's new blocks are one run). extra_keys:
+    hash -> its request's prefix-cache extra keys; a LoRA adapter's gives the event's lora_id and lora_name."""
     events: list[BlockStored] = []
     for key, parent, tokens in entries:
+        lora = lora_of_extra_keys((extra_keys or {}).get(key))
+        lora_id, lora_name = lora if lora is not None else (None, None)
         last = events[-1] if events else None
-        if last is not None and last.block_hashes[-1] == parent:
+        if last is not None and last.block_hashes[-1] == parent and last.lora_id == lora_id:
             last.block_hashes.append(key)
             last.token_ids.extend(tokens)
             continue
         events.append(BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=list(tokens),
-                                  block_size=block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+                                  block_size=block_size, lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora_name))
     return events
 
 
@@ -250,8 +255,9 @@ class KVEventEmitter:
                                             block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU,
                                             lora_name=None))
 
-    def stored(self, entries: list[tuple[bytes, bytes | None, list[int]]]) -> None:
-        self.pending.extend(stored_events(entries, self.block_size))
+    def stored(self, entries: list[tuple[bytes, bytes | None, list[int]]],
+               extra_keys: dict[bytes, tuple] | None = None) -> None:
+        self.pending.extend(stored_events(entries, self.block_size, extra_keys))
 
     def cleared(self) -> None:
         self.pending.append(AllBlocksCleared())

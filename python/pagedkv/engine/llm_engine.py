@@ -552,7 +552,7 @@ class LLMEngine:
             self.kv_events.cleared()
         self.kv_events.removed(log.removed)
         self.kv_events.removed(log.removed_host, MEDIUM_CPU)
-        self.kv_events.stored(log.stored)
+        self.kv_events.stored(log.stored, log.stored_extra_keys)
         self.kv_events.stored_host(log.stored_host)
         self.kv_events.flush()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 MAX_LORA_NAME_CHARS = 256
@@ -32,7 +33,19 @@ class LoRARequest:
 
     @property
     def prefix_cache_key(self) -> bytes:
-        """The prefix-cache extra key of its requests: its id and folder (a block computed under one adapter is
-        reused only under the same one, also from a disk tier written by an earlier process), as bytes, so that
-        no cache_salt string can equal it."""
-        return f"lora:{self.lora_int_id}:{self.lora_path}".encode()
+        """The prefix-cache extra key of its requests: its id, name and folder (a block computed under one adapter
+        is reused only under the same one, also from a disk tier written by an earlier process), as bytes, so
+        that no cache_salt string can equal it. KV events read the id and name back (`lora_of_extra_keys`)."""
+        return _KEY_PREFIX + json.dumps([self.lora_int_id, self.lora_name, self.lora_path]).encode()
+
+
+_KEY_PREFIX = b"lora:"
+
+
+def lora_of_extra_keys(extra_keys) -> tuple[int, str] | None:
+    """(lora_int_id, lora_name) of the adapter whose `prefix_cache_key` is among a request's extra keys, or None."""
+    for key in extra_keys or ():
+        if isinstance(key, bytes) and key.startswith(_KEY_PREFIX):
+            lora_id, name, _ = json.loads(key[len(_KEY_PREFIX):])
+            return lora_id, name
+    return None
