@@ -244,6 +244,12 @@ def add_serve_parser(sub) -> None:
                    help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--max-json-nesting-depth", type=int, default=64,
                    help="request bodies nesting JSON arrays/objects deeper get 400 (default 64)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let chat requests with tools use tool_choice 'auto' (the default when tools are given): "
+                        "the model decides, and --tool-call-parser finds its calls in the text")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="how tool calls are written in the model's output (hermes: <tool_call>{...}</tool_call>, "
+                        "Qwen 2.5 / 3 and Hermes models)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (off by default: it tells one tenant "
                         "which prompt prefixes another sent)")

@@ -83,6 +83,7 @@ from pagedkv.server.serving_models import (
     parse_lora_module,
     runtime_lora_updating_allowed,
 )
+from pagedkv.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class ServerOptions:
     dashboard_interval_s: float = 0.5  # /dashboard/stream: seconds between snapshots
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's); None: $PAGEDKV_ALLOW_RUNTIME_LORA_UPDATING
     allow_runtime_lora_updating: bool | None = None
+    # Tool calling's "auto" choice (vLLM's --enable-auto-tool-choice / --tool-call-parser): both or neither.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.dashboard_interval_s <= 0:
@@ -115,6 +119,12 @@ class ServerOptions:
                              f"{self.shutdown_timeout}")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
 
 
 def parse_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
@@ -236,7 +246,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics, models: OpenAIServingModels,
                 options: ServerOptions) -> None:
-    serving = ServingOptions(enable_prompt_tokens_details=options.enable_prompt_tokens_details)
+    serving = ServingOptions(enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+                             tool_call_parser=options.tool_call_parser if options.enable_auto_tool_choice else None)
     completions = OpenAIServingCompletion(async_engine, models, serving)
     chat = OpenAIServingChat(async_engine, models, serving, executor=completions.executor,
                              tokenizer=completions.tokenizer)
@@ -462,7 +473,8 @@ def run_server(args: EngineArgs, ns: argparse.Namespace) -> int:
                             max_request_body_bytes=ns.max_request_body_bytes,
                             max_json_nesting_depth=ns.max_json_nesting_depth,
                             enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
-                            shutdown_timeout=ns.shutdown_timeout, dashboard_interval_s=ns.dashboard_interval)
+                            shutdown_timeout=ns.shutdown_timeout, dashboard_interval_s=ns.dashboard_interval,
+                            enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     if options.protect_metrics and not keys:
         raise ValueError("--protect-metrics needs --api-key (or $PAGEDKV_API_KEY)")
     lora_modules = [parse_lora_module(text) for text in ns.lora_modules or ()]

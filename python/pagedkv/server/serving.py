@@ -63,6 +63,8 @@ class ServingOptions:
     """Server settings the request checks use (pagedkv serve's flags)."""
 
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
+    # --enable-auto-tool-choice with --tool-call-parser: how "auto" tool calls are found (None: refused).
+    tool_call_parser: str | None = None
     max_prompts_per_request: int = 1024  # prompts in one /v1/completions request
 
 
@@ -230,15 +232,18 @@ class OpenAIServing:
         logger.debug("ignoring unsupported request fields: %s", ", ".join(ascii(n[:64]) for n in new[:16]))
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                        logprobs_param: str = "logprobs", prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs_param: str = "logprobs", prompt_logprobs: int | None = None,
+                        constraint: dict | None = None) -> SamplingParams:
         """The request's SamplingParams: what it leaves out (None) comes from the generation config, else vLLM's
-        defaults. A refusal names its field. prompt_logprobs: the request's, or what echo implies."""
+        defaults. A refusal names its field. prompt_logprobs: the request's, or what echo implies. constraint:
+        structured_outputs fields that replace the request's own (a chat's tool_choice)."""
         d = self.defaults
 
         def pick(value: Any, name: str, fallback: Any) -> Any:
             return d.get(name, fallback) if value is None else value
 
-        constraint = self.structured_outputs(req)
+        constraint = (StructuredOutputsParams.coerce(constraint) if constraint is not None
+                      else self.structured_outputs(req))
         try:
             params = SamplingParams(
                 n=req.n, temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
