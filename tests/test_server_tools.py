@@ -1,6 +1,6 @@
 """Tool calling in /v1/chat/completions through the official `openai` client: a named function and "required"
-(the reply constrained to the tools' schemas), "auto" with the hermes parser (its parser and its stream
-splitter on known texts, and the server's plumbing), and the refusals vLLM makes."""
+(the reply constrained to the tools' schemas), "auto" with the hermes and llama3_json parsers (parsers and
+stream splitters on known texts, and the server's plumbing), and the refusals vLLM makes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 from pagedkv.server.protocol import ChatCompletionRequest
-from pagedkv.server.tool_calls import HermesStream, parse_hermes, plan_tools
+from pagedkv.server.tool_calls import CALL_FORMATS, CallStream, parse_hermes, parse_llama3_json, plan_tools
 from server_util import running_server
 
 MODEL = "tools-model"
@@ -155,7 +155,7 @@ def test_hermes_parser():
     ["Sure, one mom", "ent. <", "t", "ool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>"],
 ])
 def test_hermes_stream_sends_content_and_holds_calls(pieces):
-    stream = HermesStream()
+    stream = CallStream(CALL_FORMATS["hermes"])
     sent = "".join(stream.feed(p) for p in pieces)
     assert "<" not in sent  # nothing of the call's opening tag went out as content
     rest, calls = stream.finish()
@@ -163,7 +163,51 @@ def test_hermes_stream_sends_content_and_holds_calls(pieces):
 
 
 def test_hermes_stream_releases_a_false_start():
-    stream = HermesStream()
+    stream = CallStream(CALL_FORMATS["hermes"])
     sent = stream.feed("a < b and <tool") + stream.feed("s are fun")
     rest, calls = stream.finish()
     assert sent + rest == "a < b and <tools are fun" and not calls
+
+
+def test_llama3_json_parser():
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}; ' \
+           '{"name": "get_time", "parameters": {"zone": "CET"}}'
+    content, calls = parse_llama3_json(text)
+    assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    assert parse_llama3_json("The answer is {x}.") == ("The answer is {x}.", [])
+    assert parse_llama3_json('{"name": "get_time", "parameters": {"zone": ') == (
+        '{"name": "get_time", "parameters": {"zone": ', [])
+
+
+@pytest.mark.parametrize("pieces, content, names", [
+    ([" ", "{\"name\": \"get_time\", ", "\"parameters\": {}}"], "", ["get_time"]),
+    (["It is", " sunny {probably}."], "It is sunny {probably}.", []),
+    (["<|python", "_tag|>{\"name\": \"get_time\", \"parameters\": {}}"], "", ["get_time"]),
+])
+def test_llama3_json_stream(pieces, content, names):
+    stream = CallStream(CALL_FORMATS["llama3_json"])
+    sent = "".join(stream.feed(p) for p in pieces)
+    rest, calls = stream.finish()
+    assert sent + rest == content and [c.function.name for c in calls] == names
+
+
+def test_llama3_json_server_plumbing(loaded_model):
+    """A server started with --tool-call-parser llama3_json answers auto requests (the default model writes
+    text: it comes back as content)."""
+    from pagedkv.config import EngineArgs
+    from pagedkv.server import build_app
+    from pagedkv.server.api_server import ServerOptions
+
+    args = EngineArgs(device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=512, max_num_seqs=4)
+    app = build_app(args, served_model_names=[MODEL], loaded=loaded_model,
+                    options=ServerOptions(enable_auto_tool_choice=True, tool_call_parser="llama3_json"))
+    with running_server(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=6,
+                                             temperature=0.0).choices[0]
+        assert out.message.content and not out.message.tool_calls
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerOptions(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="is not one of"):
+        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="pythonic")

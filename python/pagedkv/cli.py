@@ -247,9 +247,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let chat requests with tools use tool_choice 'auto' (the default when tools are given): "
                         "the model decides, and --tool-call-parser finds its calls in the text")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are written in the model's output (hermes: <tool_call>{...}</tool_call>, "
-                        "Qwen 2.5 / 3 and Hermes models)")
+                        "Qwen 2.5 / 3 and Hermes models; llama3_json: a reply of JSON calls, Llama 3.1+)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (off by default: it tells one tenant "
                         "which prompt prefixes another sent)")

@@ -42,7 +42,7 @@ from pagedkv.server.serving import (
     top_candidates,
     unless_disconnected,
 )
-from pagedkv.server.tool_calls import HermesStream, ToolPlan, plan_tools
+from pagedkv.server.tool_calls import CALL_FORMATS, CallStream, ToolPlan, plan_tools
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -171,7 +171,8 @@ class OpenAIServingChat(OpenAIServing):
                       states: list[ChoiceState], prompt_len: int,
                       tools: ToolPlan | None) -> AsyncIterator[ChatCompletionChunk]:
         created, cached, model = int(time.time()), 0, self.response_model(req.model)
-        streams = [HermesStream() for _ in range(req.n)] if tools is not None and tools.mode == "auto" else None
+        streams = ([CallStream(CALL_FORMATS[tools.parser]) for _ in range(req.n)]
+                   if tools is not None and tools.mode == "auto" else None)
 
         def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
@@ -199,7 +200,7 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=self.usage([prompt_len], states, cached))
 
     @staticmethod
-    def _tool_delta(tools: ToolPlan, streams: list[HermesStream] | None, index: int, state: ChoiceState,
+    def _tool_delta(tools: ToolPlan, streams: list[CallStream] | None, index: int, state: ChoiceState,
                     delta) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
         """(content, tool calls, finish_reason) of one streamed delta of a reply with tools: named / required
         calls go out whole when the reply ends; an auto reply's content streams, its calls come at the end."""

@@ -14,28 +14,29 @@ model was trained to read them. What comes back depends on `tool_choice`:
   `parallel_tool_calls: false`); finish_reason "tool_calls".
 - "auto" (the default when tools are given, as OpenAI's): the model decides;
   the server needs `--enable-auto-tool-choice --tool-call-parser P` (vLLM's
-  flags, 400 otherwise) and parser P finds the calls in the text. "hermes"
-  (Qwen 2.5 / 3, Hermes, and other models trained on
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) is the parser
-  pagedkv ships; the text before the first call is the content.
+  flags, 400 otherwise) and parser P finds the calls in the text: "hermes"
+  (Qwen 2.5 / 3, Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks after any text, which is the content) or "llama3_json" (Llama 3.1+:
+  a reply that is `{"name": ..., "parameters": {...}}` objects, `;`-separated,
+  after an optional `<|python_tag|>`).
 
 Streaming: a named or required reply sends its calls once they are complete
 (one delta per call, arguments whole); an auto reply streams its content and
-holds back text from where a call may begin (`HermesStream`).
+holds back text from where a call may begin (`CallStream`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.server.protocol import APIError, ChatCompletionRequest, FunctionCall, ToolCall
 from pagedkv.server.serving import random_id
 
-TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_OPEN = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -47,6 +48,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the chat template gets them
     name: str | None = None  # the named function
     constraint: dict[str, Any] | None = None  # structured_outputs fields for named / required
+    parser: str | None = None  # auto: the --tool-call-parser
 
     def finish(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, tool calls, finish_reason) of a whole reply."""
@@ -58,7 +60,7 @@ class ToolPlan:
                 return text, [], finish_reason
             return "", calls, "tool_calls" if finish_reason == "stop" else finish_reason
         if self.mode == "auto":
-            content, calls = parse_hermes(text)
+            content, calls = CALL_FORMATS[self.parser].parse(text)
             return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
         return text, [], finish_reason
 
@@ -87,7 +89,7 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
         if tool_call_parser is None:
             raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                            param="tool_choice")
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, parser=tool_call_parser)
     if choice == "required":
         return ToolPlan("required", tools, constraint={"json": required_schema(req)})
     name = choice.function.name
@@ -150,28 +152,79 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     return content or None, calls
 
 
-class HermesStream:
-    """An auto reply streamed: its content goes out as it comes, except text that may be the start of a
-    `<tool_call>` (held until it is told apart); from the first call on, everything is held for `finish`."""
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a reply in Llama 3's JSON format: the whole reply is the calls, or it is content."""
+    s = text.strip().removeprefix("<|python_tag|>").lstrip()
+    if not s.startswith("{"):
+        return text, []
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while i < len(s):
+        try:
+            obj, i = decoder.raw_decode(s, i)
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        calls.append(_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
+        while i < len(s) and s[i] in " \t\r\n;":
+            i += 1
+    return None, calls
 
-    def __init__(self) -> None:
+
+@dataclass(frozen=True, slots=True)
+class CallFormat:
+    """How a --tool-call-parser's calls are written: the text that opens them (anywhere, or only at the start
+    of the reply), and the parser of a whole reply."""
+
+    markers: tuple[str, ...]
+    at_start: bool
+    parse: Callable[[str], tuple[str | None, list[ToolCall]]]
+
+
+CALL_FORMATS = {"hermes": CallFormat((_HERMES_OPEN,), False, parse_hermes),
+                "llama3_json": CallFormat(("<|python_tag|>", "{"), True, parse_llama3_json)}
+TOOL_CALL_PARSERS = tuple(CALL_FORMATS)
+
+
+class CallStream:
+    """An auto reply streamed: its content goes out as it comes, except text that may be the start of a call
+    (held until it is told apart); from the first call on, everything is held for `finish`."""
+
+    def __init__(self, fmt: CallFormat) -> None:
+        self.fmt = fmt
         self.text = ""  # the whole reply so far
         self.sent = 0  # characters of it sent as content
         self.in_call = False
+        self.plain = False  # at_start formats: the reply began with text, so it is content
 
     def feed(self, delta: str) -> str:
         """The content to send now for this new text."""
         self.text += delta
         if self.in_call:
             return ""
-        start = self.text.find(_HERMES_OPEN, self.sent)
-        if start >= 0:
+        if self.plain:
+            return self._send_to(len(self.text))
+        if self.fmt.at_start:
+            return self._feed_at_start()
+        starts = [i for i in (self.text.find(m, self.sent) for m in self.fmt.markers) if i >= 0]
+        if starts:
             self.in_call = True
-            return self._send_to(start)
-        # Hold a tail that could grow into "<tool_call>".
-        hold = next((k for k in range(min(len(_HERMES_OPEN) - 1, len(self.text) - self.sent), 0, -1)
-                     if self.text.endswith(_HERMES_OPEN[:k])), 0)
+            return self._send_to(min(starts))
+        # Hold a tail that could grow into a marker.
+        longest = max(len(m) for m in self.fmt.markers) - 1
+        hold = next((k for k in range(min(longest, len(self.text) - self.sent), 0, -1)
+                     if any(self.text.endswith(m[:k]) for m in self.fmt.markers)), 0)
         return self._send_to(len(self.text) - hold)
+
+    def _feed_at_start(self) -> str:
+        body = self.text.lstrip()
+        if any(body.startswith(m) for m in self.fmt.markers):
+            self.in_call = True
+            return ""
+        if not body or any(m.startswith(body) for m in self.fmt.markers):
+            return ""  # still undecided
+        self.plain = True
+        return self._send_to(len(self.text))
 
     def _send_to(self, end: int) -> str:
         out = self.text[self.sent:end]
@@ -180,7 +233,9 @@ class HermesStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(the content still to send, the calls) once the reply has ended."""
-        _, calls = parse_hermes(self.text)
+        content, calls = self.fmt.parse(self.text)
         if not calls:  # no call after all (or a broken one): the held text is content
             return self._send_to(len(self.text)), []
+        if self.fmt.at_start:
+            return "", calls
         return self._send_to(self.text.find(_HERMES_OPEN)), calls
