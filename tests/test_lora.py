@@ -234,3 +234,24 @@ def test_kv_events_name_the_adapter(loaded_model, adapters, tmp_path):
     by_adapter = {(e.lora_id, e.lora_name) for e in seen}
     assert by_adapter == {(2, "qv"), (None, None)}
     llm.llm_engine.shutdown()
+
+
+def test_prompt_logprobs_and_beam_search_under_an_adapter(loaded_model, adapters, peft_model):
+    """What evaluation harnesses send: a prompt scored under an adapter (prompt_logprobs over two chunks) equals
+    PEFT's log-softmax; a beam search runs under the adapter and reports it on its hypotheses."""
+    from pagedkv import BeamSearchParams
+
+    llm = _llm(loaded_model, max_num_batched_tokens=16, max_num_seqs=4)
+    prompt = "The quick brown fox jumps over the lazy dog while the cat watches from the window."
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False,
+                       lora_request=adapters["full"])[0]
+    ids = list(out.prompt_token_ids)
+    assert len(ids) > 16  # scored over more than one chunk
+    peft_model.set_adapter("full")
+    with torch.no_grad():
+        ref = torch.log_softmax(peft_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = [e[t].logprob for t, e in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
+    want = [ref[i, t].item() for i, t in enumerate(ids[1:])]
+    assert got == pytest.approx(want, abs=2e-4)
+    beams = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4), lora_request=adapters["qv"])
+    assert beams[0].sequences and all(s.lora_request == adapters["qv"] for s in beams[0].sequences)
