@@ -143,11 +143,19 @@ void lora_linear_add(at::Tensor& out, const at::Tensor& input, const at::Tensor&
   const int64_t T = out.size(0), S = lora_a.size(0), M = token_rows.size(0);
   const int64_t n_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
 
-  // The segment bounds and the fast-path test need the index values on the host: one copy of both
-  // (slot_starts, then token_rows) per call, a device->host sync where they live on CUDA.
-  const at::Tensor host = at::cat({slot_starts, token_rows}).to(at::kCPU).contiguous();
-  const int64_t* starts = host.const_data_ptr<int64_t>();
-  const int64_t* rows = starts + (S + 1);
+  // The segment bounds and the fast-path test need the index values on the host: read in place on the
+  // CPU; on CUDA one copy of both (slot_starts, then token_rows) per call, a device->host sync.
+  at::Tensor host_starts, host_rows;
+  if (slot_starts.is_cpu()) {
+    host_starts = slot_starts.contiguous();
+    host_rows = token_rows.contiguous();
+  } else {
+    const at::Tensor host = at::cat({slot_starts, token_rows}).to(at::kCPU);
+    host_starts = host.narrow(0, 0, S + 1);
+    host_rows = host.narrow(0, S + 1, M);
+  }
+  const int64_t* starts = host_starts.const_data_ptr<int64_t>();
+  const int64_t* rows = host_rows.const_data_ptr<int64_t>();
   if (index_checks_enabled()) check_lora_index_values(starts, S, rows, M, T);
 
   for (int64_t s = 0; s < S; ++s) {

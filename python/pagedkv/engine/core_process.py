@@ -145,16 +145,7 @@ class EngineCore:
             return engine.kv_snapshot()
         if what == "state":
             return engine.inspect()
-        try:
-            if what == "add_lora":
-                return {"result": engine.add_lora(lora_from_wire(arg))}
-            if what == "remove_lora":
-                return {"result": engine.remove_lora(arg)}
-            if what == "list_loras":
-                return {"result": sorted(engine.list_loras())}
-        except ValueError as e:  # an adapter that cannot run: the caller gets the reason
-            return {"error": str(e)}
-        return {"error": f"unknown inspection {what!r}"}
+        return engine.lora_call(what, lora_from_wire(arg) if what == "add_lora" else arg)
 
     def _load_grammar(self, grammar: str | None) -> Any:
         if grammar is None:

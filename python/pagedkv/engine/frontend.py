@@ -219,8 +219,7 @@ class FrontendEngine:
         while not answer.done():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine core did not answer {what} in {timeout_s:.0f} s")
-            held, self._held = self._held, []
-            self._held = held + self.step(0.05)
+            self._held = self.step(0.05)  # step returns the held outputs first
         reply = answer.result()
         if "error" in reply:
             raise ValueError(reply["error"])

@@ -265,9 +265,12 @@ class LLMEngine:
         if self.runner.lora is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine was started without LoRA "
                              "(enable_lora=True, --enable-lora)")
-        live = {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
-        self.runner.lora.register(lora_request, keep=live)
+        self.runner.lora.register(lora_request, keep=self._live_lora_ids)
         return True
+
+    def _live_lora_ids(self) -> set[int]:
+        """The adapters of unfinished requests (their host copies stay)."""
+        return {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forgets an adapter: its host copy and its slot (False if not held). As in vLLM, requests still running
@@ -279,6 +282,21 @@ class LLMEngine:
     def list_loras(self) -> set[int]:
         """The ids of the adapters held in host memory."""
         return set(self.runner.lora.loaded_ids) if self.runner.lora is not None else set()
+
+    def lora_call(self, what: str, arg: Any) -> dict:
+        """add_lora(arg) / remove_lora(arg) / list_loras() as a reply for a front end: {"result": ...}, or
+        {"error": reason} for an adapter that cannot run (the engine-core process and the server's engine thread
+        answer their callers with it)."""
+        try:
+            if what == "add_lora":
+                return {"result": self.add_lora(arg)}
+            if what == "remove_lora":
+                return {"result": self.remove_lora(arg)}
+            if what == "list_loras":
+                return {"result": sorted(self.list_loras())}
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"error": f"unknown LoRA call {what!r}"}
 
     def _grammars(self) -> GrammarCompiler:
         """The structured-outputs compiler, built at the first request that needs it (~0.2 s)."""

@@ -63,11 +63,12 @@ class LoRAManager:
         self._steps = 0
 
     # --- host copies -----------------------------------------------------------------------------
-    def register(self, request: LoRARequest, keep: Set[int] = frozenset()) -> LoRAAdapter:
+    def register(self, request: LoRARequest, keep: Callable[[], Set[int]] = frozenset) -> LoRAAdapter:
         """Reads the adapter (unless held) and keeps it on the host; raises LoRAAdapterError if it cannot run
         (every part is checked against its projection here, so a misfit never fails a step). An id already
-        held with another folder or name is refused (an id names one adapter). keep: ids whose host copies
-        must stay (adapters of unfinished requests: their steps never read a folder again)."""
+        held with another folder or name is refused (an id names one adapter). keep: the ids whose host copies
+        must stay (adapters of unfinished requests: their steps never read a folder again), asked only when a
+        newly read adapter makes the host trim (not on every request of a held one)."""
         held = self.host.get(request.lora_int_id)
         if held is not None:
             if (held.request.lora_path, held.request.lora_name) != (request.lora_path, request.lora_name):
@@ -83,7 +84,8 @@ class LoRAManager:
                 raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): its "
                                        f"{part.module} part does not fit the model: {e}") from None
         self.host[request.lora_int_id] = adapter
-        self._trim_host(keep | {request.lora_int_id})
+        if len(self.host) > self.config.max_cpu_loras:
+            self._trim_host(set(keep()) | {request.lora_int_id})
         logger.info("LoRA adapter %r (id %d, rank %d, %d projections, %.1f MiB) read from %s", request.lora_name,
                     request.lora_int_id, adapter.rank, len(adapter.parts), adapter.num_bytes / 2**20,
                     request.lora_path)

@@ -39,7 +39,7 @@ import logging
 import os
 import re
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -321,19 +321,19 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
     logger.warning("runtime LoRA updating is on: clients with access to the API can load adapters from this "
                    "machine's files (POST /v1/load_lora_adapter)")
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+    async def answer(change: Awaitable[str]) -> Response:
         try:
-            return PlainTextResponse(await models.load_lora_adapter(req.lora_name, req.lora_path))
+            return PlainTextResponse(await change)
         except (EngineDeadError, EngineDraining) as e:
             raise engine_error(e) from e
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        return await answer(models.load_lora_adapter(req.lora_name, req.lora_path))
+
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
-        try:
-            return PlainTextResponse(await models.unload_lora_adapter(req.lora_name, req.lora_int_id))
-        except (EngineDeadError, EngineDraining) as e:
-            raise engine_error(e) from e
+        return await answer(models.unload_lora_adapter(req.lora_name, req.lora_int_id))
 
 
 def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, api_key: str | None = None,

@@ -350,14 +350,8 @@ class AsyncEngine:
         ask = getattr(self.engine, "request_inspection", None)
         if ask is not None:
             ask(answer, what, arg)  # the core runs it; answered when its reply is read
-            return
-        try:
-            method = getattr(self.engine, what)
-            result = method() if what == "list_loras" else method(arg)
-        except ValueError as e:  # an adapter that cannot run: the caller gets the reason
-            answer.set_result({"error": str(e)})
-            return
-        answer.set_result({"result": sorted(result) if isinstance(result, set) else result})
+        else:
+            answer.set_result(self.engine.lora_call(what, arg))
 
     def _abort_lora_streams(self, lora: LoRARequest, deliveries: list[Delivery]) -> None:
         """Ends the requests running with `lora` (its engine requests aborted first: the engine's remove_lora

@@ -206,10 +206,10 @@ class CallStream:
             return self._send_to(len(self.text))
         if self.fmt.at_start:
             return self._feed_at_start()
-        starts = [i for i in (self.text.find(m, self.sent) for m in self.fmt.markers) if i >= 0]
-        if starts:
+        start = self._first_marker(self.sent)
+        if start >= 0:
             self.in_call = True
-            return self._send_to(min(starts))
+            return self._send_to(start)
         # Hold a tail that could grow into a marker.
         longest = max(len(m) for m in self.fmt.markers) - 1
         hold = next((k for k in range(min(longest, len(self.text) - self.sent), 0, -1)
@@ -233,9 +233,14 @@ class CallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(the content still to send, the calls) once the reply has ended."""
-        content, calls = self.fmt.parse(self.text)
+        _, calls = self.fmt.parse(self.text)
         if not calls:  # no call after all (or a broken one): the held text is content
             return self._send_to(len(self.text)), []
         if self.fmt.at_start:
             return "", calls
-        return self._send_to(self.text.find(_HERMES_OPEN)), calls
+        return self._send_to(self._first_marker()), calls
+
+    def _first_marker(self, start: int = 0) -> int:
+        """Where the first call opens from `start` (-1: nowhere yet)."""
+        found = [i for i in (self.text.find(m, start) for m in self.fmt.markers) if i >= 0]
+        return min(found, default=-1)
