@@ -9,6 +9,7 @@
 
 #include "block_manager/block_manager.h"
 #include "block_manager/errors.h"
+#include "block_manager/ngram.h"
 
 namespace py = pybind11;
 using namespace pagedkv;
@@ -195,6 +196,7 @@ PYBIND11_MODULE(_block_manager, m) {
       .def("append_slots_batch", &BlockManager::append_slots_batch, py::arg("seq_ids"), py::arg("num_new_tokens"))
       .def("fork", &BlockManager::fork, py::arg("parent"), py::arg("child"))
       .def("free", &BlockManager::free, py::arg("seq_id"))
+      .def("truncate", &BlockManager::truncate, py::arg("seq_id"), py::arg("num_tokens"))
       .def("can_swap_out", &BlockManager::can_swap_out, py::arg("seq_ids"))
       .def("can_swap_in", &BlockManager::can_swap_in, py::arg("seq_ids"))
       .def("swap_out", &BlockManager::swap_out, py::arg("seq_ids"))
@@ -246,4 +248,18 @@ PYBIND11_MODULE(_block_manager, m) {
                              [](const BlockManager& bm) { return bm.gpu_pool().num_evictable(); })
       .def_property_readonly("num_cached_blocks", [](const BlockManager& bm) { return bm.gpu_pool().num_cached(); })
       .def_property_readonly("num_evictions", [](const BlockManager& bm) { return bm.gpu_pool().num_evictions(); });
+
+  // Speculative decoding: n-gram (prompt lookup) drafts, see ngram.h.
+  m.def(
+      "propose_ngram",
+      [](const IdArray& tokens, int64_t min_n, int64_t max_n, int64_t k, int64_t max_len) {
+        if (tokens.ndim() != 1) {
+          throw std::invalid_argument("propose_ngram: tokens must be 1-D, got " + std::to_string(tokens.ndim()) +
+                                      "-D");
+        }
+        return propose_ngram(tokens.data(), tokens.size(), min_n, max_n, k, max_len);
+      },
+      py::arg("tokens"), py::arg("min_n"), py::arg("max_n"), py::arg("k"), py::arg("max_len"),
+      "Up to k draft tokens: those after the earliest earlier occurrence of the longest suffix n-gram "
+      "(min_n <= n <= max_n), stopping before max_len tokens in all");
 }

@@ -262,6 +262,28 @@ void BlockManager::free(SeqId seq_id) {
   seqs_.erase(it);
 }
 
+void BlockManager::truncate(SeqId seq_id, int64_t num_tokens) {
+  SeqState& s = running_seq(seq_id, "truncate");
+  if (num_tokens < 0 || num_tokens > s.num_tokens) {
+    throw std::invalid_argument("truncate: " + seq_str(seq_id) + " has " + std::to_string(s.num_tokens) +
+                                " tokens; num_tokens must be in [0, " + std::to_string(s.num_tokens) + "], got " +
+                                std::to_string(num_tokens));
+  }
+  // The window of its next query (at num_tokens) must not reach into the released blocks.
+  if (s.num_dropped > 0 && s.num_dropped * block_size_ > num_tokens - window_) {
+    throw InvalidSequenceStateError("truncate: " + seq_str(seq_id) + " released its first " +
+                                    std::to_string(s.num_dropped * block_size_) +
+                                    " positions to the sliding window; cut to " + std::to_string(num_tokens) +
+                                    " tokens its window would reach into them");
+  }
+  // Deepest first, as in free().
+  while (static_cast<int64_t>(s.table.size()) > blocks_for(num_tokens)) {
+    gpu_.decref(s.table.back());
+    s.table.pop_back();
+  }
+  s.num_tokens = num_tokens;
+}
+
 // --- swapping --------------------------------------------------------------
 
 int32_t BlockManager::distinct_blocks(const std::vector<SeqId>& seq_ids, bool swapped, const char* op) const {

@@ -88,6 +88,14 @@ class BlockManager {
   // search); dropped entries stay dropped in the child.
   void fork(SeqId parent, SeqId child);
   void free(SeqId seq_id);
+  // Shortens a running sequence to its first `num_tokens` tokens (speculative
+  // decoding: slots given to draft tokens the model then rejected). Trailing
+  // blocks no token is left in are released as free() releases them; the kept
+  // ones, a partly filled last block included, stay as they are (the next
+  // append writes over the rejected slots). num_tokens must lie in
+  // [0, current count], and with a sliding window its next query's window
+  // must not reach into the dropped blocks.
+  void truncate(SeqId seq_id, int64_t num_tokens);
 
   // --- swapping (a group of sequences at once keeps their sharing) ------
   bool can_swap_out(const std::vector<SeqId>& seq_ids) const;

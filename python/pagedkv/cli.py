@@ -81,6 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=16, help="highest LoRA rank served (sizes the slots)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="LoRA adapters kept in host memory, least recently used dropped first (default --max-loras)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as a JSON object (vLLM\'s): {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}')
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -98,7 +101,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "kv_offloading_size": ns.kv_offloading_size, "kv_cache_dir": ns.kv_cache_dir,
             "kv_cache_dir_size": ns.kv_cache_dir_size, "kv_events_config": ns.kv_events_config,
             "hf_overrides": ns.hf_overrides, "enable_lora": ns.enable_lora, "max_loras": ns.max_loras,
-            "max_lora_rank": ns.max_lora_rank, "max_cpu_loras": ns.max_cpu_loras}
+            "max_lora_rank": ns.max_lora_rank, "max_cpu_loras": ns.max_cpu_loras,
+            "speculative_config": ns.speculative_config}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -176,6 +180,10 @@ def print_stats(llm, outputs, elapsed: float) -> None:
               f"MiB read in {s.kv_disk_load_seconds:.3f} s, {s.kv_disk_files_rejected} rejected)")
     print(f"  prompt tokens computed {s.prompt_tokens}, generated {gen}, preemptions {s.num_preemptions}; "
           f"{gen / elapsed:.1f} output tok/s over {elapsed:.2f} s")
+    if s.spec_num_drafts:
+        print(f"  speculative decoding: {s.spec_num_accepted_tokens} of {s.spec_num_draft_tokens} draft tokens "
+              f"accepted ({100 * s.spec_num_accepted_tokens / s.spec_num_draft_tokens:.1f}%), "
+              f"{1 + s.spec_num_accepted_tokens / s.spec_num_drafts:.2f} tokens per speculating step")
     advisor = getattr(engine, "kv_advisor", None)  # in-process engines only: a core process keeps its own
     advice = advisor.current() if advisor is not None else []
     if advice:

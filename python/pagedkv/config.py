@@ -229,6 +229,7 @@ class SchedulerConfig:
 
 
 MAX_LORA_RANK_LIMIT = 512
+MAX_SPECULATIVE_TOKENS = 32  # drafts per step: beyond this the rejected tail costs more than it can win
 
 
 @dataclass(slots=True)
@@ -249,6 +250,108 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK_LIMIT}, got {self.max_lora_rank}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def _batch_size_schedule(value: Any) -> list[tuple[int, int, int]]:
+    """num_speculative_tokens_per_batch_size checked: (start, end, k) triples of ints, start <= end, k >= 0,
+    ranges sorted without overlap, the first from batch size 1."""
+    name = "speculative_config: num_speculative_tokens_per_batch_size"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{name} must be a non-empty list of [start, end, k], got {value!r}")
+    schedule = []
+    for entry in value:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+            raise ValueError(f"{name}: each entry must be [start, end, k] of ints, got {entry!r}")
+        start, end, k = entry
+        if start < 1 or end < start or k < 0:
+            raise ValueError(f"{name}: need 1 <= start <= end and k >= 0, got {list(entry)}")
+        schedule.append((start, end, k))
+    schedule.sort()
+    if schedule[0][0] != 1:
+        raise ValueError(f"{name}: the first range must start at batch size 1, got {list(schedule[0])}")
+    for (_, end, _), (start, _, _) in zip(schedule, schedule[1:], strict=False):
+        if start <= end:
+            raise ValueError(f"{name}: ranges overlap at batch size {start}")
+    return schedule
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys; pagedkv.spec_decode): per step a decoding
+    sequence proposes up to `num_speculative_tokens` draft tokens and the model checks them all in one forward.
+
+    method "ngram" (prompt lookup): the drafts are the tokens that followed the longest earlier occurrence of the
+    sequence's last n tokens, n in [prompt_lookup_min, prompt_lookup_max]; one of the two alone sets both, and
+    neither gives 5 and 5 (vLLM's defaults).
+
+    num_speculative_tokens_per_batch_size (vLLM's dynamic schedule): [[start, end, k], ...], inclusive ranges of
+    the running batch size, sorted, the first from 1; a size between or past the ranges takes the k before it.
+    Each k is capped at num_speculative_tokens, and 0 turns speculation off at those sizes: a batch large enough
+    to keep the cores busy gains little from drafts and pays for the rejected ones.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    num_speculative_tokens_per_batch_size: list | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)} (draft models, "
+                             f"EAGLE and MTP heads are not supported), got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config: num_speculative_tokens is required (drafts per step, e.g. 4)")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive int, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            schedule = _batch_size_schedule(self.num_speculative_tokens_per_batch_size)
+            self.num_speculative_tokens_per_batch_size = schedule
+
+    def tokens_for_batch(self, batch_size: int) -> int:
+        """Drafts per sequence for a step of `batch_size` running sequences."""
+        k = self.num_speculative_tokens
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return k
+        chosen = schedule[0][2]
+        for start, _, value in schedule:  # the last range starting at or before the size (gaps carry forward)
+            if start > batch_size:
+                break
+            chosen = value
+        return min(chosen, k)
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a JSON string (the CLI's), a dict or a config; None stays None. Unknown keys are refused."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        value = parse_json_object("speculative_config", value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
 
 
 @dataclass(slots=True)
@@ -303,8 +406,12 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (pagedkv.spec_decode; vLLM's speculative_config, a dict or a JSON object string):
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
         self.hf_overrides = parse_json_object("hf_overrides", self.hf_overrides)
         events = KVEventsConfig.parse(self.kv_events_config)

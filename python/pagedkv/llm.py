@@ -46,6 +46,10 @@ class LLM:
     `enable_lora` serves LoRA adapters (PEFT folders) named per request with
     a `LoRARequest`: at most `max_loras` different adapters in one step, of
     rank up to `max_lora_rank`, `max_cpu_loras` kept in host memory.
+    `speculative_config={"method": "ngram", "num_speculative_tokens": k}`
+    lets a decoding sequence check up to k draft tokens a step, drafted by
+    prompt lookup in its own tokens (`prompt_lookup_min/max`); outputs are
+    unchanged (pagedkv.spec_decode).
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",

@@ -325,6 +325,26 @@ class BlockManager:
                 self.prefix_cache.on_append(self.core, seq_id, toks)
         return cows
 
+    # --- speculative decoding ----------------------------------------------------
+    def append_drafts(self, seq_id: int, token_id: int, num_drafts: int) -> BlockPair | None:
+        """Slots for a sequence's next token `token_id` and `num_drafts` draft tokens after it; returns the
+        copy-on-write pair, if any (as append_slots).
+
+        Only `token_id` enters the prefix cache: a block that drafts fill is not indexed, since the model may
+        reject them; `settle_drafts` indexes the accepted ones once verified.
+        """
+        cow = self.core.append_slots(seq_id, 1 + num_drafts)
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_append(self.core, seq_id, [token_id])
+        return cow
+
+    def settle_drafts(self, seq_id: int, num_tokens: int, accepted: Sequence[int]) -> None:
+        """After verification: the sequence keeps its first `num_tokens` slots (the rejected drafts' slots go;
+        trailing blocks left empty are released) and its `accepted` drafts enter the prefix cache."""
+        self.core.truncate(seq_id, num_tokens)
+        if self.prefix_cache is not None and accepted:
+            self.prefix_cache.on_append(self.core, seq_id, accepted)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """`child_id` shares every live block of `parent_id` (dropped entries stay dropped); later writes copy on
         demand."""

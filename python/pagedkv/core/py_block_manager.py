@@ -349,6 +349,19 @@ class PyBlockManager:
         for b in reversed(seq.live):  # deepest first: evicted before the shared roots
             pool.decref(b)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        seq = self._running(seq_id, "truncate")
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"truncate: sequence {seq_id} has {seq.num_tokens} tokens; num_tokens must be in "
+                             f"[0, {seq.num_tokens}], got {num_tokens}")
+        if seq.num_dropped and seq.num_dropped * self.block_size > num_tokens - self.sliding_window:
+            raise InvalidSequenceStateError(
+                f"truncate: sequence {seq_id} released its first {seq.num_dropped * self.block_size} positions to "
+                f"the sliding window; cut to {num_tokens} tokens its window would reach into them")
+        while len(seq.table) > self._blocks_for(num_tokens):  # deepest first, as in free()
+            self.gpu.decref(seq.table.pop())
+        seq.num_tokens = num_tokens
+
     # --- swapping ---------------------------------------------------------
     def _distinct(self, seq_ids: list[int], swapped: bool, op: str) -> int:
         if len(set(seq_ids)) != len(seq_ids):

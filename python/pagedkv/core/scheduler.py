@@ -55,12 +55,13 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from pagedkv._block_manager import NoFreeBlocksError
-from pagedkv.config import CacheConfig, SchedulerConfig
+from pagedkv.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedkv.core.beam_search import BeamGroup
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.kv_tiers import TierMoves
 from pagedkv.core.sequence import Request, Sequence, SequenceStatus
 from pagedkv.outputs import SamplerOutput
+from pagedkv.spec_decode.drafter import NgramDrafter, SpecDecodeCounts, num_accepted, speculates
 
 logger = logging.getLogger(__name__)
 
@@ -83,17 +84,25 @@ class SchedulerOutput:
     blocks_to_swap_in: list[BlockPair] = field(default_factory=list)
     blocks_to_copy: list[BlockPair] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Speculative decoding: decodes that check drafts (seq.spec_token_ids) this step, each a chunk of its next
+    # token and its drafts (their slots are taken; the rejected ones are given back after the step).
+    spec_seqs: list[Sequence] = field(default_factory=list)
     # Moves between the pool and its host/disk tiers (pagedkv.core.kv_tiers): offload runs before the swap
     # out, restores after it.
     tier_moves: TierMoves | None = None
 
     @property
     def num_batched_tokens(self) -> int:
-        return len(self.decode_seqs) + sum(self.prefill_lens)
+        return len(self.decode_seqs) + sum(self.prefill_lens) + sum(1 + len(s.spec_token_ids) for s in self.spec_seqs)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode_seqs and not self.prefill_seqs
+        return not self.decode_seqs and not self.prefill_seqs and not self.spec_seqs
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Every sequence that runs in the step."""
+        return [*self.decode_seqs, *self.prefill_seqs, *self.spec_seqs]
 
     def sampled(self, i: int) -> bool:
         """Whether prefill_seqs[i] reaches its last token this step (its next token is sampled)."""
@@ -114,6 +123,10 @@ class StepUpdate:
     appended: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
     failed: dict[str, tuple[Request, Exception]] = field(default_factory=dict)
+    # Speculative decoding: tokens each speculating sequence took (by seq_id; every other appended one took 1),
+    # and the rows whose tokens were not kept (rejected drafts' rows, rows after a stop).
+    num_new: dict[int, int] = field(default_factory=dict)
+    num_dropped_rows: int = 0
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -126,17 +139,23 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager,
                  eos_token_ids: Set[int] = frozenset(), max_scored_prompt_tokens: int | None = None,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, speculative: SpeculativeConfig | None = None) -> None:
         """eos_token_ids: the tokens that end a sequence (unless its request sets ignore_eos).
 
         max_scored_prompt_tokens: prompt tokens of requests that ask for prompt logprobs computed per step at
         most (each needs a row of logits: the engine bounds their memory by the vocabulary); None: no bound.
+        speculative: the speculative-decoding settings (None: off).
         max_loras: distinct LoRA adapters running at once at most (each needs a device slot); a waiting request
         whose adapter would be one too many waits, and those behind it with a running adapter (or none) go first,
         as in vLLM.
         """
         self.config = config
         self.max_loras = max_loras
+        # Speculative decoding (pagedkv.spec_decode): the drafts' source, and vLLM's acceptance counters.
+        self.speculative = speculative
+        self.drafter = NgramDrafter(speculative, config.max_model_len) if speculative is not None else None
+        self.spec_counts = SpecDecodeCounts()
+        self._spec_k = 0  # drafts per sequence in the step being scheduled (by the running batch's size)
         self.max_scored_prompt_tokens = max_scored_prompt_tokens
         self._scoring_left = 0  # of max_scored_prompt_tokens, in the step being scheduled
         self.eos_token_ids = eos_token_ids
@@ -194,6 +213,8 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         budget = self.config.max_num_batched_tokens
         self._scoring_left = self.max_scored_prompt_tokens or budget
+        if self.speculative is not None:
+            self._spec_k = self.speculative.tokens_for_batch(len(self.running))
         budget, decodes, pending = self._schedule_running(out, budget)
         if not out.preempted:
             reserved = self._reserved_seats() if self.beam_requests else 0
@@ -219,6 +240,12 @@ class Scheduler:
             if n == 0:  # its prompt-scoring share of the step is spent
                 i += 1
                 continue
+            if self._spec_k and seq.num_uncomputed_tokens == 1:
+                taken = self._schedule_drafts(out, seq, budget, pending)
+                if taken:
+                    budget -= taken
+                    i += 1
+                    continue
             need = self._make_room(out, seq, [(seq, n)], pending)
             if need is None:  # preempted itself: nothing after it is left
                 break
@@ -232,6 +259,26 @@ class Scheduler:
             budget -= n
             i += 1
         return budget, decodes, pending
+
+    def _schedule_drafts(self, out: SchedulerOutput, seq: Sequence, budget: int, pending: int) -> int:
+        """Schedules decode `seq` with drafts when it speculates, some are found and their blocks are free now
+        (drafts never preempt anyone); returns the tokens it took of the budget (0: it decodes as usual)."""
+        if not speculates(seq):
+            return 0
+        p = seq.request.params
+        left = (p.max_tokens or 1 << 62) - seq.num_output_tokens  # tokens it may still take, drafts kept included
+        drafts = self.drafter.drafts(seq, min(self._spec_k + 1, budget, left) - 1)
+        if not drafts:
+            return 0
+        n = 1 + len(drafts)
+        if self.bm.blocks_to_append(seq.seq_id, n) > self.bm.num_free_gpu_blocks - pending:
+            return 0
+        cow = self.bm.append_drafts(seq.seq_id, seq.token_ids[-1], len(drafts))
+        if cow is not None:
+            out.blocks_to_copy.append(cow)
+        seq.spec_token_ids = drafts
+        out.spec_seqs.append(seq)
+        return n
 
     def _make_room(self, out: SchedulerOutput, owner: Sequence, plan: list[tuple[Sequence, int]],
                    pending: int) -> int | None:
@@ -457,9 +504,20 @@ class Scheduler:
                 self._fork(seq)
         update = StepUpdate()
         errors = errors if errors is not None else [None] * len(rows)
+        if len(sampled.token_ids) != len(rows) or len(errors) != len(rows):
+            raise ValueError(f"update_from_output: {len(rows)} rows, {len(sampled.token_ids)} tokens, "
+                             f"{len(errors)} errors")
         beam_rows: dict[str, list[tuple[Sequence, dict]]] = {}
-        for seq, token, logprobs, error in zip(rows, sampled.token_ids, sampled.logprobs, errors, strict=True):
+        i = 0
+        while i < len(rows):
+            seq, token, logprobs, error = rows[i], sampled.token_ids[i], sampled.logprobs[i], errors[i]
             req = seq.request
+            if seq.spec_token_ids:  # its next token's row, then one row per draft
+                n = 1 + len(seq.spec_token_ids)
+                self._settle_drafts(seq, sampled, errors, i, update, now)
+                i += n
+                continue
+            i += 1
             if req.request_id in update.failed:
                 continue
             if req.beam is not None and error is None:  # scored below, with the other beams of its group
@@ -490,6 +548,47 @@ class Scheduler:
             if req.finished:
                 update.finished.extend(beams)
         return update
+
+    def _settle_drafts(self, seq: Sequence, sampled: SamplerOutput, errors: list[Exception | None], first: int,
+                       update: StepUpdate, now: float) -> None:
+        """Closes a speculating sequence's step from its rows first .. first + len(drafts): it takes row 0's token,
+        then each next row's while the previous row's token equals its draft (pagedkv.spec_decode.drafter); its
+        slots shrink to the tokens whose KV holds, and the accepted drafts enter the prefix cache."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        n = 1 + len(drafts)
+        tokens = sampled.token_ids[first:first + n]
+        base = seq.num_computed_tokens  # its last token's position: the chunk's KV starts there
+        req = seq.request
+        error = next((e for e in errors[first:first + n] if e is not None), None)
+        if req.request_id in update.failed or error is not None:
+            seq.num_computed_tokens = base + 1
+            self.bm.settle_drafts(seq.seq_id, base + 1, [])
+            update.num_dropped_rows += n
+            if error is not None:
+                update.failed[req.request_id] = (req, error)
+            return
+        accepted = num_accepted(drafts, tokens)
+        self.spec_counts.record(len(drafts), accepted)
+        taken, finished = 0, False
+        try:
+            while taken <= accepted and not finished:
+                self._append_token(seq, tokens[taken], sampled.logprobs[first + taken], now)
+                taken += 1
+                finished = self._check_stop(seq, tokens[taken - 1])
+        except Exception as e:  # this row's own state: its request fails
+            update.failed[req.request_id] = (req, e)
+            finished = True
+        # KV holds its last token and the drafts now in its tokens (the newest token has none yet).
+        seq.num_computed_tokens = base + taken
+        if not seq.is_finished:
+            self.bm.settle_drafts(seq.seq_id, base + taken, drafts[:taken - 1])
+        update.num_dropped_rows += n - taken
+        if req.request_id in update.failed:
+            return
+        update.appended.append(seq)
+        update.num_new[seq.seq_id] = taken
+        if finished:
+            update.finished.append(seq)
 
     def _beam_step(self, req: Request, scored: list[tuple[Sequence, dict]], now: float) -> list[Sequence]:
         """One step of a beam group: the winners of its beams' candidates become its beams (a parent chosen k

@@ -60,6 +60,8 @@ class Sequence:
     num_emitted_chars: int = 0
     # structured_outputs: this sample's grammar matcher (pagedkv.structured_outputs), fed every token it takes.
     grammar: Any = None
+    # Speculative decoding (pagedkv.spec_decode): the drafts this step checks after the last token ([] when none).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

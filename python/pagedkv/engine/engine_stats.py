@@ -47,6 +47,12 @@ class EngineStats:
     # run with, sorted and comma-joined ("" without any, or without enable_lora).
     running_lora_adapters: str = ""
     waiting_lora_adapters: str = ""
+    # Speculative decoding (vLLM's vllm:spec_decode_* counters; zeros when off): steps of a sequence that carried
+    # drafts, the drafts, those accepted, and per draft position the accepted ones.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -124,7 +124,8 @@ class LLMEngine:
         lora_config = args.lora_config()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids,
                                    max_scored_tokens(self.model_config.vocab_size, self.cache_config.block_size),
-                                   max_loras=lora_config.max_loras if lora_config is not None else None)
+                                   max_loras=lora_config.max_loras if lora_config is not None else None,
+                                   speculative=args.speculative_config)
         self._log_cache(device_side.plan)
         self._request_ids = itertools.count()
         # The EOS a beam search's candidates finish on: the tokenizer's, as in vLLM (a core process without a
@@ -373,11 +374,11 @@ class LLMEngine:
             self.kv_offload.after_step(self.block_manager.step_cached_entries())
         sampled, errors = self._sample(rows, logits)
         scoring_failed = self._score_prompts(prompt) if prompt is not None else {}
-        self._count(out, rows, t0)
-        if self.kv_trace is not None:
-            self.kv_trace.maybe_record(self)
         now = time.time()
         update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
+        self._count(out, len(rows) - update.num_dropped_rows, t0)
+        if self.kv_trace is not None:
+            self.kv_trace.maybe_record(self)
         update.failed.update(scoring_failed)
         outputs = self._process_outputs(update, now)
         self._observe_advice(now)
@@ -391,12 +392,13 @@ class LLMEngine:
             self.kv_advisor.observe(self.get_stats(), now, lens, diag.num_warnings if diag else 0,
                                     diag.positions if diag else None)
 
-    def _count(self, out: SchedulerOutput, rows: list[Sequence], t0: float) -> None:
+    def _count(self, out: SchedulerOutput, num_tokens: int, t0: float) -> None:
+        """One step's counters: num_tokens sampled tokens kept (rejected drafts' rows are not output)."""
         c = self.counters
         c.num_steps += 1
         c.step_times.append(time.perf_counter() - t0)
         c.prompt_tokens += sum(out.prefill_lens)
-        c.generation_tokens += len(rows)
+        c.generation_tokens += num_tokens
         c.peak_used_blocks = max(c.peak_used_blocks, self.block_manager.num_used_gpu_blocks)
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[SamplerOutput, list[Exception | None]]:
@@ -425,7 +427,7 @@ class LLMEngine:
         """The forward failed: its requests fail, the rest go on (the cause is unknown, so all of this step's)."""
         self.counters.num_failed_steps += 1
         dropped = self.block_manager.uncache_step_blocks()
-        failed = {s.request.request_id: s.request for s in (*out.decode_seqs, *out.prefill_seqs)}
+        failed = {s.request.request_id: s.request for s in out.seqs}
         # Sequences swapped out or in this step: their blocks' bytes moved (or not) in the failed step.
         for s in out.preempted:
             if s.status is SequenceStatus.SWAPPED:
@@ -468,7 +470,7 @@ class LLMEngine:
     def _process_outputs(self, update: StepUpdate, now: float) -> list[RequestOutput]:
         """Text for the rows that got a token, then the outputs: failed requests first, then those that moved."""
         failed = dict(update.failed)
-        self._apply_text(update.appended, failed)
+        self._apply_text(update.appended, failed, update.num_new)
         outputs = []
         for req, error in failed.values():
             logger.error("request %s failed in this step", req.request_id, exc_info=error)
@@ -484,9 +486,11 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _apply_text(self, appended: list[Sequence], failed: dict[str, tuple[Request, Exception]]) -> None:
+    def _apply_text(self, appended: list[Sequence], failed: dict[str, tuple[Request, Exception]],
+                    num_new: dict[int, int]) -> None:
         """Each row's text, in row order; a row whose text raises (e.g. its tokenizer cannot decode it) fails its
-        request alone, and that request's samples from that row on end with "error"."""
+        request alone, and that request's samples from that row on end with "error". num_new: tokens taken by
+        the sequences that took more than one (speculative decoding)."""
         if self.tokenizer is None:
             return
         for i, seq in enumerate(appended):
@@ -495,7 +499,8 @@ class LLMEngine:
                 continue
             try:
                 if seq.logprobs:
-                    self.token_texts.fill(seq.logprobs[-1])
+                    for entry in seq.logprobs[-num_new.get(seq.seq_id, 1):]:
+                        self.token_texts.fill(entry)
                 self._update_text(seq)
             except Exception as e:
                 failed[req.request_id] = (req, e)
@@ -586,6 +591,12 @@ class LLMEngine:
         return build_snapshot(self)
 
     # --- stats ---------------------------------------------------------------------------
+    def _spec_fields(self) -> dict[str, Any]:
+        spec = self.scheduler.spec_counts
+        return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_pos": tuple(spec.accepted_per_pos)}
+
     def get_stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         pc = bm.prefix_cache_stats
@@ -606,4 +617,5 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions, prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens, peak_used_gpu_blocks=self.counters.peak_used_blocks,
             prefix_divergence_warnings=self.prefix_diagnostics.num_warnings if self.prefix_diagnostics else 0,
+            **self._spec_fields(),
             **(self.kv_offload.stats_fields() if self.kv_offload is not None else {}), **lora)

@@ -256,8 +256,13 @@ class ModelRunner:
         prompt tokens (driver only).
 
         logits_indices holds the sampled rows, then the prompt-scoring rows (pagedkv.engine.prompt_logprobs).
+        A speculating decode (out.spec_seqs) runs as a chunk after the prefill chunks: its last token, then its
+        drafts, every row sampled (its sequence once per row).
         """
         decodes, prefills, lens = out.decode_seqs, out.prefill_seqs, out.prefill_lens
+        spec = out.spec_seqs
+        if spec:
+            prefills, lens = [*prefills, *spec], [*lens, *(1 + len(s.spec_token_ids) for s in spec)]
         nd, npf = len(decodes), len(prefills)
         ids: list[int] = [s.token_ids[-1] for s in decodes]
         pos: list[int] = [s.num_computed_tokens for s in decodes]
@@ -268,6 +273,14 @@ class ModelRunner:
         row = nd
         for s, n in zip(prefills, lens, strict=True):
             start = s.num_computed_tokens
+            if s.spec_token_ids:
+                ids.append(s.token_ids[-1])
+                ids.extend(s.spec_token_ids)
+                pos.extend(range(start, start + n))
+                sampled_seqs.extend([s] * n)
+                logits_rows.extend(range(row, row + n))
+                row += n
+                continue
             ids.extend(s.token_ids[start:start + n])
             pos.extend(range(start, start + n))
             scoring = plan_prompt_rows(s, start, n)

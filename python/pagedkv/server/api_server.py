@@ -363,7 +363,8 @@ def build_app(args: EngineArgs, *, served_model_names: list[str] | None = None, 
         raise
     metrics = ServerMetrics(model_names[0], engine.scheduler_config.max_model_len, log_interval_s,
                             cache_info=engine.cache_config.metrics_info(),
-                            max_loras=engine.args.max_loras if engine.args.enable_lora else None)
+                            max_loras=engine.args.max_loras if engine.args.enable_lora else None,
+                            speculative=engine.args.speculative_config is not None)
     metrics.advice_log = AdviceLog.for_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
     root = str(engine.args.model) if engine.args.model else engine.model_name

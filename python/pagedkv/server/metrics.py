@@ -125,6 +125,8 @@ class _EngineStatsCollector(Collector):
                               ("disk", s.tier_hits_disk)):
             by_source.add_metric([*values, source], float(value))
         yield by_source
+        if self.metrics.speculative:
+            yield from _spec_decode_counters(s, names, values)
         if self.metrics.max_loras is not None:
             lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                      labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
@@ -133,17 +135,37 @@ class _EngineStatsCollector(Collector):
             yield lora
 
 
+def _spec_decode_counters(s: EngineStats, names: list[str], values: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters: drafts (steps of a sequence that carried some), draft tokens,
+    accepted tokens, and accepted tokens per draft position (label `position`)."""
+    for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", s.spec_num_accepted_tokens)):
+        c = CounterMetricFamily(name, doc, labels=names)
+        c.add_metric(values, float(value))
+        yield c
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=[*names, "position"])
+    for pos, value in enumerate(s.spec_accepted_per_pos):
+        per_pos.add_metric([*values, str(pos)], float(value))
+    yield per_pos
+
+
 class ServerMetrics:
     """The server's Prometheus registry; the `record_*` / `request_*` methods run on the engine thread."""
 
     def __init__(self, model_name: str, max_model_len: int, log_interval_s: float = 10.0,
-                 cache_info: dict[str, str] | None = None, max_loras: int | None = None) -> None:
+                 cache_info: dict[str, str] | None = None, max_loras: int | None = None,
+                 speculative: bool = False) -> None:
         """cache_info: `CacheConfig.metrics_info()`, the labels of vllm:cache_config_info (None: no such gauge).
-        max_loras: the engine's, with LoRA on (None: no vllm:lora_requests_info)."""
+        max_loras: the engine's, with LoRA on (None: no vllm:lora_requests_info).
+        speculative: the engine decodes speculatively (vllm:spec_decode_* counters)."""
         self.labels = {"model_name": model_name, "engine": "0"}
         self.stats: EngineStats | None = None
         self.stats_time = 0.0  # when `stats` was recorded (time.time())
         self.max_loras = max_loras
+        self.speculative = speculative
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(self))
         names = list(self.labels)
@@ -291,3 +313,8 @@ class _StatsLog:
                         "tokens since start); %d blocks offloaded, %d disk files written, %d rejected",
                         tier_rate, s.tier_hits_host, s.tier_hits_disk, s.kv_offloaded_blocks,
                         s.kv_disk_files_written, s.kv_disk_files_rejected)
+        if s.spec_num_draft_tokens:  # since start, as the counters are
+            logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+                        "Draft acceptance rate: %.1f%%", 1 + s.spec_num_accepted_tokens / s.spec_num_drafts,
+                        s.spec_num_accepted_tokens, s.spec_num_draft_tokens,
+                        100.0 * s.spec_num_accepted_tokens / s.spec_num_draft_tokens)
