@@ -61,7 +61,7 @@ from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.kv_tiers import TierMoves
 from pagedkv.core.sequence import Request, Sequence, SequenceStatus
 from pagedkv.outputs import SamplerOutput
-from pagedkv.spec_decode.drafter import NgramDrafter, SpecDecodeCounts, num_accepted, speculates
+from pagedkv.spec_decode.drafter import NgramDrafter, SpecDecodeCounts, num_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -263,11 +263,11 @@ class Scheduler:
     def _schedule_drafts(self, out: SchedulerOutput, seq: Sequence, budget: int, pending: int) -> int:
         """Schedules decode `seq` with drafts when it speculates, some are found and their blocks are free now
         (drafts never preempt anyone); returns the tokens it took of the budget (0: it decodes as usual)."""
-        if not speculates(seq):
+        if not seq.speculates:
             return 0
         p = seq.request.params
         left = (p.max_tokens or 1 << 62) - seq.num_output_tokens  # tokens it may still take, drafts kept included
-        drafts = self.drafter.drafts(seq, min(self._spec_k + 1, budget, left) - 1)
+        drafts = self.drafter.drafts(seq.token_ids, min(self._spec_k + 1, budget, left) - 1)
         if not drafts:
             return 0
         n = 1 + len(drafts)

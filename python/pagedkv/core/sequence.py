@@ -93,6 +93,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def speculates(self) -> bool:
+        """Whether it may check draft tokens in a step (pagedkv.spec_decode.drafter): not while a rule of its
+        request reads the tokens before each row (penalties, bad words, a grammar, min_tokens), nor in beam
+        search, nor with stop strings (its text is checked once per step)."""
+        req = self.request
+        p = req.params
+        return (req.beam is None and self.grammar is None and not p.stop_strings and not req.bad_words_ids
+                and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and self.num_output_tokens >= p.min_tokens)
+
 
 @dataclass(slots=True, eq=False)
 class Request:

@@ -20,33 +20,21 @@ outputs x with probability p(x) and any other y with p(y), which is what
 Requests whose next-token rules depend on the tokens before each row
 (repetition, presence and frequency penalties, bad words, a grammar, the
 tokens banned before min_tokens, beam search) and requests with stop strings
-(text is checked once per step) decode without drafts: speculation never
-changes what a request gets, only how many steps it takes.
+(text is checked once per step) decode without drafts
+(`Sequence.speculates`): speculation never changes what a request gets,
+only how many steps it takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedkv.config import SpeculativeConfig
 from pagedkv.spec_decode.ngram import propose
 
-if TYPE_CHECKING:  # the scheduler's type (pagedkv.core imports this module)
-    from pagedkv.core.sequence import Sequence
 
-
-def speculates(seq: Sequence) -> bool:
-    """Whether `seq` may take drafts this step (see the module docstring for the rules it must not break)."""
-    req = seq.request
-    p = req.params
-    return (req.beam is None and seq.grammar is None and not p.stop_strings and not req.bad_words_ids
-            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and seq.num_output_tokens >= p.min_tokens)
-
-
-def num_accepted(drafts: Seq[int], sampled: Seq[int]) -> int:
+def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     """Drafts the model agrees with: the length of the run where sampled[j] == drafts[j] (sampled has one row
     more than drafts: the token after the last draft)."""
     n = 0
@@ -87,9 +75,9 @@ class NgramDrafter:
         # Its last token must still fit: drafts end one position before max_model_len.
         self.max_len = max_model_len - 1
 
-    def drafts(self, seq: Sequence, limit: int) -> list[int]:
-        """At most min(k, limit) drafts for the token after `seq`'s last one ([] when none is found)."""
+    def drafts(self, token_ids: Sequence[int], limit: int) -> list[int]:
+        """At most min(k, limit) drafts for the token after a sequence's `token_ids` ([] when none is found)."""
         k = min(self.k, limit)
         if k <= 0:
             return []
-        return propose(seq.token_ids, self.min_n, self.max_n, k, self.max_len)
+        return propose(token_ids, self.min_n, self.max_n, k, self.max_len)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv import _block_manager
+from pagedkv._block_manager import propose_ngram
 
 
 def _check_args(min_n: int, max_n: int, k: int, max_len: int) -> None:
@@ -67,4 +67,4 @@ def propose(tokens: Sequence[int], min_n: int, max_n: int, k: int, max_len: int)
     `tokens` may be a list of ints or a 1-D integer numpy array (cast to int64).
     Raises ValueError on bad arguments.
     """
-    return _block_manager.propose_ngram(tokens, min_n, max_n, k, max_len)
+    return propose_ngram(tokens, min_n, max_n, k, max_len)
