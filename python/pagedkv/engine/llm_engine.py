@@ -370,12 +370,13 @@ class LLMEngine:
             self._publish_kv_events()  # its evictions happened; its new blocks were taken back, not stored
             return failed
         self._publish_kv_events()
-        if self.kv_offload is not None:  # the step wrote its blocks' KV: the disk tier may take them now
-            self.kv_offload.after_step(self.block_manager.step_cached_entries())
         sampled, errors = self._sample(rows, logits)
         scoring_failed = self._score_prompts(prompt) if prompt is not None else {}
         now = time.time()
         update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
+        # The step wrote its blocks' KV (accepted drafts' too, indexed by the update): the disk tier may take them.
+        if self.kv_offload is not None:
+            self.kv_offload.after_step(self.block_manager.step_cached_entries())
         self._count(out, len(rows) - update.num_dropped_rows, t0)
         if self.kv_trace is not None:
             self.kv_trace.maybe_record(self)
