@@ -436,3 +436,17 @@ def test_no_drafts_where_the_schedule_says_zero():
     seq = decoding(sched)
     out = sched.schedule()  # one running sequence: k = 0
     assert out.decode_seqs == [seq] and not out.spec_seqs
+
+
+def test_a_row_whose_token_cannot_be_taken_fails_alone_and_caches_no_draft(monkeypatch):
+    sched = make_scheduler(caching=True)
+    seq = decoding(sched)
+
+    def refuse(*args):
+        raise RuntimeError("its state refuses the token")
+
+    monkeypatch.setattr(Scheduler, "_append_token", staticmethod(refuse))
+    _, update = step(sched, [8, 9, 5, 6])
+    assert "r0" in update.failed and seq.token_ids == PROMPT + [7]
+    assert sched.bm.get_num_tokens(0) == len(PROMPT) + 1 == seq.num_computed_tokens
+    sched.bm.check_invariants()

@@ -578,10 +578,12 @@ class Scheduler:
         except Exception as e:  # this row's own state: its request fails
             update.failed[req.request_id] = (req, e)
             finished = True
-        # KV holds its last token and the drafts now in its tokens (the newest token has none yet).
-        seq.num_computed_tokens = base + taken
+        # KV holds its last token and the drafts now in its tokens (the newest token has none yet); a row that
+        # failed before any token was taken leaves the last token alone.
+        kept = max(taken, 1)
+        seq.num_computed_tokens = base + kept
         if not seq.is_finished:
-            self.bm.settle_drafts(seq.seq_id, base + taken, drafts[:taken - 1])
+            self.bm.settle_drafts(seq.seq_id, base + kept, drafts[:kept - 1])
         update.num_dropped_rows += n - taken
         if req.request_id in update.failed:
             return
