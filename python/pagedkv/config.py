@@ -119,14 +119,7 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
         """From a JSON string (the CLI's), a dict or a config; None stays None. Unknown keys are refused."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        value = parse_json_object("kv_events_config", value)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return parse_config(cls, "kv_events_config", value)
 
 
 def parse_json_object(name: str, value: str | dict | None) -> dict | None:
@@ -141,6 +134,19 @@ def parse_json_object(name: str, value: str | dict | None) -> dict | None:
         if isinstance(parsed, dict):
             return parsed
     raise ValueError(f"{name} must be a JSON object, got {value!r}")
+
+
+def parse_config(cls: type, name: str, value: Any) -> Any:
+    """A dataclass config `cls` from a JSON object string (the CLI's), a dict, or itself; None stays None.
+    Unknown keys are refused, naming the setting `name` and the keys it knows."""
+    if value is None or isinstance(value, cls):
+        return value
+    value = parse_json_object(name, value)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**value)
 
 
 def _check_tiers(c) -> None:
@@ -344,14 +350,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """From a JSON string (the CLI's), a dict or a config; None stays None. Unknown keys are refused."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        value = parse_json_object("speculative_config", value)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return parse_config(cls, "speculative_config", value)
 
 
 @dataclass(slots=True)
