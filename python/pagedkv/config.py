@@ -320,10 +320,8 @@ class SpeculativeConfig:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config: {name} must be a positive int, got {value!r}")
+        _positive("speculative_config", num_speculative_tokens=self.num_speculative_tokens,
+                  prompt_lookup_max=self.prompt_lookup_max, prompt_lookup_min=self.prompt_lookup_min)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")

@@ -114,6 +114,11 @@ class _EngineStatsCollector(Collector):
              "and were not used.", s.kv_disk_files_rejected),
             ("pagedkv:kv_disk_write_errors", "Block files the disk tier failed to write (disk full, read-only).",
              s.kv_disk_write_errors)]
+        if self.metrics.speculative:  # vLLM's spec-decode counters (the per-position one below)
+            counters += [("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts),
+                         ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens),
+                         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          s.spec_num_accepted_tokens)]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, float(value))
@@ -126,30 +131,17 @@ class _EngineStatsCollector(Collector):
             by_source.add_metric([*values, source], float(value))
         yield by_source
         if self.metrics.speculative:
-            yield from _spec_decode_counters(s, names, values)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=[*names, "position"])
+            for pos, value in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([*values, str(pos)], float(value))
+            yield per_pos
         if self.metrics.max_loras is not None:
             lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                      labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
             lora.add_metric([str(self.metrics.max_loras), s.waiting_lora_adapters, s.running_lora_adapters],
                             self.metrics.stats_time)
             yield lora
-
-
-def _spec_decode_counters(s: EngineStats, names: list[str], values: list[str]) -> Iterator[Metric]:
-    """vLLM's speculative-decoding counters: drafts (steps of a sequence that carried some), draft tokens,
-    accepted tokens, and accepted tokens per draft position (label `position`)."""
-    for name, doc, value in (
-            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts),
-            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens),
-            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", s.spec_num_accepted_tokens)):
-        c = CounterMetricFamily(name, doc, labels=names)
-        c.add_metric(values, float(value))
-        yield c
-    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                  "Accepted tokens per draft position.", labels=[*names, "position"])
-    for pos, value in enumerate(s.spec_accepted_per_pos):
-        per_pos.add_metric([*values, str(pos)], float(value))
-    yield per_pos
 
 
 class ServerMetrics:

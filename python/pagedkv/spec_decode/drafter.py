@@ -61,10 +61,6 @@ class SpecDecodeCounts:
         for j in range(accepted):
             self.accepted_per_pos[j] += 1
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
 
 class NgramDrafter:
     """Drafts by prompt lookup (pagedkv.spec_decode.ngram) within a sequence's own tokens."""
