@@ -66,3 +66,26 @@ def vllm_malloc_env(env: dict[str, str], choice: str) -> str:
                 f"glibc.malloc.trim_threshold={host_memory.TRIM_THRESHOLD_BYTES}")
     env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), tunables]))
     return "malloc tuned as pagedkv's"
+
+
+def add_side_by_side_args(p, vllm_python: str | None) -> None:
+    """The options of a pagedkv-beside-vLLM offline bench: interleaved rounds, which systems, the step budget and
+    KV budget both get, vLLM's venv (default `vllm_python`) and CPU binding, the seed, where results go."""
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--systems", default="pagedkv,vllm")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--vllm-omp-bind", default="all")
+    p.add_argument("--vllm-python", default=vllm_python)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    p.add_argument("--json")
+
+
+def systems_to_run(systems: str, vllm_python: str | None) -> list[str]:
+    """The comma-separated --systems, less "vllm" when its venv is missing (said on stderr)."""
+    chosen = systems.split(",")
+    if "vllm" in chosen and not (vllm_python and Path(vllm_python).exists()):
+        print("no vLLM venv ($PAGEDKV_VLLM_PYTHON): running pagedkv alone", file=sys.stderr, flush=True)
+        chosen = [s for s in chosen if s != "vllm"]
+    return chosen

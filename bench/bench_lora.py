@@ -30,7 +30,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import header_lines, machine_info, markdown_table, write_results
+from bench_common import (
+    add_side_by_side_args,
+    header_lines,
+    machine_info,
+    markdown_table,
+    systems_to_run,
+    write_results,
+)
 from bench_throughput import agreement, default_vllm_python, stream_lines, vllm_bind
 
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -123,24 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--systems", default="pagedkv,vllm")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=int, default=4)
-    p.add_argument("--vllm-omp-bind", default="all")
-    p.add_argument("--vllm-python", default=default_vllm_python())
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out")
-    p.add_argument("--json")
+    add_side_by_side_args(p, default_vllm_python())
     args = p.parse_args(argv)
     from pagedkv.model.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
-    systems = args.systems.split(",")
-    if "vllm" in systems and not (args.vllm_python and Path(args.vllm_python).exists()):
-        log("no vLLM venv ($PAGEDKV_VLLM_PYTHON): running pagedkv alone")
-        systems = [s for s in systems if s != "vllm"]
+    systems = systems_to_run(args.systems, args.vllm_python)
     runners = {"pagedkv": run_pagedkv, "vllm": run_vllm}
     prompts = workload(args)
     best: dict[tuple[str, str], float] = {}

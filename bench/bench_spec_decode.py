@@ -43,7 +43,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import header_lines, machine_info, markdown_table, vllm_malloc_env, write_results
+from bench_common import (
+    add_side_by_side_args,
+    header_lines,
+    machine_info,
+    markdown_table,
+    systems_to_run,
+    vllm_malloc_env,
+    write_results,
+)
 from bench_throughput import agreement, default_vllm_python, stream_lines, vllm_bind
 
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -209,29 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-passage-tokens", type=int, default=150)
     p.add_argument("--max-passage-tokens", type=int, default=300)
     p.add_argument("--warmup", type=int, default=2, help="requests of the untimed warm-up (the first ones)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--systems", default="pagedkv,vllm")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16, help="pagedkv's block size (vLLM keeps its own)")
-    p.add_argument("--kv-cache-gib", type=int, default=4)
-    p.add_argument("--vllm-omp-bind", default="all")
     p.add_argument("--vllm-malloc", default="tuned", choices=["tuned", "glibc"])
     p.add_argument("--vllm-ld-preload", default="",
                    help="libraries to preload for vLLM, e.g. V/lib/libiomp5.so (its CPU worker warns that "
                         "speculative decoding without Intel OpenMP loses speed); default none")
-    p.add_argument("--vllm-python", default=default_vllm_python())
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out")
-    p.add_argument("--json")
+    add_side_by_side_args(p, default_vllm_python())
     args = p.parse_args(argv)
     from pagedkv.model.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
-    systems = args.systems.split(",")
-    if "vllm" in systems and not (args.vllm_python and Path(args.vllm_python).exists()):
-        log("no vLLM venv ($PAGEDKV_VLLM_PYTHON): running pagedkv alone")
-        systems = [s for s in systems if s != "vllm"]
+    systems = systems_to_run(args.systems, args.vllm_python)
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
     levels = [int(c) for c in (args.concurrency or f"1,{args.num_requests}").split(",")]
     levels = list(dict.fromkeys(levels))
