@@ -3,7 +3,8 @@
 `import pagedkv` loads the compiled core, which registers the kernels as
 `torch.ops.pagedkv.*`; `pagedkv.ops` holds typed wrappers and
 `pagedkv.reference` pure-PyTorch versions of every op. `LLM` and
-`SamplingParams` are the offline inference API (vLLM's names).
+`SamplingParams` are the offline inference API (vLLM's names); `LLM.embed`
+with `PoolingParams` returns embeddings.
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
@@ -22,10 +23,19 @@ from pagedkv.config import EngineArgs  # noqa: E402
 from pagedkv.engine import LLMEngine  # noqa: E402
 from pagedkv.llm import LLM  # noqa: E402
 from pagedkv.lora import LoRARequest  # noqa: E402
-from pagedkv.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedkv.outputs import (  # noqa: E402
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from pagedkv.pooling_params import PoolingParams  # noqa: E402
 from pagedkv.sampling_params import SamplingParams  # noqa: E402
 from pagedkv.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "LoRARequest",
-           "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ops",
-           "reference", "built_with_cuda", "__version__"]
+           "RequestOutput", "CompletionOutput", "PoolingParams", "PoolingOutput", "PoolingRequestOutput",
+           "EmbeddingOutput", "EmbeddingRequestOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "ops", "reference", "built_with_cuda", "__version__"]

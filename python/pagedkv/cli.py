@@ -84,6 +84,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as a JSON object (vLLM\'s): {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                   help="which requests the engine serves: auto (generation and embeddings), generate, or pooling "
+                        "(embeddings only, as vLLM runs an embedding model)")
+    p.add_argument("--convert", choices=["auto", "none", "embed"], default="auto",
+                   help="embed: run the checkpoint as an embedding model (= --runner pooling)")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='how embeddings pool the final hidden states, as a JSON object (vLLM\'s): {"pooling_type": '
+                        '"LAST" | "MEAN" | "CLS", "normalize": true, "dimensions": N}; default: the checkpoint\'s '
+                        'sentence-transformers setting, else LAST, normalized')
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -102,7 +111,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "kv_cache_dir_size": ns.kv_cache_dir_size, "kv_events_config": ns.kv_events_config,
             "hf_overrides": ns.hf_overrides, "enable_lora": ns.enable_lora, "max_loras": ns.max_loras,
             "max_lora_rank": ns.max_lora_rank, "max_cpu_loras": ns.max_cpu_loras,
-            "speculative_config": ns.speculative_config}
+            "speculative_config": ns.speculative_config, "runner": ns.runner, "convert": ns.convert,
+            "pooler_config": ns.pooler_config}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

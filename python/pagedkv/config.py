@@ -351,6 +351,53 @@ class SpeculativeConfig:
         return parse_config(cls, "speculative_config", value)
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
+
+
+@dataclass(slots=True)
+class PoolerConfig:
+    """How a pooling request's final hidden states become its vector (vLLM's `pooler_config` keys; pagedkv.pooler).
+
+    pooling_type: "LAST" (the last prompt token's state: what causal embedding models such as Qwen3-Embedding and
+    e5-mistral are trained for), "MEAN" (the mean over the prompt's tokens) or "CLS" (the first token's). None
+    reads the checkpoint's sentence-transformers files (modules.json, 1_Pooling/config.json), else "LAST".
+    normalize: L2-normalize the vector (None: true when the checkpoint has no sentence-transformers files or lists
+    a Normalize module). dimensions: the default output size of a Matryoshka model (None: hidden_size).
+    """
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+    # vLLM's newer names for the two above (pooling_type of a whole sequence; an embedding's activation).
+    seq_pooling_type: str | None = None
+    use_activation: bool | None = None
+
+    def __post_init__(self) -> None:
+        for old, new in (("seq_pooling_type", "pooling_type"), ("use_activation", "normalize")):
+            value = getattr(self, old)
+            if value is not None:
+                if getattr(self, new) is not None and getattr(self, new) != value:
+                    raise ValueError(f"pooler_config: {old} and {new} disagree (they are the same setting)")
+                setattr(self, new, value)
+                setattr(self, old, None)
+        if isinstance(self.pooling_type, str):
+            self.pooling_type = self.pooling_type.upper()
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooler_config: pooling_type must be one of {list(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config: normalize must be true or false, got {self.normalize!r}")
+        if self.dimensions is not None:
+            _positive("pooler_config", dimensions=self.dimensions)
+
+    @classmethod
+    def parse(cls, value: str | dict | PoolerConfig | None) -> PoolerConfig | None:
+        """From a JSON string (the CLI's), a dict or a config; None stays None. Unknown keys are refused."""
+        return parse_config(cls, "pooler_config", value)
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Everything `LLM(...)` and `pagedkv serve` accept (vLLM's names and defaults)."""
@@ -406,9 +453,25 @@ class EngineArgs:
     # Speculative decoding (pagedkv.spec_decode; vLLM's speculative_config, a dict or a JSON object string):
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
     speculative_config: str | dict | SpeculativeConfig | None = None
+    # Pooling (embeddings; pagedkv.pooler, vLLM's names): runner "auto" serves generation and pooling requests
+    # alike, "generate" or "pooling" only that kind (convert="embed" is runner="pooling"); pooler_config says how
+    # hidden states are pooled ({"pooling_type": "MEAN", "normalize": false}, a dict or a JSON object).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | dict | PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {list(CONVERTS)} (classification and reward heads are not "
+                             f"supported), got {self.convert!r}")
+        if self.convert == "embed":
+            if self.runner == "generate":
+                raise ValueError("convert='embed' makes a pooling model: it cannot run with runner='generate'")
+            self.runner = "pooling"
         kv_cache_format(self.kv_cache_dtype)  # a bad value fails here, before any model loads or process starts
         self.hf_overrides = parse_json_object("hf_overrides", self.hf_overrides)
         events = KVEventsConfig.parse(self.kv_events_config)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from pagedkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.config import EngineArgs
@@ -15,7 +18,16 @@ from pagedkv.engine.make_engine import make_engine
 from pagedkv.engine.request_checks import PromptType
 from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import LoadedModel
-from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +62,11 @@ class LLM:
     lets a decoding sequence check up to k draft tokens a step, drafted by
     prompt lookup in its own tokens (`prompt_lookup_min/max`); outputs are
     unchanged (pagedkv.spec_decode).
+    `embed` returns one vector per prompt, pooled from the final hidden
+    states as `pooler_config` says (default: the checkpoint's
+    sentence-transformers setting, else the last token, L2-normalized);
+    `runner="pooling"` (or `convert="embed"`) serves pooling requests only,
+    as vLLM does for an embedding model (pagedkv.pooler).
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
@@ -130,6 +147,51 @@ class LLM:
                 results[rid] = _refused(rid, prompt, p, str(e))
         self._run(results, len(order) - len(results), use_tqdm)
         return [results[rid] for rid in order]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`, a list of floats), in prompt order.
+
+        The prompts run as pooling requests beside any others: batched flat with
+        no padding, long ones in chunks, sharing cached prefixes (LAST pooling).
+        A prompt the engine refuses gets an output with `.error` set and an
+        empty embedding; the others run.
+        """
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids,
+                                       o.finished, o.error)
+                for o in self.encode(prompts, pooling_params, use_tqdm, lora_request, truncate_prompt_tokens)]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               truncate_prompt_tokens: int | None = None,
+               pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+        """Pooling requests for every prompt; `.outputs.data` is each one's float32 vector (`embed` gives lists)."""
+        prompts = _prompt_list(prompts)
+        loras = _per_prompt("lora_request", lora_request, len(prompts))
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams(task=pooling_task)] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, p, lora in zip(prompts, params, loras, strict=True):
+            rid = f"embd-{self._ids}"
+            self._ids += 1
+            order.append(rid)
+            try:
+                self.llm_engine.add_request(rid, prompt, p, output_kind=OutputKind.FINAL_ONLY, lora_request=lora)
+            except ValueError as e:
+                logger.warning("request %s refused: %s", rid, e)
+                results[rid] = _refused(rid, prompt, SamplingParams(), str(e))
+        self._run(results, len(order) - len(results), use_tqdm)
+        return [_pooling_output(results[rid]) for rid in order]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, use_tqdm: bool = False,
@@ -230,6 +292,12 @@ def _per_prompt(name: str, value, n: int) -> list:
     if len(value) != n:
         raise ValueError(f"got {len(value)} {name}s for {n} prompts")
     return list(value)
+
+
+def _pooling_output(out: RequestOutput) -> PoolingRequestOutput:
+    data = out.pooled if out.pooled is not None else torch.empty(0)
+    return PoolingRequestOutput(out.request_id, PoolingOutput(data), list(out.prompt_token_ids), out.finished,
+                                out.error)
 
 
 def _refused(rid: str, prompt: PromptType, params: SamplingParams, error: str) -> RequestOutput:

@@ -31,7 +31,13 @@ from typing import Any
 import torch
 
 from pagedkv.kv_cache import kv_cache_format
-from pagedkv.supported import ARCHITECTURES, MODEL_TYPES, SUPPORTED_HEAD_SIZES, TEXT_OF_MULTIMODAL
+from pagedkv.supported import (
+    ARCHITECTURES,
+    HEADLESS_ARCHITECTURES,
+    MODEL_TYPES,
+    SUPPORTED_HEAD_SIZES,
+    TEXT_OF_MULTIMODAL,
+)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -102,6 +108,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    # False for a base model's checkpoint (HEADLESS_ARCHITECTURES, e.g. MistralModel): it runs pooling requests only
+    # (an untied LM head is left at zero).
+    has_lm_head: bool = True
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
@@ -252,6 +261,8 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
         arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type)
+        has_lm_head = arch not in HEADLESS_ARCHITECTURES
+        arch = HEADLESS_ARCHITECTURES.get(arch, arch)
         if arch in TEXT_OF_MULTIMODAL and "text_config" in hf:
             hf = _text_config(hf)
             model_type = hf.get("model_type", "")
@@ -287,6 +298,7 @@ class ModelConfig:
             partial_rotary_factor=partial,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
+            has_lm_head=has_lm_head,
             attention_bias=bool(_first(hf, ("attention_bias", "qkv_bias", "use_qkv_bias", "use_bias"),
                                        arch in _QKV_BIAS_ONLY + _BIASED_BY_DEFAULT)),
             mlp_bias=bool(_first(hf, ("mlp_bias", "use_bias"), arch in _MLP_BIASED_BY_DEFAULT)),

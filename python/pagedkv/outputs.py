@@ -4,6 +4,7 @@ scheduler each step (SamplerOutput)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class RequestOutput:
     prompt_logprobs: with SamplingParams.prompt_logprobs, per prompt token {token: Logprob} (the prompt token
     with its rank, and the top ones), None for the first token; set once the whole prompt is computed (a DELTA
     output carries it once). None when not asked.
+    pooled: a pooling request's vector; its `outputs` is then one empty sample that finished with "stop".
     """
 
     request_id: str
@@ -74,3 +76,46 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pooled: Any = None  # a pooling request's vector (float32 tensor [dimensions]) once finished (pagedkv.pooler)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's result: data, float32 [dimensions] (vLLM's PoolingOutput)."""
+
+    data: Any
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What `LLM.encode` returns per prompt (vLLM's shape). error: why the engine refused or failed it (its
+    data is then an empty tensor)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding as a list of floats (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape). error: why the engine refused or failed it (its
+    embedding is then empty)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    error: str | None = None

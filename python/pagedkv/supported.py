@@ -61,6 +61,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
 }
 
+# Base models without an LM head (embedding checkpoints saved from AutoModel, e.g. e5-mistral's MistralModel):
+# built as the causal class, run as pooling models only (ModelConfig.has_lm_head False).
+HEADLESS_ARCHITECTURES: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+
 # Multimodal architectures whose text model pagedkv runs (text prompts only): config.json nests it in `text_config`.
 TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                       "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",

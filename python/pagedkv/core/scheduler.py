@@ -114,8 +114,9 @@ class SchedulerOutput:
 class StepUpdate:
     """What `update_from_output` did with one step's sampled rows.
 
-    appended: the sequences that got a token, in row order. finished: those of
-    them that stopped (finish_reason set, blocks freed). failed: request id ->
+    appended: the sequences that got a token, in row order (first the pooling
+    requests whose prompt the step completed: they end without one). finished:
+    those of them that stopped (finish_reason set, blocks freed). failed: request id ->
     (request, the error its row raised); the engine fails these requests, whose
     later rows this step got no token.
     """
@@ -494,15 +495,17 @@ class Scheduler:
         now = time.time() if now is None else now
         for seq in out.decode_seqs:
             seq.num_computed_tokens += 1
+        update = StepUpdate()
         for seq, n in zip(out.prefill_seqs, out.prefill_lens, strict=True):
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
             seq.num_computed_tokens += n
+            if seq.request.pooling is not None and seq.num_computed_tokens == len(seq.token_ids):
+                self._finish_pooling(seq, update, now)
         # Fork first: sample 0 may finish on its first token and free its blocks below.
         for seq in rows:
             if seq.status is SequenceStatus.FORK_PENDING:
                 self._fork(seq)
-        update = StepUpdate()
         errors = errors if errors is not None else [None] * len(rows)
         if len(sampled.token_ids) != len(rows) or len(errors) != len(rows):
             raise ValueError(f"update_from_output: {len(rows)} rows, {len(sampled.token_ids)} tokens, "
@@ -548,6 +551,15 @@ class Scheduler:
             if req.finished:
                 update.finished.extend(beams)
         return update
+
+    def _finish_pooling(self, seq: Sequence, update: StepUpdate, now: float) -> None:
+        """A pooling request's prompt is computed (the model runner pooled its vector): it ends, sampling
+        nothing, and its blocks are freed (into the prefix cache, with caching on)."""
+        if seq.request.metrics.first_token_time is None:
+            seq.request.metrics.first_token_time = now
+        self.finish(seq, "stop")
+        update.appended.append(seq)
+        update.finished.append(seq)
 
     def _settle_drafts(self, seq: Sequence, sampled: SamplerOutput, errors: list[Exception | None], first: int,
                        update: StepUpdate, now: float) -> None:

@@ -129,6 +129,8 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # a DELTA output carried them already
     lora_request: Any = None  # the LoRA adapter it runs with (pagedkv.lora.LoRARequest), or None: the base model
+    # A pooling request (embeddings): its pagedkv.pooler.PoolingState; it computes its prompt and samples nothing.
+    pooling: Any = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -150,8 +152,8 @@ class Request:
     @property
     def reads_prefix_cache(self) -> bool:
         """Whether its prompt may start from cached blocks: not while prompt positions are left to score (a cached
-        position has no logits), as in vLLM."""
-        return self.next_prompt_logprob is None
+        position has no logits), as in vLLM, nor for a pooling that reads every position (MEAN, CLS)."""
+        return self.next_prompt_logprob is None and (self.pooling is None or self.pooling.reads_prefix_cache)
 
     @property
     def finished(self) -> bool:

@@ -17,12 +17,15 @@ import dataclasses
 
 import msgspec
 import numpy as np
+import torch
 
 from pagedkv.lora.request import LoRARequest
 from pagedkv.outputs import Logprob, RequestMetrics
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+_POOLING_FIELDS = tuple(f.name for f in dataclasses.fields(PoolingParams))
 
 
 def pack_ids(ids: list[int] | np.ndarray) -> bytes:
@@ -50,6 +53,23 @@ def params_from_wire(fields: tuple) -> SamplingParams:
     return SamplingParams(**dict(zip(_PARAM_FIELDS, fields, strict=True)))
 
 
+def pooling_to_wire(params: PoolingParams) -> tuple:
+    return tuple(getattr(params, name) for name in _POOLING_FIELDS)
+
+
+def pooling_from_wire(fields: tuple) -> PoolingParams:
+    return PoolingParams(**dict(zip(_POOLING_FIELDS, fields, strict=True)))
+
+
+def pack_vector(vector: torch.Tensor) -> bytes:
+    """A pooled vector (float32 tensor) as packed little-endian float32."""
+    return vector.numpy().astype("<f4", copy=False).tobytes()
+
+
+def unpack_vector(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+
+
 class TokenizerEos(msgspec.Struct, tag="eos", array_like=True):
     """The EOS ids of the front end's tokenizer, which the core (no tokenizer) cannot read itself: sent once,
     first of all messages, since the tokenizer loads while the core starts. They end sequences beside the
@@ -70,6 +90,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     beam: tuple | None = None  # beam_params_to_wire(BeamSearchParams): a beam search (params is then unused)
     grammar: str | None = None  # params.structured_outputs compiled by the front end (serialized; GrammarVocab first)
     lora: tuple | None = None  # lora_to_wire(LoRARequest): the adapter it runs with (the core reads the folder)
+    pooling: tuple | None = None  # pooling_to_wire(PoolingParams): a pooling request (params is then unused)
 
 
 class GrammarVocab(msgspec.Struct, tag="grammar_vocab", array_like=True):
@@ -134,6 +155,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error: str | None = None  # the core refused or failed it
     # With prompt_logprobs: the whole list (None for the first token), once, in the step that completes it.
     prompt_logprobs: list[list[WireLogprob] | None] | None = None
+    pooled: bytes | None = None  # a pooling request's vector (pack_vector), in the step that finishes it
 
 
 class WireStats(msgspec.Struct, array_like=True):

@@ -52,7 +52,9 @@ from pagedkv.engine.core_messages import (
     lora_from_wire,
     metrics_to_wire,
     pack_ids,
+    pack_vector,
     params_from_wire,
+    pooling_from_wire,
     prompt_logprobs_to_wire,
     to_core_decoder,
     unpack_ids,
@@ -85,6 +87,8 @@ class CoreFacts:
     kv_spec: Any  # memory_pool's KVCacheSpec: bytes a token and a block
     pid: int
     cpu_binding: list[int] | None
+    pooler: Any = None  # pagedkv.pooler.Pooler: the front end checks pooling requests with it
+    runner_type: str = "auto"  # the engine's runner for this model (pagedkv.pooler.resolve_runner)
 
 
 @dataclass(slots=True)
@@ -159,7 +163,8 @@ class EngineCore:
 
     def _add(self, m: AddRequest) -> None:
         try:
-            params = params_from_wire(m.params) if m.beam is None else beam_params_from_wire(m.beam)
+            params = (pooling_from_wire(m.pooling) if m.pooling is not None
+                      else params_from_wire(m.params) if m.beam is None else beam_params_from_wire(m.beam))
             self.engine.add_request(m.request_id, unpack_ids(m.prompt_token_ids), params,
                                     arrival_time=m.arrival_time, cache_salt=m.cache_salt,
                                     output_kind=OutputKind.DELTA, grammar=self._load_grammar(m.grammar),
@@ -187,7 +192,8 @@ def to_delta(output: RequestOutput) -> RequestDelta:
         stop = c.stop_reason if isinstance(c.stop_reason, int) else None
         samples.append(SampleDelta(c.index, pack_ids(c.token_ids), logprobs, c.finish_reason, stop))
     return RequestDelta(output.request_id, samples, output.finished, metrics_to_wire(output.metrics), output.error,
-                        prompt_logprobs_to_wire(output.prompt_logprobs))
+                        prompt_logprobs_to_wire(output.prompt_logprobs),
+                        pack_vector(output.pooled) if output.pooled is not None else None)
 
 
 def stats_to_wire(stats: EngineStats) -> tuple:
@@ -247,7 +253,8 @@ def run_engine_core(start: CoreStart, ready) -> None:
         ready.send(("ready", CoreFacts(
             engine.model_name, engine.model_config, engine.scheduler_config, engine.cache_config,
             dict(engine.default_sampling), set(engine.eos_token_ids), str(engine.dtype), str(engine.device),
-            engine.block_manager.num_total_gpu_blocks, engine.kv_spec, os.getpid(), placed)))
+            engine.block_manager.num_total_gpu_blocks, engine.kv_spec, os.getpid(), placed, engine.pooler,
+            engine.runner_type)))
     except BaseException as e:
         logger.error("the engine core failed to start:\n%s", traceback.format_exc())
         ready.send(("error", type(e).__name__, str(e)))

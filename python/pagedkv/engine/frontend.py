@@ -42,6 +42,7 @@ from pagedkv.engine.core_messages import (
     lora_to_wire,
     pack_ids,
     params_to_wire,
+    pooling_to_wire,
 )
 from pagedkv.engine.core_process import stats_from_wire
 from pagedkv.engine.cpu_binding import CpuBinding, plan_cpu_binding
@@ -51,6 +52,7 @@ from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_pr
 from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import load_tokenizer, resolve_model
 from pagedkv.outputs import RequestMetrics, RequestOutput
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_outputs import GrammarCompiler, StructuredOutputsParams, dump_grammar
 
@@ -86,8 +88,10 @@ class FrontendEngine:
         self.dtype = getattr(torch, facts.dtype.removeprefix("torch."))
         self.device = torch.device(facts.device)
         self.kv_spec = facts.kv_spec
+        self.pooler, self.runner_type = facts.pooler, facts.runner_type
         self.limits = RequestLimits(self.model_config.vocab_size, self.scheduler_config.max_model_len,
-                                    self.scheduler_config.max_num_seqs, args.max_logprobs)
+                                    self.scheduler_config.max_num_seqs, args.max_logprobs, facts.runner_type,
+                                    facts.pooler)
         self.processor = OutputProcessor(self.tokenizer)
         self._request_ids = itertools.count()
         self._stats = EngineStats(0, 0, 0, facts.num_gpu_blocks, 0, 0.0, 0, 0, 0, 0, 0)
@@ -109,20 +113,22 @@ class FrontendEngine:
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.default_sampling)
 
-    def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
+    def validate_params(self, params: SamplingParams | BeamSearchParams | PoolingParams) -> None:
         self.limits.check_params(params)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
+                    params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
+                    arrival_time: float | None = None,
                     cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
                     lora_request: LoRARequest | None = None) -> RequestState:
         """Checks and sends a prompt to the core. Raises ValueError (and sends nothing) for a request that can
         never run. A BeamSearchParams runs a beam search: one output, when it finishes (the core also checks
         that its beams fit in the pool). lora_request: the core reads the adapter; one that cannot run fails
-        the request there (its output carries the reason)."""
+        the request there (its output carries the reason). A PoolingParams runs a pooling request (its one
+        output carries the vector: `RequestOutput.pooled`)."""
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         params = params or self.get_default_sampling_params()
@@ -130,6 +136,9 @@ class FrontendEngine:
         if request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
+        if isinstance(params, PoolingParams):
+            return self._add_pooling(request_id, text, token_ids, params, arrival_time, cache_salt, output_kind,
+                                     lora_request)
         self.limits.check_request(token_ids, params, cache_salt)
         beam = None
         if isinstance(params, BeamSearchParams):
@@ -142,6 +151,20 @@ class FrontendEngine:
         state = RequestState(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
         self.client.send(AddRequest(request_id, pack_ids(token_ids), params_to_wire(params), arrival, cache_salt,
                                     beam, grammar, lora_to_wire(lora_request)))
+        self.processor.add(state)
+        return state
+
+    def _add_pooling(self, request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
+                     arrival_time: float | None, cache_salt: str | None, output_kind: OutputKind,
+                     lora_request: LoRARequest | None) -> RequestState:
+        token_ids = params.truncate(token_ids, self.scheduler_config.max_model_len)
+        self.limits.check_request(token_ids, params, cache_salt)
+        arrival = arrival_time or time.time()
+        # Its samples as the core reports them: one, ending with "stop" and no token.
+        state = RequestState(request_id, text, token_ids, SamplingParams(max_tokens=1, temperature=0.0), output_kind,
+                             RequestMetrics(arrival))
+        self.client.send(AddRequest(request_id, pack_ids(token_ids), (), arrival, cache_salt,
+                                    lora=lora_to_wire(lora_request), pooling=pooling_to_wire(params)))
         self.processor.add(state)
         return state
 

@@ -56,6 +56,8 @@ from pagedkv.errors import EngineDeadError
 from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import LoadedModel, generation_defaults, read_hf_config, resolve_model
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
+from pagedkv.pooler import PoolingState, checkpoint_pooler, resolve_runner
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_outputs import GrammarCompiler, new_matcher
 
@@ -118,8 +120,14 @@ class LLMEngine:
         self.cache_config, self.scheduler_config = device_side.cache_config, device_side.scheduler_config
         self.default_sampling = self._sampling_defaults(args, loaded)
         self.kv_spec = device_side.plan.spec
+        self.pooler = checkpoint_pooler(loaded.source_path, args.hf_overrides, self.model_config.hidden_size,
+                                        args.pooler_config)
+        self.runner_type = resolve_runner(args.runner, self.model_config.has_lm_head)
+        if self.runner_type == "pooling" or args.pooler_config is not None:
+            logger.info("runner %s: %s", self.runner_type, self.pooler.describe())
         self.limits = RequestLimits(self.model_config.vocab_size, self.scheduler_config.max_model_len,
-                                    self.scheduler_config.max_num_seqs, args.max_logprobs)
+                                    self.scheduler_config.max_num_seqs, args.max_logprobs, self.runner_type,
+                                    self.pooler)
         self.block_manager, self.runner = device_side.block_manager, device_side.runner
         lora_config = args.lora_config()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager, self.eos_token_ids,
@@ -197,36 +205,45 @@ class LLMEngine:
         """(text, token ids) of a prompt given as text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
+    def validate_params(self, params: SamplingParams | BeamSearchParams | PoolingParams) -> None:
         """Refuses what the model or the engine's limits rule out (SamplingParams checked the rest itself)."""
         self.limits.check_params(params)
 
-    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams | BeamSearchParams,
-                  cache_salt: str | None) -> None:
+    def _validate(self, request_id: str, token_ids: list[int],
+                  params: SamplingParams | BeamSearchParams | PoolingParams, cache_salt: str | None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.limits.check_request(token_ids, params, cache_salt, self.block_manager.num_total_gpu_blocks,
                                   self.cache_config.block_size)
 
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
+                    params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
+                    arrival_time: float | None = None,
                     cache_salt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
                     beam_eos_token_id: int | None = None, grammar: Any = None,
                     lora_request: LoRARequest | None = None) -> Request:
         """Queues a prompt. Raises ValueError (and queues nothing) for a request that can never run.
 
         params: a BeamSearchParams runs a beam search (pagedkv.core.beam_search), whose one output comes when
-        it finishes: its best hypotheses, best first. beam_eos_token_id: the EOS its candidates finish on
-        (default: the tokenizer's). grammar: params.structured_outputs already compiled (an engine core gets it
-        from its front end); else it is compiled here. lora_request: the LoRA adapter to run it with (the engine
+        it finishes: its best hypotheses, best first. A PoolingParams runs a pooling request (pagedkv.pooler):
+        its prompt is computed and its one output, when done, carries the pooled vector (`RequestOutput.pooled`).
+        beam_eos_token_id: the EOS its candidates finish on (default: the tokenizer's). grammar:
+        params.structured_outputs already compiled (an engine core gets it from its front end); else it is
+        compiled here. lora_request: the LoRA adapter to run it with (the engine
         needs enable_lora; the adapter is read now, so one that cannot run is refused here).
         """
         params = params or self.get_default_sampling_params()
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, token_ids = self.tokenize(prompt)
+        if isinstance(params, PoolingParams):
+            token_ids = params.truncate(token_ids, self.scheduler_config.max_model_len)
         self._validate(request_id, token_ids, params, cache_salt)
         if lora_request is not None:
             self.add_lora(lora_request)
+        pooling = None
+        if isinstance(params, PoolingParams):  # its prompt only; the placeholder params are never sampled
+            pooling = PoolingState(self.pooler, params, len(token_ids))
+            params = SamplingParams(max_tokens=1, temperature=0.0)
         if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
             grammar = self._grammars().compile(params.structured_outputs)
         bad_words = (bad_words_token_ids(self.tokenizer, params.bad_words, params.bad_words_token_ids)
@@ -242,7 +259,8 @@ class LLMEngine:
         if self.prefix_diagnostics is not None:
             self.prefix_diagnostics.observe(token_ids, extra)
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()),
-                      output_kind, extra, beam=beam, bad_words_ids=bad_words, lora_request=lora_request)
+                      output_kind, extra, beam=beam, bad_words_ids=bad_words, lora_request=lora_request,
+                      pooling=pooling)
         for i in range(params.n):
             gen = None
             if params.seed is not None:  # seed + i may pass INT64_MAX: the generator takes any uint64
@@ -370,7 +388,7 @@ class LLMEngine:
             self._publish_kv_events()  # its evictions happened; its new blocks were taken back, not stored
             return failed
         self._publish_kv_events()
-        sampled, errors = self._sample(rows, logits)
+        sampled, errors = self._sample(rows, logits) if rows else (SamplerOutput([], []), [])
         scoring_failed = self._score_prompts(prompt) if prompt is not None else {}
         now = time.time()
         update = self.scheduler.update_from_output(out, rows, sampled, errors, now)
@@ -381,6 +399,7 @@ class LLMEngine:
         if self.kv_trace is not None:
             self.kv_trace.maybe_record(self)
         update.failed.update(scoring_failed)
+        self._finish_pooling(update)
         outputs = self._process_outputs(update, now)
         self._observe_advice(now)
         return outputs
@@ -409,6 +428,18 @@ class LLMEngine:
             logger.exception("sampling a batch of %d rows failed; sampling row by row to find the rows at fault",
                              len(rows))
             return self.runner.sample_each(rows, logits)
+
+    @staticmethod
+    def _finish_pooling(update: StepUpdate) -> None:
+        """The vectors of the pooling requests the step completed (cut, normalized); one that fails fails alone."""
+        for seq in update.finished:
+            state = seq.request.pooling
+            if state is None or state.result is not None:
+                continue
+            try:
+                state.finish()
+            except Exception as e:
+                update.failed[seq.request.request_id] = (seq.request, e)
 
     def _score_prompts(self, prompt: PromptLogits) -> dict[str, tuple[Request, Exception]]:
         """Appends the step's prompt logprobs to their requests (with each token's text, given a tokenizer);
@@ -496,7 +527,8 @@ class LLMEngine:
             return
         for i, seq in enumerate(appended):
             req = seq.request
-            if req.request_id in failed or req.beam is not None:  # a beam search's text comes when it ends
+            if req.request_id in failed or req.beam is not None or req.pooling is not None:
+                # a beam search's text comes when it ends; a pooling request has none
                 continue
             try:
                 if seq.logprobs:
@@ -535,7 +567,8 @@ class LLMEngine:
                            if seq.status is not SequenceStatus.FORK_PENDING]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
                              req.metrics, req.metrics.num_cached_tokens, req.error,
-                             take_prompt_logprobs(req, req.num_prompt_tokens, kind))
+                             take_prompt_logprobs(req, req.num_prompt_tokens, kind),
+                             req.pooling.result if req.pooling is not None else None)
 
     def _beam_completions(self, req: Request) -> list[CompletionOutput]:
         """A finished beam search's hypotheses, best first (text without the EOS, when there is a tokenizer)."""

@@ -36,6 +36,7 @@ from pagedkv.core.sequence import Sequence
 from pagedkv.core.step_batch import BlockOps, StepBatch
 from pagedkv.distributed.step_channel import StepChannel
 from pagedkv.engine.cuda_graphs import DecodeGraphs
+from pagedkv.engine.pool_rows import PoolRows
 from pagedkv.engine.prompt_logprobs import PromptLogits, PromptRows
 from pagedkv.engine.prompt_logprobs import plan_rows as plan_prompt_rows
 from pagedkv.kv_cache import KVCache, allocate_layer_cache, gather_block_bytes, kv_cache_format, scatter_block_bytes
@@ -251,13 +252,14 @@ class ModelRunner:
         return gather_block_bytes(self.kv_caches, blocks)
 
     # --- inputs --------------------------------------------------------------
-    def build_batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[Sequence], list[PromptRows]]:
-        """The step's flat batch on the host, the sequences of its sampled rows, and the chunks' rows that score
-        prompt tokens (driver only).
+    def build_batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[Sequence], list[PromptRows], PoolRows]:
+        """The step's flat batch on the host, the sequences of its sampled rows, the chunks' rows that score
+        prompt tokens, and the pooling requests' chunks (driver only).
 
         logits_indices holds the sampled rows, then the prompt-scoring rows (pagedkv.engine.prompt_logprobs).
         A speculating decode (out.spec_seqs) runs as a chunk after the prefill chunks: its last token, then its
-        drafts, every row sampled (its sequence once per row).
+        drafts, every row sampled (its sequence once per row). A pooling request's chunk samples nothing: its
+        rows are pooled (pagedkv.engine.pool_rows).
         """
         decodes, prefills, lens = out.decode_seqs, out.prefill_seqs, out.prefill_lens
         spec = out.spec_seqs
@@ -269,6 +271,7 @@ class ModelRunner:
         sampled_seqs: list[Sequence] = list(decodes)
         logits_rows: list[int] = list(range(nd))
         prompt_rows: list[PromptRows] = []
+        pool = PoolRows()
         scored_rows: list[int] = []
         row = nd
         for s, n in zip(prefills, lens, strict=True):
@@ -283,6 +286,10 @@ class ModelRunner:
                 continue
             ids.extend(s.token_ids[start:start + n])
             pos.extend(range(start, start + n))
+            if s.request.pooling is not None:
+                pool.add_chunk(s, start, n, row)
+                row += n
+                continue
             scoring = plan_prompt_rows(s, start, n)
             if scoring is not None:
                 prompt_rows.append(scoring)
@@ -314,7 +321,7 @@ class ModelRunner:
             decode_max_seq_len=max(seq_lens_py[:nd], default=0), prefill_max_query_len=max(lens, default=0),
             prefill_max_seq_len=max(seq_lens_py[nd:], default=0),
             lora_rows=lora[0] if lora else None, lora_starts=lora[1] if lora else None)
-        return batch, sampled_seqs, prompt_rows
+        return batch, sampled_seqs, prompt_rows, pool
 
     def _lora_map(self, decodes: list[Sequence], prefills: list[Sequence],
                   lens: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -435,18 +442,20 @@ class ModelRunner:
                                           max_seq_len=batch.prefill_max_seq_len, sliding_window=window)
 
     @torch.inference_mode()
-    def run_batch(self, block_ops: BlockOps, batch: StepBatch, checked: bool = False) -> torch.Tensor | None:
+    def run_batch(self, block_ops: BlockOps, batch: StepBatch, checked: bool = False,
+                  pool: PoolRows | None = None) -> torch.Tensor | None:
         """Block copies, forward, logits of the sampled rows: float32 [L, vocab] (None on tensor-parallel workers).
 
         checked: `check_batch` has passed already (the driver checks before it sends a step to the workers).
-        A batch that fails the check raises before any block moves.
+        A batch that fails the check raises before any block moves. pool: the pooling requests' rows, which get
+        their final hidden states (the driver's; every rank holds the whole hidden state).
         """
         if not checked:
             self.check_batch(batch)
         with self.idle_clock.busy():
-            return self._forward(block_ops, batch)
+            return self._forward(block_ops, batch, pool)
 
-    def _forward(self, block_ops: BlockOps, batch: StepBatch) -> torch.Tensor | None:
+    def _forward(self, block_ops: BlockOps, batch: StepBatch, pool: PoolRows | None = None) -> torch.Tensor | None:
         self.apply_block_ops(block_ops)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
@@ -465,20 +474,23 @@ class ModelRunner:
         if calibrate:  # only once the forward went through: a failed step leaves it to the next one
             self.kv_scales_pending = False
             self._log_calibrated_scales()
+        if pool:
+            pool.take(self.model.final_hidden(hidden.index_select(0, pool.indices(hidden.device))))
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor, PromptLogits | None]:
         """Runs the step's forward; returns the sequences whose next token is due, their float32 logits
         [len(rows), vocab] (a prompt forking n > 1 samples has one row per sample), and the logits of the rows
-        that score prompt tokens (None when no request in the step asks for prompt logprobs)."""
+        that score prompt tokens (None when no request in the step asks for prompt logprobs). Pooling requests'
+        chunks hand their hidden states to their requests' PoolingState (pagedkv.pooler)."""
         block_ops = BlockOps(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy,
                              out.tier_moves or None)
-        batch, rows, prompt_rows = self.build_batch(out)
+        batch, rows, prompt_rows, pool = self.build_batch(out)
         self.check_batch(batch)  # before the workers see it: a bad batch stops here, on every rank
         if self.channel is not None:  # the workers start on the step while the driver does too
             self.channel.send_step(block_ops, batch)
-        logits = self.run_batch(block_ops, batch, checked=True)
+        logits = self.run_batch(block_ops, batch, checked=True, pool=pool)
         prompt = None
         if prompt_rows:
             logits, prompt = logits[:len(rows)], PromptLogits(prompt_rows, logits[len(rows):])

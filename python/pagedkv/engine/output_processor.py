@@ -23,6 +23,7 @@ from pagedkv.engine.core_messages import (
     metrics_from_wire,
     prompt_logprobs_from_wire,
     unpack_ids,
+    unpack_vector,
 )
 from pagedkv.engine.detokenizer import (
     TokenTexts,
@@ -71,6 +72,7 @@ class RequestState:
     core_finished: bool = False  # the core said so (a beam search returns fewer hypotheses than beam_width)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # whole, from the core's delta that had them
     prompt_logprobs_sent: bool = False
+    pooled: Any = None  # a pooling request's vector (float32 tensor), from the core's delta that finished it
 
     @property
     def finished(self) -> bool:
@@ -110,6 +112,8 @@ class OutputProcessor:
                 if self.token_texts is not None:
                     for entry in req.prompt_logprobs:
                         self.token_texts.fill(entry)
+            if delta.pooled is not None:
+                req.pooled = unpack_vector(delta.pooled)
             if delta.error is not None:
                 req.error = delta.error
             else:
@@ -189,5 +193,5 @@ class OutputProcessor:
                                           for i in range(req.params.n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
                              req.metrics, req.metrics.num_cached_tokens, req.error,
-                             take_prompt_logprobs(req, len(req.prompt_token_ids), kind))
+                             take_prompt_logprobs(req, len(req.prompt_token_ids), kind), req.pooled)
 

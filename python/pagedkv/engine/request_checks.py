@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.beam_search import BeamSearchParams
+from pagedkv.pooler import Pooler
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
@@ -25,9 +27,17 @@ class RequestLimits:
     max_model_len: int
     max_num_seqs: int
     max_logprobs: int
+    runner: str = "auto"  # EngineArgs.runner: "generate" / "pooling" refuse the other kind of request
+    pooler: Pooler | None = None  # the engine's pooling setting (None: no pooling request runs)
 
-    def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+    def check_params(self, params: SamplingParams | BeamSearchParams | PoolingParams) -> None:
         """Refuses what the model or the engine's limits rule out (the params checked the rest themselves)."""
+        if isinstance(params, PoolingParams):
+            self.check_pooling_params(params)
+            return
+        if self.runner == "pooling":
+            raise SamplingParamsError("model", "this engine runs pooling requests only (runner='pooling'): "
+                                               "use LLM.embed or /v1/embeddings")
         if isinstance(params, BeamSearchParams):
             self.check_beam_params(params)
             return
@@ -51,7 +61,15 @@ class RequestLimits:
         if params.n > self.max_num_seqs:
             raise SamplingParamsError("n", f"n={params.n} is more than max_num_seqs={self.max_num_seqs}")
 
-    def check_prompt(self, token_ids: list[int]) -> None:
+    def check_pooling_params(self, params: PoolingParams) -> None:
+        if self.runner == "generate":
+            raise SamplingParamsError("model", "this engine runs generation requests only (runner='generate')")
+        if self.pooler is None:
+            raise SamplingParamsError("model", "this engine runs no pooling requests")
+        self.pooler.check(params)
+
+    def check_prompt(self, token_ids: list[int], room: int = 1) -> None:
+        """room: tokens the request needs past its prompt (1: an output token; 0: a pooling request)."""
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
         vocab = self.vocab_size
@@ -59,9 +77,10 @@ class RequestLimits:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         limit = self.max_model_len
-        if len(token_ids) >= limit:
+        if len(token_ids) > limit - room:
+            leave = " to leave room for one output token" if room else ""
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {limit}: it must be at "
-                             f"most {limit - 1} to leave room for one output token")
+                             f"most {limit - room}{leave}")
 
     def check_beam_params(self, params: BeamSearchParams) -> None:
         """A beam search's width against the engine's limits (BeamSearchParams checked the rest itself)."""
@@ -79,11 +98,11 @@ class RequestLimits:
             raise SamplingParamsError("beam_width", f"beam_width={params.beam_width} beams of up to {length} "
                                                     f"tokens need up to {need} KV blocks; the cache has {num_blocks}")
 
-    def check_request(self, token_ids: list[int], params: SamplingParams | BeamSearchParams,
+    def check_request(self, token_ids: list[int], params: SamplingParams | BeamSearchParams | PoolingParams,
                       cache_salt: str | None, num_blocks: int | None = None, block_size: int = 16) -> None:
-        """Everything about one request: its prompt, its sampling (or beam search) parameters, its cache salt;
-        with the pool's size (`num_blocks`), also that a beam search's beams fit in it."""
-        self.check_prompt(token_ids)
+        """Everything about one request: its prompt, its sampling (beam search, pooling) parameters, its cache
+        salt; with the pool's size (`num_blocks`), also that a beam search's beams fit in it."""
+        self.check_prompt(token_ids, room=0 if isinstance(params, PoolingParams) else 1)
         self.check_params(params)
         check_cache_salt(cache_salt)
         if num_blocks is not None and isinstance(params, BeamSearchParams):

@@ -339,6 +339,11 @@ class DecoderForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, pos, kv_cache, meta)
         return hidden if residual is None else residual.add_(hidden)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of `forward`'s output [n, hidden_size] -> the model's final hidden states [n, hidden_size] (after
+        its last norm): what pooling (embeddings) reads, and what the LM head would."""
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Rows of `forward`'s output to sample from [n, hidden_size] -> float32 logits [n, vocab_size].
 

@@ -157,6 +157,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         torch.set_default_dtype(default_dtype)
     loaded = model.load_weights(weights)
     missing = {n for n, _ in model.named_parameters()} - loaded
+    if not cfg.has_lm_head:  # a base model's checkpoint: no LM head (it only pools), kept at zero
+        for name in [n for n in missing if n.startswith("lm_head.")]:
+            missing.discard(name)
+            with torch.no_grad():
+                model.get_parameter(name).zero_()
     if missing:
         raise ValueError(f"checkpoint {source.path} lacks weights for {sorted(missing)[:5]} "
                          f"({len(missing)} parameters)")

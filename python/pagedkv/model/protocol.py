@@ -38,6 +38,10 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of `forward`'s output -> the final hidden states (after the last norm), for pooling."""
+        ...
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
 
     def checkpoint_kv_scales(self) -> list[tuple[float | None, float | None]]:

@@ -6,7 +6,8 @@
                   [--enable-lora [--lora-modules NAME=PATH ...] [--max-loras N] [--max-lora-rank R]]
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-(streamed as server-sent events with `stream: true`), GET /health,
+(streamed as server-sent events with `stream: true`), POST /v1/embeddings
+(pagedkv.server.serving_embedding), GET /health,
 GET /version, GET /metrics (Prometheus, vLLM's metric names), vLLM's
 POST /tokenize and /detokenize, and the KV-cache page GET /dashboard
 (pagedkv.server.dashboard). With $PAGEDKV_ALLOW_RUNTIME_LORA_UPDATING=1,
@@ -68,6 +69,7 @@ from pagedkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
@@ -76,6 +78,7 @@ from pagedkv.server.protocol import (
 from pagedkv.server.serving import ServingOptions, engine_error
 from pagedkv.server.serving_chat import OpenAIServingChat
 from pagedkv.server.serving_completion import OpenAIServingCompletion
+from pagedkv.server.serving_embedding import OpenAIServingEmbedding
 from pagedkv.server.serving_models import (
     LoRAModulePath,
     OpenAIServingModels,
@@ -251,6 +254,8 @@ def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
     completions = OpenAIServingCompletion(async_engine, models, serving)
     chat = OpenAIServingChat(async_engine, models, serving, executor=completions.executor,
                              tokenizer=completions.tokenizer)
+    embeddings = OpenAIServingEmbedding(async_engine, models, serving, executor=completions.executor,
+                                        tokenizer=completions.tokenizer)
 
     @app.get("/health")
     async def health() -> Response:
@@ -284,6 +289,10 @@ def _add_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response:
+        return await embeddings.create(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -42,6 +42,8 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
     pending.outputs = sorted(by_index.values(), key=lambda c: c.index)
     pending.finished, pending.metrics = new.finished, new.metrics
     pending.num_cached_tokens, pending.error = new.num_cached_tokens, new.error
+    if new.pooled is not None:
+        pending.pooled = new.pooled
     return pending
 
 

@@ -156,6 +156,24 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = True
 
 
+class EmbeddingRequest(OpenAIBaseModel):
+    """POST /v1/embeddings. input: a string, a list of strings, token ids, or a list of token-id lists.
+    encoding_format "base64" sends each vector as little-endian float32 bytes in base64 (what the openai client
+    asks for by default). dimensions: the first so many values, renormalized (Matryoshka models only). vLLM's
+    extras: truncate_prompt_tokens (keep the last k tokens; -1: max_model_len), normalize (or use_activation),
+    add_special_tokens."""
+
+    model: Text | None = None
+    input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: Text | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    normalize: bool | None = None
+    use_activation: bool | None = None  # vLLM's newer name for normalize
+    add_special_tokens: bool = True
+
+
 class TokenizeRequest(OpenAIBaseModel):
     """POST /tokenize (vLLM's extra route; its benchmark client uses it to check prompt lengths)."""
 
@@ -210,6 +228,21 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # a str with encoding_format "base64"
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: _now())
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
 
 
 class CompletionLogprobs(BaseModel):

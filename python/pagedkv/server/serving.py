@@ -180,15 +180,33 @@ class OpenAIServing:
         """The LoRA adapter `model` names (None: the base model); 404 for a name not served."""
         return self.models.resolve(model)
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of a text prompt (on the tokenizer thread: see `off_loop`)."""
         if self.tokenizer is None:
             raise APIError("text prompts need a tokenizer; this server runs without one: send token ids.",
-                           param="prompt")
+                           param=param)
         try:
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         except (UnicodeError, TypeError, ValueError) as e:
-            raise APIError(f"the prompt could not be tokenized: {e}", param="prompt") from e
+            raise APIError(f"the prompt could not be tokenized: {e}", param=param) from e
+
+    async def prompt_inputs(self, prompt: str | list, param: str = "prompt",
+                            add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of every prompt of a request given as a string, strings, token ids or token-id
+        lists (text is tokenized off the event loop); at most max_prompts_per_request of them."""
+        if isinstance(prompt, str):
+            return [(prompt, await self.off_loop(self.encode, prompt, add_special_tokens, param))]
+        if not prompt:
+            raise APIError(f"{param} must not be empty.", param=param)
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        limit = self.options.max_prompts_per_request
+        if len(prompt) > limit:
+            raise APIError(f"at most {limit} prompts in one request, got {len(prompt)}.", param=param)
+        if isinstance(prompt[0], str):
+            ids = await self.off_loop(lambda texts: [self.encode(p, add_special_tokens, param) for p in texts], prompt)
+            return list(zip(prompt, ids, strict=True))
+        return [(None, list(p)) for p in prompt]
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
         """Refuses prompts the engine could never run; returns max_tokens (None: what max_model_len leaves,

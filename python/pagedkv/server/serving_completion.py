@@ -83,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
         elif req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (no best-of selection; use_beam_search=true runs a beam "
                            "search of width n).", param="best_of")
-        prompts = await self._prompts(req.prompt)
+        prompts = await self.prompt_inputs(req.prompt)
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         if beam:
             params = [self.beam_search_params(req, self.check_prompt(ids, max_tokens)) for _, ids in prompts]
@@ -145,22 +145,6 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionChoice(index=index, text=text, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                                 logprobs=self._logprobs(ids, logprobs, 0)[0] if logprobs is not None else None,
                                 prompt_logprobs=self.prompt_logprobs_body(prompt_logprobs))
-
-    async def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int]]]:
-        """(text, token ids) of every prompt in the request (text is tokenized off the event loop)."""
-        if isinstance(prompt, str):
-            return [(prompt, await self.off_loop(self.encode, prompt))]
-        if not prompt:
-            raise APIError("prompt must not be empty.", param="prompt")
-        if isinstance(prompt[0], int):
-            return [(None, list(prompt))]
-        limit = self.options.max_prompts_per_request
-        if len(prompt) > limit:
-            raise APIError(f"at most {limit} prompts in one request, got {len(prompt)}.", param="prompt")
-        if isinstance(prompt[0], str):
-            ids = await self.off_loop(lambda texts: [self.encode(p) for p in texts], prompt)
-            return list(zip(prompt, ids, strict=True))
-        return [(None, list(p)) for p in prompt]
 
     async def _chunks(self, req: CompletionRequest, request_id: str, outputs: AsyncIterator, states: list[ChoiceState],
                       prompt_lens: list[int], echo: _Echo | None) -> AsyncIterator[CompletionResponse]:
