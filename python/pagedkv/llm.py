@@ -127,24 +127,25 @@ class LLM:
         loras = _per_prompt("lora_request", lora_request, len(prompts))
         if isinstance(sampling_params, BeamSearchParams):
             raise TypeError("generate takes SamplingParams; a BeamSearchParams runs through LLM.beam_search")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        params = _params_list(sampling_params, SamplingParams, self.get_default_sampling_params(), len(prompts))
+        return self._submit_and_run("gen", prompts, params, loras, use_tqdm, cache_salt=cache_salt)
+
+    def _submit_and_run(self, prefix: str, prompts: list[PromptType], params: list, loras: list,
+                        use_tqdm: bool, **kwargs: Any) -> list[RequestOutput]:
+        """Adds one FINAL_ONLY request per prompt (a refused one gets its error output), runs them all; outputs in
+        prompt order."""
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         for prompt, p, lora in zip(prompts, params, loras, strict=True):
-            rid = f"gen-{self._ids}"
+            rid = f"{prefix}-{self._ids}"
             self._ids += 1
             order.append(rid)
             try:
-                self.llm_engine.add_request(rid, prompt, p, cache_salt=cache_salt, output_kind=OutputKind.FINAL_ONLY,
-                                            lora_request=lora)
+                self.llm_engine.add_request(rid, prompt, p, output_kind=OutputKind.FINAL_ONLY, lora_request=lora,
+                                            **kwargs)
             except ValueError as e:
                 logger.warning("request %s refused: %s", rid, e)
-                results[rid] = _refused(rid, prompt, p, str(e))
+                results[rid] = _refused(rid, prompt, p if isinstance(p, SamplingParams) else SamplingParams(), str(e))
         self._run(results, len(order) - len(results), use_tqdm)
         return [results[rid] for rid in order]
 
@@ -171,27 +172,10 @@ class LLM:
         """Pooling requests for every prompt; `.outputs.data` is each one's float32 vector (`embed` gives lists)."""
         prompts = _prompt_list(prompts)
         loras = _per_prompt("lora_request", lora_request, len(prompts))
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams(task=pooling_task)] * len(prompts)
-        else:
-            params = list(pooling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        params = _params_list(pooling_params, PoolingParams, PoolingParams(task=pooling_task), len(prompts))
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
-        results: dict[str, RequestOutput] = {}
-        order: list[str] = []
-        for prompt, p, lora in zip(prompts, params, loras, strict=True):
-            rid = f"embd-{self._ids}"
-            self._ids += 1
-            order.append(rid)
-            try:
-                self.llm_engine.add_request(rid, prompt, p, output_kind=OutputKind.FINAL_ONLY, lora_request=lora)
-            except ValueError as e:
-                logger.warning("request %s refused: %s", rid, e)
-                results[rid] = _refused(rid, prompt, SamplingParams(), str(e))
-        self._run(results, len(order) - len(results), use_tqdm)
-        return [_pooling_output(results[rid]) for rid in order]
+        return [_pooling_output(o) for o in self._submit_and_run("embd", prompts, params, loras, use_tqdm)]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, use_tqdm: bool = False,
@@ -283,6 +267,16 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _params_list(value, cls: type, default, n: int) -> list:
+    """One params object (or None: `default`) for every prompt, or a sequence of n of them."""
+    if value is None or isinstance(value, cls):
+        return [value or default] * n
+    params = list(value)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} {cls.__name__} for {n} prompts")
+    return params
 
 
 def _per_prompt(name: str, value, n: int) -> list:
