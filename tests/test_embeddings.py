@@ -32,7 +32,7 @@ TEXTS = [
     ({"dimensions": 0}, "dimensions"), ({"dimensions": True}, "dimensions"), ({"normalize": "yes"}, "normalize"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"task": "classify"}, "task"),
+    ({"task": "classify"}, "task"), ({"truncate_prompt_tokens": 1 << 64}, "truncate_prompt_tokens"),
 ])
 def test_pooling_params_refuse_bad_values_by_name(kwargs, param):
     with pytest.raises(SamplingParamsError) as e:
@@ -317,6 +317,11 @@ def test_engine_core_process_and_tensor_parallel_match_in_process(default_model_
     for kwargs in ({"engine_core": "process"}, {"tensor_parallel_size": 3}):
         with LLM(str(default_model_dir), device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=256,
                  max_num_batched_tokens=16, max_num_seqs=8, **kwargs) as llm:
+            if "engine_core" in kwargs:  # a message the wire cannot encode is that request's refusal, not a crash
+                from pagedkv.engine.core_messages import AddRequest
+
+                with pytest.raises(ValueError, match="cannot be sent to the engine core"):
+                    llm.llm_engine.client.send(AddRequest("big", b"", (), 0.0, pooling=(1 << 70,)))
             got = _vectors(llm.embed(TEXTS, use_tqdm=False))
             refused = llm.embed([[]], use_tqdm=False)[0]
         assert refused.error is not None
@@ -356,6 +361,8 @@ def test_server_embeddings_float_and_base64(loaded_model):
         for bad, param in [({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [10**9]}, "input"),
                            ({"input": list(range(1, 600))}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
                            ({"input": "x", "encoding_format": "bytes"}, "encoding_format"),
+                           ({"input": "x", "truncate_prompt_tokens": 10**30}, "truncate_prompt_tokens"),
+                           ({"input": [[]]}, "input"), ({"input": [2**70]}, "input"),
                            ({"input": "x", "model": "other"}, "model")]:
             r = httpx.post(srv.url + "/v1/embeddings", json=bad, timeout=60)
             assert 400 <= r.status_code < 500, (bad, r.text)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.errors import SamplingParamsError
-from pagedkv.sampling_params import _is_int
+from pagedkv.sampling_params import INT64_MAX, _is_int
 
 POOLING_TASKS = ("embed",)
 
@@ -43,9 +43,9 @@ class PoolingParams:
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise SamplingParamsError("normalize", f"normalize must be true, false or null, got {self.normalize!r}")
         k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
-            raise SamplingParamsError("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or an int >= 1, "
-                                                                f"got {k!r}")
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1) or k > INT64_MAX):
+            raise SamplingParamsError("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or an int in "
+                                                                f"[1, 2**63), got {k!r}")
         if self.task not in POOLING_TASKS:
             raise SamplingParamsError("task", f"task must be one of {list(POOLING_TASKS)}, got {self.task!r}")
 

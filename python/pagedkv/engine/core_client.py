@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
+import msgspec
 import zmq
 
 from pagedkv.engine.core_messages import CoreDied, FromCore, Shutdown, ToCore, encoder, from_core_decoder
@@ -106,11 +107,17 @@ class EngineCoreClient:
 
     # --- messages ----------------------------------------------------------------------------------------------
     def send(self, message: ToCore) -> None:
-        """Queues a message for the core; raises EngineDeadError if it is gone (or this client is closed)."""
+        """Queues a message for the core; raises EngineDeadError if it is gone (or this client is closed), and
+        ValueError (nothing sent) for a message its encoding refuses (e.g. an int past 64 bits): that request's
+        fault, never the engine's."""
         if self._closed:
             raise EngineDeadError("the engine core was shut down")
         self.check_alive()
-        self._to_core.send(self._encoder.encode(message), copy=False)
+        try:
+            frame = self._encoder.encode(message)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"the request cannot be sent to the engine core: {e}") from e
+        self._to_core.send(frame, copy=False)
 
     def recv(self, timeout_s: float | None) -> list[FromCore]:
         """Every message waiting, after waiting up to `timeout_s` (None: until one comes) for the first, or

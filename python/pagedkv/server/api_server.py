@@ -214,17 +214,26 @@ def _replay(body: bytes, receive: Callable) -> Callable:
     return replay
 
 
+_PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: tuple) -> str:
+    """pydantic's error location as the request's field path: without the leading 'body' and without the tags it
+    inserts for the member of a union it tried (e.g. 'function-after[_valid_unicode(), str]', 'list[int]')."""
+    parts = [str(p) for p in loc if p != "body"
+             and not (isinstance(p, str) and ("[" in p or "(" in p or p in _PYDANTIC_TYPE_TAGS))]
+    return ".".join(parts)
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """A 400 naming the first bad field (pydantic's location, without the leading 'body')."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return APIError(f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
                         code="invalid_json")
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:5])
-    return APIError(message[:2000] or "invalid request", param=".".join(loc)[:200] or None)
+    message = "; ".join(f"{_field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
+    return APIError(message[:2000] or "invalid request", param=_field_path(first.get("loc", ()))[:200] or None)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

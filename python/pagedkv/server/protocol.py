@@ -166,9 +166,9 @@ class EmbeddingRequest(OpenAIBaseModel):
     model: Text | None = None
     input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: int | None = Field(None, ge=1, le=INT64_MAX)
     user: Text | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     normalize: bool | None = None
     use_activation: bool | None = None  # vLLM's newer name for normalize
     add_special_tokens: bool = True
