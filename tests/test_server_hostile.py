@@ -242,8 +242,8 @@ def test_unknown_fields_are_logged_once_escaped_at_debug(guarded, caplog):
 
 # Examples per operation and mode; PAGEDKV_FUZZ_EXAMPLES=500 for a deeper run than the suite's.
 FUZZ_EXAMPLES = int(os.environ.get("PAGEDKV_FUZZ_EXAMPLES", "25"))
-FUZZED = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
-          ("/detokenize", "POST")]
+FUZZED = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/embeddings", "POST"),
+          ("/tokenize", "POST"), ("/detokenize", "POST")]
 
 
 def _bounded(body):
