@@ -46,6 +46,14 @@ def write_results(stem: str | Path, markdown: str, data: dict[str, Any]) -> None
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
 
 
+def publish(lines: list[str], out: str | Path | None, data: dict[str, Any], info: dict[str, Any], args) -> None:
+    """Prints a report, and with `out` writes it (`write_results`) with its data, the machine and the arguments."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        write_results(out, text, data | {"machine": info, "args": vars(args)})
+
+
 def header_lines(title: str, info: dict[str, Any]) -> list[str]:
     """A report's title, the machine lines and the command that produced it."""
     return [f"# {title}", ""] + [f"- {k}: {v}" for k, v in info.items()] + [

@@ -37,7 +37,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import header_lines, machine_info, markdown_table, systems_to_run, vllm_malloc_env, write_results
+from bench_common import (
+    add_side_by_side_args,
+    header_lines,
+    machine_info,
+    markdown_table,
+    publish,
+    systems_to_run,
+    vllm_malloc_env,
+)
 from bench_spec_decode import TEXT_FILES, error_message, paragraphs
 from bench_throughput import default_vllm_python, stream_lines, vllm_bind
 
@@ -100,7 +108,7 @@ def run_vllm(prompts, args, model_dir: Path) -> tuple[float, np.ndarray]:
         wl_file, out_file = Path(tmp, "workload.json"), Path(tmp, "result.json")
         wl_file.write_text(json.dumps({"prompts": prompts, "warmup_prompts": prompts[:args.warmup],
                                        "max_num_seqs": args.max_num_seqs,
-                                       "max_num_batched_tokens": args.max_num_batched_tokens, "seed": 0,
+                                       "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
                                        "dtype": "float32", "pooling_type": args.pooling_type,
                                        "enable_prefix_caching": args.enable_prefix_caching}))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
@@ -172,15 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enable-prefix-caching", action="store_true", help="pagedkv's and vLLM's")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--systems", default="pagedkv,vllm,hf")
-    p.add_argument("--vllm-omp-bind", default="all")
-    p.add_argument("--vllm-python", default=default_vllm_python())
-    p.add_argument("--out")
+    add_side_by_side_args(p, default_vllm_python())
+    p.set_defaults(systems="pagedkv,vllm,hf")
     args = p.parse_args(argv)
     from pagedkv.model.default_model import ensure_default_model
     from transformers import AutoTokenizer
@@ -226,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
               f"HF in length-sorted padded batches of {args.hf_batch_size}; "
               f"vLLM with VLLM_CPU_OMP_THREADS_BIND={vllm_bind(args.vllm_omp_bind)}; best of {args.rounds} "
               f"interleaved rounds.", "", markdown_table(header, rows)]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        write_results(args.out, text, data | {"machine": info, "args": vars(args)})
+    publish(lines, args.out or args.json, data, info, args)
     return 0
 
 

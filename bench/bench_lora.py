@@ -35,8 +35,8 @@ from bench_common import (
     header_lines,
     machine_info,
     markdown_table,
+    publish,
     systems_to_run,
-    write_results,
 )
 from bench_throughput import agreement, default_vllm_python, stream_lines, vllm_bind
 
@@ -175,10 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(greedy, ignore_eos, fp32, the default model); adapters of rank {args.rank} on q, k, v, o, gate, up, "
               f"down; best of {args.rounds} rounds; vLLM with VLLM_CPU_OMP_THREADS_BIND={bind}.",
               "", markdown_table(header, rows)]
-    text = "\n".join(lines)
-    print(text)
-    if args.out or args.json:
-        write_results(args.out or args.json, text, data | {"machine": info, "args": vars(args)})
+    publish(lines, args.out or args.json, data, info, args)
     return 0
 
 

@@ -48,9 +48,9 @@ from bench_common import (
     header_lines,
     machine_info,
     markdown_table,
+    publish,
     systems_to_run,
     vllm_malloc_env,
-    write_results,
 )
 from bench_throughput import agreement, default_vllm_python, stream_lines, vllm_bind
 
@@ -318,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
               f"vLLM with VLLM_CPU_OMP_THREADS_BIND={bind}, malloc {args.vllm_malloc}"
               + (f", LD_PRELOAD={args.vllm_ld_preload}" if args.vllm_ld_preload else "") + ", stats on.",
               "", markdown_table(header, rows)]
-    text = "\n".join(lines)
-    print(text)
-    if args.out or args.json:
-        write_results(args.out or args.json, text, data | {"machine": info, "args": vars(args)})
+    publish(lines, args.out or args.json, data, info, args)
     return 0
 
 
