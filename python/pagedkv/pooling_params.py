@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.errors import SamplingParamsError
-from pagedkv.sampling_params import INT64_MAX, _is_int
+from pagedkv.sampling_params import INT64_MAX, SamplingParams, _is_int
 
 POOLING_TASKS = ("embed",)
 
@@ -56,3 +56,9 @@ class PoolingParams:
             return token_ids
         k = max_model_len if k == -1 else k
         return token_ids[-k:] if len(token_ids) > k else token_ids
+
+
+def placeholder_sampling_params() -> SamplingParams:
+    """What a pooling request carries as its SamplingParams inside the engines (one greedy sample of one token):
+    never sampled; the scheduler's and the front end's bookkeeping (n, max_tokens) read it."""
+    return SamplingParams(max_tokens=1, temperature=0.0)

@@ -52,7 +52,7 @@ from pagedkv.engine.request_checks import PromptType, RequestLimits, tokenize_pr
 from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import load_tokenizer, resolve_model
 from pagedkv.outputs import RequestMetrics, RequestOutput
-from pagedkv.pooling_params import PoolingParams
+from pagedkv.pooling_params import PoolingParams, placeholder_sampling_params
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_outputs import GrammarCompiler, StructuredOutputsParams, dump_grammar
 
@@ -161,7 +161,7 @@ class FrontendEngine:
         self.limits.check_request(token_ids, params, cache_salt)
         arrival = arrival_time or time.time()
         # Its samples as the core reports them: one, ending with "stop" and no token.
-        state = RequestState(request_id, text, token_ids, SamplingParams(max_tokens=1, temperature=0.0), output_kind,
+        state = RequestState(request_id, text, token_ids, placeholder_sampling_params(), output_kind,
                              RequestMetrics(arrival))
         self.client.send(AddRequest(request_id, pack_ids(token_ids), (), arrival, cache_salt,
                                     lora=lora_to_wire(lora_request), pooling=pooling_to_wire(params)))

@@ -57,7 +57,7 @@ from pagedkv.lora.request import LoRARequest
 from pagedkv.model.loader import LoadedModel, generation_defaults, read_hf_config, resolve_model
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplerOutput
 from pagedkv.pooler import PoolingState, checkpoint_pooler, resolve_runner
-from pagedkv.pooling_params import PoolingParams
+from pagedkv.pooling_params import PoolingParams, placeholder_sampling_params
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_outputs import GrammarCompiler, new_matcher
 
@@ -241,9 +241,9 @@ class LLMEngine:
         if lora_request is not None:
             self.add_lora(lora_request)
         pooling = None
-        if isinstance(params, PoolingParams):  # its prompt only; the placeholder params are never sampled
+        if isinstance(params, PoolingParams):  # its prompt only
             pooling = PoolingState(self.pooler, params, len(token_ids))
-            params = SamplingParams(max_tokens=1, temperature=0.0)
+            params = placeholder_sampling_params()
         if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
             grammar = self._grammars().compile(params.structured_outputs)
         bad_words = (bad_words_token_ids(self.tokenizer, params.bad_words, params.bad_words_token_ids)
@@ -434,7 +434,7 @@ class LLMEngine:
         """The vectors of the pooling requests the step completed (cut, normalized); one that fails fails alone."""
         for seq in update.finished:
             state = seq.request.pooling
-            if state is None or state.result is not None:
+            if state is None:
                 continue
             try:
                 state.finish()

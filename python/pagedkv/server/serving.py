@@ -208,14 +208,18 @@ class OpenAIServing:
             return list(zip(prompt, ids, strict=True))
         return [(None, list(p)) for p in prompt]
 
-    def check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
-        """Refuses prompts the engine could never run; returns max_tokens (None: what max_model_len leaves,
-        capped by the generation config's max_new_tokens, as in vLLM)."""
+    def check_token_ids(self, token_ids: list[int], param: str, what: str = "prompt") -> None:
+        """A prompt (`what`: the field's noun in the message) that is not empty and lies in the vocabulary."""
         if not token_ids:
-            raise APIError("The prompt is empty (0 tokens).", param=param)
+            raise APIError(f"The {what} is empty (0 tokens).", param=param)
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(f"Token id {bad} is out of vocabulary [0, {self.vocab_size}).", param=param)
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
+        """Refuses prompts the engine could never run; returns max_tokens (None: what max_model_len leaves,
+        capped by the generation config's max_new_tokens, as in vLLM)."""
+        self.check_token_ids(token_ids, param)
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "

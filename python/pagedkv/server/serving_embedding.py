@@ -76,11 +76,7 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     def _check_input(self, token_ids: list[int]) -> list[int]:
         """An input the engine can pool: not empty, in the vocabulary, at most max_model_len tokens."""
-        if not token_ids:
-            raise APIError("The input is empty (0 tokens).", param="input")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(f"Token id {bad} is out of vocabulary [0, {self.vocab_size}).", param="input")
+        self.check_token_ids(token_ids, "input", what="input")
         if len(token_ids) > self.max_model_len:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                            f"input has {len(token_ids)} tokens. Please reduce the input, or set "
